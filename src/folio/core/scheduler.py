@@ -1,0 +1,236 @@
+"""Token-budget scheduling with continuous batching.
+
+Every step each running request is given the tokens it needs to catch up with
+its sequences (`num_tokens - num_computed_tokens`: a whole or partial prompt, a
+recomputation after preemption, or one decode token), within
+`max_num_batched_tokens` and `max_num_seqs`. Prefill, chunked prefill and decode
+are thus one case, and prefills and decodes share a step. Waiting requests are
+admitted, oldest first, the moment blocks and budget allow. When a running
+request cannot get a block, the latest-admitted running request is preempted
+(its blocks freed, its tokens kept to be recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Optional
+
+from folio.config import SchedulerConfig
+from folio.core.kv_cache_manager import KVCacheManager, cdiv
+from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput, SamplingInfo,
+                                ScheduledSeq, SchedulerOutput)
+from folio.request import Request, RequestStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seqs: dict[int, tuple[Request, Sequence]] = {}
+        self._started: set[int] = set()        # seq ids whose block table the runner holds
+        self._finished_seq_ids: list[int] = []  # to tell the runner next step
+        self.num_preemptions = 0
+        # Requests the scheduler itself ended (cache too small): the engine reports them.
+        self.finished_by_capacity: list[Request] = []
+
+    # ---- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        need = cdiv(len(request.prompt_token_ids) + 1, self.kv.block_size) * len(request.seqs)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"the request needs {need} KV blocks but the whole cache has "
+                f"{self.kv.pool.num_blocks}: shorten the prompt or give the cache more memory")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self._seqs[seq.seq_id] = (request, seq)
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            for seq in req.live_seqs:
+                self._finish_seq(seq, RequestStatus.FINISHED_ABORTED)
+            self._retire(req)
+            aborted.append(req)
+        return aborted
+
+    def stop_sequences(self, stops: Iterable[tuple[str, int]]) -> None:
+        """Finish single sequences (request id, index) found stopped outside the
+        core, by a stop string; the request retires with its last sequence."""
+        for rid, index in stops:
+            req = self.requests.get(rid)
+            if req is None or req.seqs[index].status.is_finished:
+                continue
+            self._finish_seq(req.seqs[index], RequestStatus.FINISHED_STOPPED)
+            if not req.live_seqs:
+                (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+                self._retire(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = []
+        budget = self.config.max_num_batched_tokens
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget // len(req.live_seqs))
+            if num_new <= 0:
+                idx += 1
+                continue
+            new_ids = self._allocate(req, num_new)
+            if new_ids is None and len(self.running) == 1:
+                # Alone and still out of blocks: the whole cache is too small for
+                # this sequence to grow; it ends here rather than loop forever.
+                self._finish_request(req, RequestStatus.FINISHED_LENGTH)
+                out.finished_seq_ids.extend(self._finished_seq_ids)
+                self._finished_seq_ids = []
+                break
+            while new_ids is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+                new_ids = self._allocate(req, num_new)
+            if new_ids is None:
+                break
+            budget -= self._emit(out, req, num_new, new_ids)
+            idx += 1
+        # After a preemption there is no room to spare: admit nobody this step.
+        while (self.waiting and budget > 0 and not out.num_preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget // len(req.live_seqs))
+            new_ids = self._allocate(req, num_new) if num_new > 0 else None
+            if new_ids is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= self._emit(out, req, num_new, new_ids)
+        return out
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = [EngineCoreOutput(r.request_id, s.index, [], [], s.finish_reason)
+                   for r in self.finished_by_capacity for s in r.seqs]
+        self.finished_by_capacity = []
+        touched: dict[str, Request] = {}
+        for seq_id, token, logprob in zip(runner_out.seq_ids, runner_out.token_ids,
+                                          runner_out.logprobs):
+            entry = self._seqs.get(seq_id)
+            if entry is None or entry[1].status.is_finished:   # aborted after scheduling
+                continue
+            req, seq = entry
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += logprob
+            status = self._stop_status(req, seq, token)
+            if status is not None:
+                self._finish_seq(seq, status)
+            outputs.append(EngineCoreOutput(req.request_id, seq.index, [token], [logprob],
+                                            seq.finish_reason, seq.stop_reason))
+            touched[req.request_id] = req
+        for req in touched.values():
+            if not req.live_seqs:
+                self.running.remove(req)
+                self._retire(req)
+        return outputs
+
+    # ---- helpers -------------------------------------------------------------
+    def _allocate(self, req: Request, num_new: int) -> Optional[list[list[int]]]:
+        seq_ids = [s.seq_id for s in req.live_seqs]
+        return self.kv.allocate_slots(seq_ids, req.num_computed_tokens + num_new)
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int,
+              new_ids: list[list[int]]) -> int:
+        start = req.num_computed_tokens
+        reaches_end = start + num_new == req.num_tokens
+        p = req.params
+        live = req.live_seqs
+        for seq, blocks in zip(live, new_ids):
+            fresh = seq.seq_id not in self._started
+            out.seqs.append(ScheduledSeq(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids[start:start + num_new],
+                start_pos=start,
+                new_block_ids=blocks,
+                block_ids=self.kv.block_ids(seq.seq_id) if fresh else None,
+                sampling=self._sampling_info(p, seq) if fresh else None,
+                sample=reaches_end))
+            self._started.add(seq.seq_id)
+            seq.status = RequestStatus.RUNNING
+        req.num_computed_tokens += num_new
+        return num_new * len(live)
+
+    @staticmethod
+    def _sampling_info(p, seq: Sequence) -> SamplingInfo:
+        return SamplingInfo(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        for seq in req.live_seqs:
+            self.kv.free(seq.seq_id)
+            self._started.discard(seq.seq_id)
+            seq.status = RequestStatus.PREEMPTED
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _stop_status(self, req: Request, seq: Sequence, token: int) -> Optional[RequestStatus]:
+        p = req.params
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if len(seq.token_ids) >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
+        seq.status = status
+        self.kv.free(seq.seq_id)
+        if seq.seq_id in self._started:
+            self._started.discard(seq.seq_id)
+        self._finished_seq_ids.append(seq.seq_id)
+
+    def _finish_request(self, req: Request, status: RequestStatus) -> None:
+        self.running.remove(req)
+        for seq in req.live_seqs:
+            self._finish_seq(seq, status)
+        self._retire(req)
+        self.finished_by_capacity.append(req)
+
+    def _retire(self, req: Request) -> None:
+        req.status = max(s.status for s in req.seqs)
+        del self.requests[req.request_id]
+        for seq in req.seqs:
+            self._seqs.pop(seq.seq_id, None)

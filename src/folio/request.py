@@ -1,0 +1,91 @@
+"""Request state owned by the scheduler: one or more sequences over one prompt.
+
+A request's live sequences advance in lockstep (all hold the same number of
+tokens until they finish), so `num_computed_tokens` is kept once per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from folio.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """One continuation of a request's prompt (index i of its n samples)."""
+
+    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], seed: int):
+        self.seq_id = seq_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)   # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.seed = seed                          # seeds this sequence's own generator
+        self.status = RequestStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.stop_reason: Optional[int] = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return FINISH_REASONS.get(self.status)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence], eos_token_ids: tuple[int, ...] = (),
+                 arrival_time: Optional[float] = None, priority: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens each live sequence holds (they are in lockstep)."""
+        live = self.live_seqs
+        return len(live[0].token_ids) if live else len(self.seqs[0].token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

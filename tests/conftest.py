@@ -1,0 +1,38 @@
+"""Shared fixtures. Every BlockPool ever built is watched: after each test all of
+its blocks must be back at reference count 0 and in the free queue."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+
+from folio.core.block_pool import BlockPool
+
+_POOLS: "weakref.WeakSet[BlockPool]" = weakref.WeakSet()
+_original_init = BlockPool.__init__
+
+
+def _recording_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    _POOLS.add(self)
+
+
+BlockPool.__init__ = _recording_init
+
+
+def assert_pool_whole(pool: BlockPool) -> None:
+    held = [b for b in pool.blocks if b.ref_cnt != 0]
+    assert not held, f"blocks still held after the test: {held[:8]}"
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_free():
+    yield
+    for pool in list(_POOLS):
+        try:
+            assert_pool_whole(pool)
+        except AssertionError:
+            _POOLS.discard(pool)     # report a leaking pool once, not in every later test
+            raise

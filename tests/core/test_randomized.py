@@ -1,0 +1,63 @@
+"""Seeded random add / abort / step operations against the control plane, with
+fake model outputs: after every operation reference counts must equal the
+number of block tables holding each block, and no block is both free and held."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from folio.config import SchedulerConfig
+from folio.core.kv_cache_manager import cdiv
+from folio.core.scheduler import Scheduler
+from tests.core.fake import FakeRunner, make_request
+
+
+def check_invariants(sched: Scheduler) -> None:
+    holders = Counter(b.block_id for table in sched.kv.tables.values() for b in table)
+    for block in sched.kv.pool.blocks:
+        assert block.ref_cnt == holders.get(block.block_id, 0), block
+        assert sched.kv.pool.is_free(block.block_id) == (block.ref_cnt == 0), block
+    live = {s.seq_id for r in sched.requests.values() for s in r.live_seqs}
+    assert set(sched.kv.tables) <= live
+    for req in sched.running:
+        for seq in req.live_seqs:
+            assert sched.kv.num_blocks_of(seq.seq_id) == cdiv(req.num_computed_tokens,
+                                                              sched.kv.block_size)
+    assert len(sched.running) <= sched.config.max_num_seqs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operations_keep_the_pool_consistent(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8, 16])
+    num_blocks = rng.randint(8, 64)
+    cfg = SchedulerConfig(max_model_len=rng.randint(num_blocks * block_size // 2, 2 * num_blocks * block_size),
+                          max_num_seqs=rng.randint(1, 12),
+                          max_num_batched_tokens=rng.randint(1, 96))
+    sched, runner = Scheduler(cfg, num_blocks, block_size), FakeRunner(vocab=50)
+    next_id, finished = 0, 0
+    for _ in range(1500):
+        op = rng.random()
+        if op < 0.25:
+            prompt = rng.randint(1, min(cfg.max_model_len - 1, 3 * block_size * 4))
+            n = rng.choice([1, 1, 1, 2, 3])
+            req = make_request(str(next_id), prompt, max_tokens=rng.choice([rng.randint(1, 40), None]), n=n,
+                               eos=(rng.randrange(50),), ignore_eos=rng.random() < 0.5)
+            next_id += 1
+            try:
+                sched.add_request(req)
+            except ValueError:
+                assert cdiv(prompt + 1, block_size) * n > num_blocks
+        elif op < 0.35 and sched.requests:
+            sched.abort_requests([rng.choice(list(sched.requests))])
+        else:
+            so = sched.schedule()
+            assert so.num_batched_tokens <= cfg.max_num_batched_tokens
+            outs = sched.update_from_output(so, runner.execute(so))
+            finished += sum(o.finish_reason is not None for o in outs)
+        check_invariants(sched)
+    sched.abort_requests(list(sched.requests))
+    check_invariants(sched)
+    assert sched.kv.num_free_blocks == num_blocks and not sched.kv.tables
+    assert finished > 0
