@@ -36,3 +36,17 @@ def all_blocks_free():
         except AssertionError:
             _POOLS.discard(pool)     # report a leaking pool once, not in every later test
             raise
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model (SmolLM2-135M-Instruct GGUF) in fp32, loaded once."""
+    from folio import LLM
+    return LLM(dtype="float32", num_kv_blocks=256, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def default_reference():
+    """transformers' own load of the same GGUF (dequantized), the parity reference."""
+    from tests.utils import default_gguf_path, load_reference_model
+    return load_reference_model(default_gguf_path())

@@ -56,3 +56,259 @@ def write_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384,
     if chat_template is not None:
         config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+# --------------------------------------------------------------------------- tiny models
+
+TINY_VOCAB_SIZE = 384           # covers write_tiny_tokenizer's vocabulary
+TINY_BOS_ID, TINY_EOS_ID, TINY_IM_END_ID = 1, 2, 4   # <s>, </s>, <|im_end|>
+
+# Weights drawn from N(0, 0.2), not transformers' 0.02: with 0.02 about 1 % of
+# greedy steps have a top-2 logprob gap under 1e-3 (a coin toss for parity
+# tests) and greedy text loops; with 0.2 the median gap is ~0.5 and none of
+# 256 probed steps fell under 1e-3.
+TINY_INIT_STD = 0.2
+
+_TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def default_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF that the default model resolves to."""
+    from folio.model.loader import resolve_model_path
+
+    return resolve_model_path(None)[0]
+
+
+def make_tiny_model(path: str | os.PathLike, arch: str = "llama", dialect: str = "classic",
+                    tie_word_embeddings: bool = False, num_shards: int = 1, seed: int = 0,
+                    rope_scaling: dict | None = None, **overrides) -> str:
+    """Write a complete HF folder holding a small random fp32 model; returns the path.
+
+    2 layers, hidden 64, 4 heads / 2 KV heads, vocab 384, 512 positions unless
+    `overrides` (any config field, e.g. rope_theta=50000.0) say otherwise.
+    Every parameter is random, biases and norm weights included, so a loader
+    that drops or swaps one shows up in parity tests. config.json is rewritten
+    in the requested dialect: "classic" (rope_theta / rope_scaling /
+    torch_dtype) or "v5" (rope_parameters / dtype).
+    """
+    import torch
+    import transformers
+
+    if arch not in _TINY_ARCHS:
+        raise ValueError(f"arch must be one of {sorted(_TINY_ARCHS)}, got {arch!r}")
+    if dialect not in ("classic", "v5"):
+        raise ValueError(f"dialect must be 'classic' or 'v5', got {dialect!r}")
+    path = Path(path)
+    config_name, model_name = _TINY_ARCHS[arch]
+    params = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=TINY_VOCAB_SIZE,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID,
+                  tie_word_embeddings=tie_word_embeddings)
+    params.update(overrides)
+    rope = {"rope_type": "default", "rope_theta": params.pop("rope_theta")}
+    if rope_scaling:
+        scaling = dict(rope_scaling)
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        scaling.pop("type", None)
+        rope.update(scaling)
+    config = getattr(transformers, config_name)(rope_parameters=rope, **params)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    _randomize(model)
+    model.save_pretrained(path)
+    if num_shards > 1:
+        _reshard(path, num_shards)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": TINY_BOS_ID, "eos_token_id": [TINY_EOS_ID, TINY_IM_END_ID]}, indent=2))
+    write_tiny_tokenizer(path, vocab_size=TINY_VOCAB_SIZE)
+    _rewrite_dialect(path / "config.json", dialect)
+    return str(path)
+
+
+def _randomize(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights appear once
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, TINY_INIT_STD)
+
+
+def _reshard(path: Path, num_shards: int) -> None:
+    """Split model.safetensors into exactly `num_shards` files plus an index.
+
+    transformers' max_shard_size packs greedily, so the shard count it gives
+    depends on tensor sizes; splitting ourselves makes it exact.
+    """
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    names = sorted(tensors)
+    if num_shards > len(names):
+        raise ValueError(f"cannot split {len(names)} tensors into {num_shards} shards")
+    weight_map, total = {}, 0
+    for i in range(num_shards):
+        shard = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[i::num_shards]}
+        save_file(part, str(path / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    (path / "model.safetensors").unlink()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _rewrite_dialect(config_path: Path, dialect: str) -> None:
+    cfg = json.loads(config_path.read_text())
+    rope = dict(cfg.pop("rope_parameters", None) or {})
+    legacy = cfg.pop("rope_scaling", None) or {}
+    rope = {**legacy, **rope}
+    theta = rope.pop("rope_theta", cfg.pop("rope_theta", 10000.0))
+    cfg.pop("rope_theta", None)
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    if dialect == "classic":
+        cfg["rope_theta"] = theta
+        cfg["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        cfg["torch_dtype"] = "float32"
+    else:
+        cfg["rope_parameters"] = {"rope_type": rope_type, "rope_theta": theta, **rope}
+        cfg["dtype"] = "float32"
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def load_reference_model(model_path_or_gguf: str, dtype=None):
+    """transformers' AutoModelForCausalLM for an HF folder or a .gguf file, in eval mode.
+
+    GGUF goes through transformers' own GGUF reader (dequantisation, q/k
+    un-permutation, tied head): the independent reference our loader is
+    checked against. from_pretrained(gguf_file=...) insists on `accelerate`,
+    which we do not install, so without it the same conversion is driven by
+    hand: config from the GGUF metadata, then load_gguf_checkpoint's tensors.
+    """
+    import importlib.util
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
+    path = str(model_path_or_gguf)
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    folder, name = os.path.split(path)
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model,
+                                   torch_dtype=dtype)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"GGUF reference load: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+
+# GGUF tensor names for HF ones, as llama.cpp's converter writes them.
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                "lm_head": "output"}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    base, kind = hf_name.rsplit(".", 1)
+    if base in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)   # model.layers.{i}.{rest}
+    return f"blk.{layer}.{_GGUF_LAYER[rest]}.{kind}"
+
+
+def _llama_cpp_permute(weight, num_heads: int):
+    # The converter's reorder for ggml's interleaved rotary: within each head,
+    # rows [first half | second half] become pairs (x_i, x_{i + D/2}).
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
+                    qtype: str = "F32") -> str:
+    """Convert a `make_tiny_model` folder to GGUF the way llama.cpp would; returns the path.
+
+    Llama/Mistral become general.architecture "llama" with q/k rows permuted,
+    Qwen2 stays "qwen2" unpermuted. Matrices are stored as `qtype` (F32, F16,
+    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); norms stay F32 as llama.cpp keeps
+    them. The tokenizer.json vocabulary and merges go into the metadata.
+    """
+    import gguf
+    import numpy as np
+
+    from folio.model.loader import iter_weights, load_model_config
+
+    mc = load_model_config(str(hf_folder))
+    arch = "qwen2" if mc.architecture == "Qwen2ForCausalLM" else "llama"
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_block_count(mc.num_hidden_layers)
+    writer.add_context_length(mc.max_position_embeddings)
+    writer.add_embedding_length(mc.hidden_size)
+    writer.add_feed_forward_length(mc.intermediate_size)
+    writer.add_head_count(mc.num_attention_heads)
+    writer.add_head_count_kv(mc.num_key_value_heads)
+    writer.add_rope_freq_base(mc.rope_theta)
+    writer.add_rope_dimension_count(mc.head_dim)
+    writer.add_layer_norm_rms_eps(mc.rms_norm_eps)
+    writer.add_vocab_size(mc.vocab_size)
+    _add_gguf_tokenizer(writer, Path(hf_folder))
+    quant = gguf.GGMLQuantizationType[qtype]
+    for name, tensor in iter_weights(mc):
+        array = tensor.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            array = _llama_cpp_permute(array, mc.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = _llama_cpp_permute(array, mc.num_key_value_heads)
+        array = np.ascontiguousarray(array)
+        if array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, quant),
+                              raw_dtype=quant)
+        else:
+            writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(out_path)
+
+
+def _add_gguf_tokenizer(writer, folder: Path) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                             for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(TINY_BOS_ID)
+    writer.add_eos_token_id(TINY_EOS_ID)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)

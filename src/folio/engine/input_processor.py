@@ -1,0 +1,70 @@
+"""Prompts and chats -> token ids -> a validated Request.
+
+Every check runs here, before the request reaches the scheduler, so a bad
+input raises a ValueError a user understands and takes no block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Optional, Union
+
+from folio.config import FolioConfig
+from folio.request import Request, Sequence
+from folio.sampling_params import SamplingParams
+from folio.tokenizer import Tokenizer
+
+PromptType = Union[str, dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(self, config: FolioConfig, tokenizer: Tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or config.model.eos_token_ids
+        self._rng = random.Random(config.seed)   # seeds for requests that give none
+        self._seq_ids = itertools.count()
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(prompt text or None, prompt token ids). Token ids are used verbatim."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(
+            "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+            f"got {type(prompt).__name__}")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {limit}: "
+                f"it must leave room for at least one generated token")
+
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+        self.validate(prompt_ids, params)
+        seqs = []
+        for i in range(params.n):
+            # The i-th sample of a seeded request is reproducible on its own.
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            seqs.append(Sequence(next(self._seq_ids), i, prompt_ids, seed))
+        return Request(request_id, prompt_ids, params, seqs, self.eos_token_ids,
+                       arrival_time=arrival_time, priority=priority)

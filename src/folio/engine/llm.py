@@ -1,0 +1,101 @@
+"""The offline LLM class: the engine driven in a loop, without HTTP.
+
+    from folio import LLM, SamplingParams
+    llm = LLM()                                     # the default model
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from folio.config import FolioConfig
+from folio.engine.input_processor import PromptType
+from folio.engine.llm_engine import LLMEngine
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, *, dtype: str = "auto",
+                 max_model_len: Optional[int] = None, block_size: int = 16,
+                 kv_cache_memory_bytes: Union[int, str, None] = None,
+                 num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, seed: int = 0,
+                 device: Optional[str] = None, tensor_parallel_size: int = 1):
+        config = FolioConfig.build(
+            model, dtype=dtype, device=device, max_model_len=max_model_len,
+            block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            tensor_parallel_size=tensor_parallel_size, seed=seed)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def chat(self, messages: Union[Messages, Sequence[Messages]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        tokenized = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, **kwargs)
+            tokenized.append((text, tok.encode_chat(conv, **kwargs)))
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def _run(self, tokenized, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(tokenized)
+        if len(sampling_params) != len(tokenized):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(tokenized)} prompts")
+        # Validate everything before adding anything: a bad prompt takes no block
+        # and leaves the rest of the batch untouched.
+        for (_, ids), params in zip(tokenized, sampling_params):
+            self.engine.input_processor.validate(ids, params)
+        order = []
+        for (text, ids), params in zip(tokenized, sampling_params):
+            rid = str(next(self._ids))
+            self.engine.add_tokenized_request(rid, text, ids, params)
+            order.append(rid)
+        return self._drain(order, use_tqdm and len(order) > 1)
+
+    def _drain(self, order: list[str], progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request([r for r in order if r not in finished])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in order]

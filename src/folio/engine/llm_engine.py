@@ -1,0 +1,75 @@
+"""LLMEngine: add_request / step / abort. Owns the scheduler and the executor.
+
+One step: schedule -> execute on the model -> update the scheduler (append,
+stop checks, free blocks) -> detokenize and check stop strings.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from folio.config import FolioConfig
+from folio.core.scheduler import Scheduler
+from folio.engine.input_processor import InputProcessor, PromptType
+from folio.engine.output_processor import OutputProcessor
+from folio.outputs import RequestOutput
+from folio.request import Request
+from folio.sampling_params import SamplingParams
+from folio.tokenizer import get_tokenizer
+from folio.worker.executor import make_executor
+
+logger = logging.getLogger("folio")
+
+
+class LLMEngine:
+    def __init__(self, config: FolioConfig):
+        self.config = config
+        self.tokenizer = get_tokenizer(config.model)
+        self.executor = make_executor(config)
+        self.num_blocks = self.executor.num_blocks
+        self.scheduler = Scheduler(config.scheduler, self.num_blocks, config.cache.block_size)
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), dtype %s on %s",
+                    self.num_blocks, config.cache.block_size,
+                    self.num_blocks * config.cache.block_size, config.dtype, config.device)
+
+    @classmethod
+    def from_args(cls, model: Optional[str] = None, **kwargs) -> "LLMEngine":
+        return cls(FolioConfig.build(model, **kwargs))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+        text, ids = self.input_processor.tokenize(prompt)
+        return self.add_tokenized_request(request_id, text, ids, params, arrival_time, priority)
+
+    def add_tokenized_request(self, request_id: str, prompt_text: Optional[str],
+                              prompt_ids: list[int], params: SamplingParams,
+                              arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+        request = self.input_processor.make_request(request_id, prompt_ids, params,
+                                                    arrival_time, priority)
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request, prompt_text)
+        return request
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        self.scheduler.abort_requests(request_ids)
+        return self.output_processor.abort(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty and not so.finished_seq_ids:
+            return []
+        runner_out = self.executor.execute(so)
+        core_outputs = self.scheduler.update_from_output(so, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.stop_sequences(stopped)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

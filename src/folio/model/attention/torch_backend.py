@@ -1,0 +1,62 @@
+"""Portable paged attention in plain PyTorch.
+
+Decodes run batched with no per-sequence Python loop: keys and values are
+gathered through the block tables into a padded [B, max_context] view and
+masked by each sequence's context length. Prefill chunks run one SDPA call per
+sequence with a causal mask built from absolute positions (SDPA's `is_causal`
+aligns the triangle to the top-left, which is wrong once a sequence resumes
+mid-prompt with keys before its first query).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from folio.model.attention.backend import AttentionBackend
+from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
+        for span in meta.prefills:
+            rows = slice(span.token_start, span.token_start + span.num_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        b, hkv, dim = q.shape[0], self.num_kv_heads, self.head_dim
+        tables = meta.decode_block_tables                          # [B, MB]
+        keys = k_cache[tables].view(b, -1, hkv, dim)               # [B, L, Hkv, D]
+        values = v_cache[tables].view(b, -1, hkv, dim)
+        qg = q.view(b, hkv, -1, dim)                               # [B, Hkv, G, D]
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
+        positions = torch.arange(keys.shape[1], device=q.device)
+        invalid = positions[None, :] >= meta.decode_context_lens[:, None]        # [B, L]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))          # [B, Hkv, G, D]
+        return out.reshape(b, -1, dim)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
+        n, ctx = span.num_tokens, span.start_pos + span.num_tokens
+        if span.start_pos > 0:     # earlier tokens live only in the cache
+            k = k_cache[span.block_table].flatten(0, 1)[:ctx]
+            v = v_cache[span.block_table].flatten(0, 1)[:ctx]
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)        # [H, ctx, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        query_pos = span.start_pos + torch.arange(n, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]   # [n, ctx]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
+                                             scale=self.scale)      # [H, n, D]
+        return out.transpose(0, 1)

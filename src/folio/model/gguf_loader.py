@@ -1,0 +1,228 @@
+"""GGUF files: hyperparameters from metadata, weights dequantised to float32.
+
+Three things differ from a Hugging Face checkpoint and are undone here:
+
+* names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`;
+* shapes: GGUF lists dimensions fastest-first (ggml `ne` order), so a tensor
+  listed as [576, 49152] is the torch matrix [49152, 576];
+* rows of q/k in llama files: llama.cpp's converter reorders each head's rows
+  for its interleaved (GPT-J style) rotary. Our model, like HF, rotates
+  halves, so the permutation is inverted per head (Qwen2 files use the NeoX
+  rotary already and are stored unpermuted).
+
+A missing `output.weight` means the LM head is tied to `token_embd`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from folio.config import ModelConfig
+
+# general.architecture -> HF class. Mistral GGUFs say "llama" (same graph).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_PERMUTED_QK = frozenset({"llama"})
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+# Types gguf.quants.dequantize handles in numpy; all take about a second
+# for a 135M-parameter model.
+_SUPPORTED_TYPES = frozenset(
+    ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: str):
+    """A cached GGUFReader: opening one parses every metadata array (~2 s for
+    SmolLM2's 49k-token vocabulary), and config, weights and tokenizer all
+    need it. The reader memory-maps the file, so caching holds no tensor data."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read GGUF file {path}: {err}") from err
+
+
+def _field(reader, key: str, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def hf_tensor_name(gguf_name: str) -> Optional[str]:
+    """HF parameter name for a GGUF tensor name, or None if it has no equivalent."""
+    base, _, kind = gguf_name.rpartition(".")
+    if kind not in ("weight", "bias"):
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def _check_tensors(reader, path: str) -> None:
+    """Fail at config time, not halfway through loading weights."""
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: per-frequency rope factors (rope_freqs, used by Llama 3.1 "
+                         "GGUFs) are not supported; load the Hugging Face folder instead")
+    unknown = sorted(n for n in names if hf_tensor_name(n) is None)
+    if unknown:
+        raise ValueError(f"{path}: tensors with no Llama/Qwen2 equivalent: "
+                         f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    bad = sorted({t.tensor_type.name for t in reader.tensors} - _SUPPORTED_TYPES)
+    if bad:
+        raise ValueError(f"{path}: tensor types {', '.join(bad)} are not supported; "
+                         f"supported: {', '.join(sorted(_SUPPORTED_TYPES))}")
+
+
+def gguf_model_config(model: str, path: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata (keys are prefixed by the architecture)."""
+    reader = gguf_reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    if int(_field(reader, "split.count", 1)) > 1:
+        raise ValueError(f"{path} is one part of a split GGUF; merge it with llama-gguf-split")
+    _check_tensors(reader, path)
+    try:
+        return _build_config(reader, model, path, arch)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+
+
+def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    rotary_dim = int(meta("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(f"partial rotary ({rotary_dim} of {head_dim} dims) is not supported")
+    names = {t.name for t in reader.tensors}
+    eos = [_field(reader, k, None) for k in ("tokenizer.ggml.eos_token_id",
+                                            "tokenizer.ggml.eot_token_id")]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
+    return ModelConfig(
+        model=model, path=path, format="gguf", architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=_vocab_size(reader, arch),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=_rope_scaling(meta),
+        hidden_act="silu",
+        # What iter_gguf_weights yields, whatever the file's quantisation.
+        checkpoint_dtype="float32",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+    )
+
+
+def _vocab_size(reader, arch: str) -> int:
+    size = _field(reader, f"{arch}.vocab_size", None)
+    if size is not None:
+        return int(size)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])  # ne order: [hidden, vocab]
+    raise ValueError("cannot tell the vocabulary size")
+
+
+def _rope_scaling(meta) -> Optional[dict[str, Any]]:
+    kind = meta("rope.scaling.type", None)
+    factor = meta("rope.scaling.factor", None)
+    if kind is None and meta("rope.scale_linear", None) not in (None, 1.0):
+        kind, factor = "linear", meta("rope.scale_linear")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        if factor in (None, 1.0):
+            return None
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        original = meta("rope.scaling.original_context_length", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        for key in ("beta_fast", "beta_slow"):
+            value = meta(f"rope.scaling.yarn_{key}", None)
+            if value is not None:
+                scaling[key] = float(value)
+        return scaling
+    raise ValueError(f"rope scaling type {kind!r} is not supported")
+
+
+def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, one at a time."""
+    reader = gguf_reader(model_config.path)
+    permuted = _field(reader, "general.architecture") in _PERMUTED_QK
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:  # only reachable if the file changed since the config was read
+            raise ValueError(f"{model_config.path}: unexpected tensor {t.name!r}")
+        tensor = _dequantize(t)
+        if permuted and ".self_attn.q_proj." in name:
+            tensor = _unpermute_rows(tensor, model_config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            tensor = _unpermute_rows(tensor, model_config.num_key_value_heads)
+        yield name, tensor
+
+
+def _dequantize(t) -> torch.Tensor:
+    import gguf
+
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape))  # ne order -> torch order
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    if not values.flags.writeable:
+        # F32 tensors come back as views of the read-only memory map.
+        values = values.copy()
+    return torch.from_numpy(values)
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row order for q/k (weights and biases).
+
+    Within a head of size D, HF keeps rotary pairs half a head apart (rows i
+    and i + D/2); the converter interleaves them (rows 2i and 2i + 1). Viewing
+    a head as [D/2, 2] and transposing to [2, D/2] puts them back.
+    """
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    heads = weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+    return heads.transpose(1, 2).reshape(rows, *rest).contiguous()

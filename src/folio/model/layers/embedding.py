@@ -1,0 +1,45 @@
+"""Vocabulary-parallel embedding and LM head (whole vocabulary at world size 1)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.worker.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp_size())            # rows per rank (last padded)
+        self.start = tp_rank() * self.shard
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded[self.start:self.start + self.shard]
+        param.data[:rows.shape[0]].copy_(rows.to(param.dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over this rank's vocabulary slice, gathered; shares the embedding
+    when the model ties them."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [num_sampled, vocab] in fp32: the matmul runs in the weight dtype
+        # (converting the head to fp32 every step would cost more than the matmul).
+        local = F.linear(hidden, self.weight).float()
+        return all_gather_last_dim(local)[..., :self.vocab_size]

@@ -1,0 +1,70 @@
+"""Rotary position embedding (rotate-half layout), with Llama-3 and linear scaling.
+
+cos/sin are tabulated once for every position up to max_positions, in fp32, and
+the rotation itself is applied in fp32 then cast back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (theta ** exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama-3 scaling: long wavelengths slowed by `factor`, short ones kept, and a
+    smooth blend between the two bands."""
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    original = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    blend = (original / wavelen - low) / (high - low)
+    smoothed = (1 - blend) * scaled / factor + blend * scaled
+    in_between = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(in_between, smoothed, scaled)
+
+
+def inv_frequencies(dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+    inv_freq = _base_inv_freq(dim, theta)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: Optional[dict[str, Any]] = None):
+        super().__init__()
+        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]          # [max_positions, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k."""
+        cos = self.cos[positions].unsqueeze(1)                   # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        qf, kf = q.float(), k.float()
+        q_out = qf * cos + rotate_half(qf) * sin
+        k_out = kf * cos + rotate_half(kf) * sin
+        return q_out.to(q.dtype), k_out.to(k.dtype)

