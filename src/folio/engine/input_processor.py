@@ -30,6 +30,8 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token ids). Token ids are used verbatim."""
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give at least one token")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 from folio.config import FolioConfig
 from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
+from folio.logger import configure_logging
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class LLM:
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, seed: int = 0,
                  device: Optional[str] = None, tensor_parallel_size: int = 1):
+        configure_logging()
         config = FolioConfig.build(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
             block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -1,0 +1,141 @@
+"""folio generate | chat (serve and bench arrive with their issues).
+
+Engine options use vLLM's flag names so existing command lines carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterator, Optional
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or 'SmolLM2-135M-Instruct' (default)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 | float16 (CUDA) | float64")
+    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-bytes", default=None,
+                   help="KV cache size, e.g. 4GiB (default: 2GiB on CPU, half the free memory on CUDA)")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                   type=int, default=None, help="exact number of KV blocks (overrides the size)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: Optional[int]) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from folio import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                          ignore_eos=args.ignore_eos)
+
+
+def stream_text(engine, request_id: str, prompt_ids: list[int], params) -> Iterator[str]:
+    """Drive the engine for one request, yielding text deltas as they become final."""
+    engine.add_tokenized_request(request_id, None, prompt_ids, params)
+    sent = 0
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+    finally:
+        if engine.has_unfinished_requests():
+            engine.abort_request([request_id])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from folio import LLM
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine = llm.engine
+    _, ids = engine.input_processor.tokenize(args.prompt)
+    for delta in stream_text(engine, "generate-0", ids, sampling_params(args)):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from folio import LLM
+    llm = LLM(args.model, **engine_kwargs(args))
+    tok, params = llm.get_tokenizer(), sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("Folio chat: type a message, /reset to start over, /exit or Ctrl-D to quit.",
+          file=sys.stderr)
+    for turn in range(10**9):
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        for delta in stream_text(llm.engine, f"chat-{turn}", tok.encode_chat(history), params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("--prompt", required=True)
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=None)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from folio.logger import configure_logging
+    configure_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"folio: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
