@@ -1,4 +1,4 @@
-"""folio generate | chat (serve and bench arrive with their issues).
+"""folio generate | chat | bench throughput (serve arrives with its issue).
 
 Engine options use vLLM's flag names so existing command lines carry over.
 """
@@ -108,6 +108,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    import json
+
+    from folio.bench.throughput import bench_throughput, print_report
+    from folio.engine.llm_engine import LLMEngine
+    engine = LLMEngine.from_args(args.model, **engine_kwargs(args))
+    result = bench_throughput(args, engine)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=None)
     chat.set_defaults(func=cmd_chat)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    tp = bench.add_parser("throughput", help="offline throughput against transformers and "
+                                             "the machine's matmul ceiling")
+    from folio.bench.throughput import add_throughput_args
+    add_throughput_args(tp)
+    add_engine_args(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
     return parser
 
 

@@ -1,0 +1,147 @@
+"""`folio bench throughput`: the engine in-process on a workload, against the
+transformers baselines and the machine's matmul ceiling, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from folio.bench.datasets import BenchRequest, jsonl_requests, parse_range, random_requests
+from folio.bench.flops import measure_ceiling, workload_flops
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="random", help="'random' or a JSONL file of requests")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", default="32:384", help="A:B, uniform (random dataset)")
+    p.add_argument("--output-len", default="32:192", help="A:B, uniform (random dataset)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--batch-size", type=int, default=8, help="with --batching static")
+    p.add_argument("--baseline", action="append", choices=["hf-seq", "hf-static"], default=[],
+                   help="transformers baseline(s) in the same run (repeatable)")
+    p.add_argument("--baseline-batch", type=int, default=8, help="batch size of hf-static")
+    p.add_argument("--baseline-limit", type=int, default=None,
+                   help="run the baselines on the first K requests only (rates are compared)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_requests(args, engine) -> list[BenchRequest]:
+    if args.dataset == "random":
+        tok = engine.tokenizer
+        return random_requests(args.num_prompts, parse_range(args.input_len),
+                               parse_range(args.output_len), engine.config.model.vocab_size,
+                               tok.all_special_ids, args.seed)
+    return jsonl_requests(args.dataset, engine.tokenizer)[:args.num_prompts]
+
+
+def run_engine(engine, requests: list[BenchRequest], ignore_eos: bool, batching: str,
+               batch_size: int, progress=None) -> tuple[list[int], float]:
+    """(output tokens per request, seconds); static batching admits the next
+    batch only when the whole previous one finished."""
+    from folio import SamplingParams
+    groups = [requests] if batching == "continuous" else [
+        requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    produced: dict[str, int] = {}
+    t0 = time.perf_counter()
+    for g, group in enumerate(groups):
+        for i, r in enumerate(group):
+            params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos)
+            engine.add_tokenized_request(f"bench-{g}-{i}", r.prompt, r.prompt_token_ids, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    produced[out.request_id] = len(out.outputs[0].token_ids)
+                    if progress:
+                        progress(1)
+    seconds = time.perf_counter() - t0
+    order = [f"bench-{g}-{i}" for g, group in enumerate(groups) for i in range(len(group))]
+    return [produced[k] for k in order], seconds
+
+
+def _warm_up(engine) -> None:
+    from folio import SamplingParams
+    engine.add_tokenized_request("warmup", None, [1] * 16,
+                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None, None
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr)
+    return bar, bar.update
+
+
+def run_baselines(args, engine, requests) -> list[dict]:
+    from folio.bench.baselines import load_hf_model, run_hf_seq, run_hf_static
+    if not args.baseline:
+        return []
+    model = load_hf_model(engine.config.model, getattr(torch, engine.config.dtype))
+    subset = requests[:args.baseline_limit] if args.baseline_limit else requests
+    results = []
+    for name in args.baseline:
+        bar, tick = _bar(len(subset), name, not args.json)
+        if name == "hf-seq":
+            tokens, seconds = run_hf_seq(model, subset, tick)
+        else:
+            tokens, seconds = run_hf_static(model, subset, args.baseline_batch, tick)
+        if bar:
+            bar.close()
+        results.append({"name": name, "requests": len(subset), "output_tokens": tokens,
+                        "seconds": seconds, "output_tokens_per_s": tokens / seconds})
+    return results
+
+
+def bench_throughput(args, engine) -> dict:
+    requests = build_requests(args, engine)
+    m, dtype = engine.config.model, getattr(torch, engine.config.dtype)
+    ceiling = measure_ceiling(m, dtype, engine.config.device)
+    _warm_up(engine)
+    bar, tick = _bar(len(requests), "folio", not args.json)
+    produced, seconds = run_engine(engine, requests, args.ignore_eos, args.batching,
+                                   args.batch_size, tick)
+    if bar:
+        bar.close()
+    done = [replace(r, max_tokens=n) for r, n in zip(requests, produced)]
+    prompt_tokens, output_tokens = sum(len(r.prompt_token_ids) for r in done), sum(produced)
+    result = {
+        "model": m.model, "dtype": engine.config.dtype, "batching": args.batching,
+        "requests": len(done), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "seconds": seconds, "requests_per_s": len(done) / seconds,
+        "output_tokens_per_s": output_tokens / seconds,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
+        "ceiling_gflops": ceiling,
+        "ceiling_fraction": workload_flops(m, done) / seconds / (ceiling * 1e9),
+        "threads": torch.get_num_threads(),
+    }
+    baselines = run_baselines(args, engine, requests)
+    for b in baselines:
+        b["speedup"] = result["output_tokens_per_s"] / b["output_tokens_per_s"]
+    if baselines:
+        result.update(baseline=baselines[0]["name"],
+                      baseline_output_tokens_per_s=baselines[0]["output_tokens_per_s"],
+                      speedup=baselines[0]["speedup"], baselines=baselines)
+    return result
+
+
+def print_report(result: dict) -> None:
+    print(f"model {result['model']} ({result['dtype']}, {result['batching']} batching, "
+          f"{result['threads']} threads)")
+    print(f"requests {result['requests']}  prompt tokens {result['prompt_tokens']}  "
+          f"output tokens {result['output_tokens']}  in {result['seconds']:.2f} s")
+    print(f"throughput {result['requests_per_s']:.2f} req/s  "
+          f"{result['output_tokens_per_s']:.1f} output tok/s  "
+          f"{result['total_tokens_per_s']:.1f} total tok/s")
+    print(f"ceiling {result['ceiling_gflops']:.1f} GFLOP/s  "
+          f"fraction {100 * result['ceiling_fraction']:.1f}%")
+    for b in result.get("baselines", []):
+        print(f"baseline {b['name']}: {b['output_tokens_per_s']:.1f} output tok/s on "
+              f"{b['requests']} requests  ->  speedup {b['speedup']:.2f}x")

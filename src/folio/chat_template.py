@@ -1,0 +1,171 @@
+"""Chat templates: a conversation -> the prompt text the model was trained on.
+
+Templates are Jinja programs shipped with the model (tokenizer_config.json,
+chat_template.jinja or the GGUF metadata), so they are untrusted code: they run
+in Jinja's immutable sandbox. The environment is the one transformers gives
+templates, because that is what template authors test against:
+
+- `trim_blocks` and `lstrip_blocks` on, the `loopcontrols` extension
+  ({% break %} / {% continue %});
+- globals `raise_exception(msg)` (raises `ChatTemplateError`) and
+  `strftime_now(fmt)`;
+- a `tojson` filter that keeps non-ASCII text as is and accepts `indent`,
+  `separators` and `sort_keys` (Jinja's own escapes HTML characters);
+- variables `messages`, `add_generation_prompt`, `tools`, `documents`, the
+  named special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`)
+  and any extra keyword arguments, which override the special tokens.
+
+Messages are normalised first, as vLLM does before rendering: keys whose value
+is None are dropped (templates test `message.content is defined`), content
+given as OpenAI parts is flattened to one string with the text parts joined
+by "\n", and tool-call arguments sent as a JSON string become a dict (templates
+write them back with `| tojson`).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Mapping, Optional, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Appended to the final message for `continue_final_message`; the rendered text
+# is cut where it reappears. The trailing space tells whether the template
+# trimmed the message: if it survived, the content was rendered verbatim.
+_CONTINUE_MARK = "<<folio:continue-final-message>> "
+
+
+class ChatTemplateError(ValueError):
+    """A chat template refused the conversation (its `raise_exception(...)`)."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(f"the chat template rejected the conversation: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple[str, str]] = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def compile_template(source: str) -> jinja2.Template:
+    """Compile once per distinct template text (rendering is the hot path)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}): {e.message}") from e
+
+
+def _flatten_content(content: Any) -> Any:
+    """OpenAI content parts -> one string (text parts joined by "\n", as vLLM does)."""
+    if not isinstance(content, (list, tuple)):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            texts.append(part.get("text") or "")
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(f"unsupported message content part {kind!r}: only text parts are accepted")
+    return "\n".join(texts)
+
+
+def _parse_tool_arguments(tool_calls: Any) -> Any:
+    """Tool-call `arguments` arrive as a JSON string (OpenAI) but templates expect a dict."""
+    if not isinstance(tool_calls, (list, tuple)):
+        return tool_calls
+    parsed = []
+    for call in tool_calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        args = fn.get("arguments") if isinstance(fn, Mapping) else None
+        if isinstance(args, str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(args)}}
+            except json.JSONDecodeError:
+                pass    # leave it as the caller wrote it; the template may cope
+        parsed.append(call)
+    return parsed
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict]:
+    """Plain dict copies of the messages, ready for a template (the caller's are untouched)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    if not messages:
+        raise ValueError("cannot apply a chat template to an empty conversation")
+    out = []
+    for message in messages:
+        if hasattr(message, "model_dump"):     # pydantic request models
+            message = message.model_dump()
+        if not isinstance(message, Mapping):
+            raise ValueError(f"each message must be a dict, got {type(message).__name__}")
+        msg = {k: v for k, v in message.items() if v is not None}
+        if "content" in msg:
+            msg["content"] = _flatten_content(msg["content"])
+        if "tool_calls" in msg:
+            msg["tool_calls"] = _parse_tool_arguments(msg["tool_calls"])
+        out.append(msg)
+    return out
+
+
+def render_chat(template: str, messages: Sequence[Any], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: Optional[list] = None,
+                documents: Optional[list] = None,
+                special_tokens: Optional[Mapping[str, Optional[str]]] = None,
+                **kwargs: Any) -> str:
+    """Render `messages` with `template`.
+
+    `continue_final_message=True` renders the last message open-ended: the text
+    stops right after its content, before any end-of-turn the template writes,
+    so the model continues that message. It takes precedence over
+    `add_generation_prompt` (a new assistant header would make no sense there).
+    """
+    chat = normalize_messages(messages)
+    if continue_final_message:
+        final = chat[-1].get("content")
+        if not isinstance(final, str):
+            raise ValueError("continue_final_message needs a final message with text content")
+        chat[-1]["content"] = final + _CONTINUE_MARK
+        add_generation_prompt = False
+    variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    variables.update(kwargs)
+    try:
+        text = compile_template(template).render(
+            messages=chat, add_generation_prompt=add_generation_prompt,
+            tools=tools, documents=documents, **variables)
+    except (jinja2.TemplateError, TypeError) as e:
+        # e.g. an undefined variable, or `'text' + 3` on a message field the
+        # template did not expect: a bad request, not a server fault.
+        raise ValueError(f"the chat template failed to render: {e}") from e
+    if continue_final_message:
+        text = _cut_after_final_message(text, final)
+    return text
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    mark = _CONTINUE_MARK.rstrip()
+    at = text.rfind(mark)
+    if at < 0:
+        raise ValueError(
+            "continue_final_message is set but the chat template dropped or rewrote the final "
+            f"message, so there is no place to continue it from (final message: {final[:80]!r})")
+    if text.startswith(_CONTINUE_MARK, at):
+        return text[:at]            # rendered verbatim: keep the content's own spacing
+    return text[:at].rstrip()       # the template trimmed the message; trim the same way

@@ -1,0 +1,55 @@
+"""`folio bench throughput` runs on a tiny workload and prints the promised JSON.
+(Benchmarks are not tests: no speed is asserted here.)"""
+
+import json
+
+import pytest
+
+from folio.bench.datasets import parse_range
+from folio.cli import main
+from tests.utils import make_tiny_model
+
+FIELDS = {"requests", "prompt_tokens", "output_tokens", "seconds", "output_tokens_per_s",
+          "total_tokens_per_s", "ceiling_gflops", "ceiling_fraction"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bench"))
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_random_workload_with_both_baselines(tiny, capsys):
+    result = run_json(capsys, [
+        "bench", "throughput", "--model", tiny, "--dtype", "float32", "--num-prompts", "4",
+        "--input-len", "4:12", "--output-len", "2:5", "--baseline", "hf-seq",
+        "--baseline", "hf-static", "--baseline-batch", "2", "--baseline-limit", "3", "--json"])
+    assert FIELDS | {"baseline", "baseline_output_tokens_per_s", "speedup"} <= set(result)
+    assert result["requests"] == 4 and 8 <= result["output_tokens"] <= 20
+    assert 0 < result["ceiling_fraction"] and result["ceiling_gflops"] > 0
+    assert [b["name"] for b in result["baselines"]] == ["hf-seq", "hf-static"]
+    assert all(b["requests"] == 3 for b in result["baselines"])
+    assert result["speedup"] == pytest.approx(
+        result["output_tokens_per_s"] / result["baseline_output_tokens_per_s"])
+
+
+def test_jsonl_dataset_and_static_batching(tiny, tmp_path, capsys):
+    data = tmp_path / "reqs.jsonl"
+    data.write_text('{"prompt": "Hello world", "max_tokens": 3}\n'
+                    '{"prompt_token_ids": [5, 6, 7], "max_tokens": 2}\n\n')
+    result = run_json(capsys, ["bench", "throughput", "--model", tiny, "--dtype", "float32",
+                               "--dataset", str(data), "--batching", "static",
+                               "--batch-size", "1", "--json"])
+    assert FIELDS <= set(result) and "speedup" not in result
+    assert result["requests"] == 2 and result["output_tokens"] == 5
+    assert result["batching"] == "static"
+
+
+def test_parse_range():
+    assert parse_range("32:384") == (32, 384) and parse_range("7") == (7, 7)
+    with pytest.raises(ValueError):
+        parse_range("9:3")
