@@ -49,6 +49,14 @@ def test_jsonl_dataset_and_static_batching(tiny, tmp_path, capsys):
     assert result["batching"] == "static"
 
 
+def test_both_batchings_in_one_engine(tiny, capsys):
+    result = run_json(capsys, ["bench", "throughput", "--model", tiny, "--dtype", "float32",
+                               "--num-prompts", "4", "--input-len", "4:8", "--output-len", "3",
+                               "--batching", "both", "--batch-size", "2", "--json"])
+    assert result["continuous_over_static"] == pytest.approx(
+        result["output_tokens_per_s"] / result["static_output_tokens_per_s"])
+
+
 def test_parse_range():
     assert parse_range("32:384") == (32, 384) and parse_range("7") == (7, 7)
     with pytest.raises(ValueError):

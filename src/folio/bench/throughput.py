@@ -21,8 +21,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="32:384", help="A:B, uniform (random dataset)")
     p.add_argument("--output-len", default="32:192", help="A:B, uniform (random dataset)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
-    p.add_argument("--batch-size", type=int, default=8, help="with --batching static")
+    p.add_argument("--batching", choices=["continuous", "static", "both"], default="continuous",
+                   help="static: fixed batches, the next admitted when the whole previous one "
+                        "finished; both: continuous, then static on the same engine")
+    p.add_argument("--batch-size", type=int, default=8, help="with --batching static|both")
     p.add_argument("--baseline", action="append", choices=["hf-seq", "hf-static"], default=[],
                    help="transformers baseline(s) in the same run (repeatable)")
     p.add_argument("--baseline-batch", type=int, default=8, help="batch size of hf-static")
@@ -100,16 +102,21 @@ def run_baselines(args, engine, requests) -> list[dict]:
     return results
 
 
+def _timed_run(args, engine, requests, mode: str):
+    bar, tick = _bar(len(requests), f"folio ({mode})", not args.json)
+    produced, seconds = run_engine(engine, requests, args.ignore_eos, mode, args.batch_size, tick)
+    if bar:
+        bar.close()
+    return produced, seconds
+
+
 def bench_throughput(args, engine) -> dict:
     requests = build_requests(args, engine)
     m, dtype = engine.config.model, getattr(torch, engine.config.dtype)
     ceiling = measure_ceiling(m, dtype, engine.config.device)
     _warm_up(engine)
-    bar, tick = _bar(len(requests), "folio", not args.json)
-    produced, seconds = run_engine(engine, requests, args.ignore_eos, args.batching,
-                                   args.batch_size, tick)
-    if bar:
-        bar.close()
+    mode = "continuous" if args.batching == "both" else args.batching
+    produced, seconds = _timed_run(args, engine, requests, mode)
     done = [replace(r, max_tokens=n) for r, n in zip(requests, produced)]
     prompt_tokens, output_tokens = sum(len(r.prompt_token_ids) for r in done), sum(produced)
     result = {
@@ -120,8 +127,13 @@ def bench_throughput(args, engine) -> dict:
         "total_tokens_per_s": (prompt_tokens + output_tokens) / seconds,
         "ceiling_gflops": ceiling,
         "ceiling_fraction": workload_flops(m, done) / seconds / (ceiling * 1e9),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "batch_size": args.batch_size,
     }
+    if args.batching == "both":
+        static_produced, static_seconds = _timed_run(args, engine, requests, "static")
+        result["static_output_tokens_per_s"] = sum(static_produced) / static_seconds
+        result["continuous_over_static"] = (result["output_tokens_per_s"]
+                                            / result["static_output_tokens_per_s"])
     baselines = run_baselines(args, engine, requests)
     for b in baselines:
         b["speedup"] = result["output_tokens_per_s"] / b["output_tokens_per_s"]
@@ -142,6 +154,10 @@ def print_report(result: dict) -> None:
           f"{result['total_tokens_per_s']:.1f} total tok/s")
     print(f"ceiling {result['ceiling_gflops']:.1f} GFLOP/s  "
           f"fraction {100 * result['ceiling_fraction']:.1f}%")
+    if "continuous_over_static" in result:
+        print(f"static batching (batch {result.get('batch_size', '')}) "
+              f"{result['static_output_tokens_per_s']:.1f} output tok/s  ->  continuous is "
+              f"{result['continuous_over_static']:.2f}x")
     for b in result.get("baselines", []):
         print(f"baseline {b['name']}: {b['output_tokens_per_s']:.1f} output tok/s on "
               f"{b['requests']} requests  ->  speedup {b['speedup']:.2f}x")

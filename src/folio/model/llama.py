@@ -19,11 +19,11 @@ from folio.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from folio.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                        RowParallelLinear)
 from folio.model.layers.norm import RMSNorm
-from folio.model.layers.rotary import RotaryEmbedding
+from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, device: str):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
@@ -32,20 +32,18 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
-        self.rotary = rotary
         self.attn = get_attention_backend(device)(self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata):
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(hidden)                      # [T, (H + 2 Hkv) * D]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q and k sit side by side in the fused output: one rotation for both.
+        qk = apply_rotary(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), *rope)
+        q, k = qk.split([h, hkv], dim=1)
+        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
         out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(out.reshape(t, h * d))
 
 
 class LlamaMLP(nn.Module):
@@ -62,15 +60,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, device)
+        self.self_attn = LlamaAttention(cfg, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -78,16 +76,17 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)           # gathered once per step, used by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
 

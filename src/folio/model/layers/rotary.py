@@ -44,27 +44,27 @@ def inv_frequencies(dim: int, theta: float, scaling: Optional[dict[str, Any]]) -
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables; `forward(positions)` gathers the step's rows once, and
+    every layer then rotates its q and k with `apply_rotary`."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict[str, Any]] = None):
         super().__init__()
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]          # [max_positions, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # Rotate-half pairs dimension i with i + head_dim/2 and both use freq i,
+        # so one half-width table serves both halves.
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)                   # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        qf, kf = q.float(), k.float()
-        q_out = qf * cos + rotate_half(qf) * sin
-        k_out = kf * cos + rotate_half(kf) * sin
-        return q_out.to(q.dtype), k_out.to(k.dtype)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim/2] (fp32)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (q and k heads together) -> rotated, in fp32, cast back."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
