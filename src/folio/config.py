@@ -94,6 +94,7 @@ class FolioConfig:
     dtype: str = "float32"          # run dtype: float32 | bfloat16 | float16 | float64
     device: str = "cpu"
     seed: int = 0
+    max_logprobs: int = 20          # the most top logprobs a request may ask for
 
     @property
     def max_model_len(self) -> int:
@@ -104,7 +105,8 @@ class FolioConfig:
               max_model_len: Optional[int] = None, block_size: int = 16,
               kv_cache_memory_bytes: int | str | None = None, num_kv_blocks: Optional[int] = None,
               max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
-              tensor_parallel_size: int = 1, seed: int = 0) -> "FolioConfig":
+              tensor_parallel_size: int = 1, seed: int = 0,
+              max_logprobs: int = 20) -> "FolioConfig":
         from folio.model.loader import load_model_config
         from folio.worker.device import resolve_device, resolve_dtype
 
@@ -136,7 +138,7 @@ class FolioConfig:
             scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            dtype=run_dtype, device=device, seed=seed)
+            dtype=run_dtype, device=device, seed=seed, max_logprobs=max_logprobs)
 
 
 def cpu_count() -> int:

@@ -14,6 +14,9 @@ class CompletionOutput:
     cumulative_logprob: Optional[float]
     finish_reason: Optional[str] = None    # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[int | str] = None
+    # With SamplingParams.logprobs: per token, {token id: logprob} holding the
+    # chosen token and the top-k ones (raw model distribution).
+    logprobs: Optional[list[dict[int, float]]] = None
 
     @property
     def finished(self) -> bool:
@@ -27,3 +30,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: None for the first token, then
+    # {token id: logprob} with the prompt token and the top-k ones.
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None

@@ -75,6 +75,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_prompt_logprobs_done = 0   # prompt positions already scored
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -23,7 +23,8 @@ class SamplingParams:
     stop: Union[None, str, list[str]] = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = None          # top logprobs per generated token (0: the chosen one)
+    prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -44,8 +45,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -59,6 +59,8 @@ def test_max_model_len_ends_a_request(llm):
     ("hi", {"top_p": 0.0}, "top_p"),
     ("hi", {"top_p": 1.5}, "top_p"),
     ("hi", {"top_k": -3}, "top_k"),
+    ("hi", {"logprobs": 21}, "more than max_logprobs"),
+    ("hi", {"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_bad_input_is_a_clear_error_and_harms_nothing(llm, prompt, params, message):
     good = {"prompt_token_ids": [1, 20, 30]}

@@ -18,6 +18,8 @@ class SamplingInfo:
     top_k: int
     top_p: float
     seed: int
+    logprobs: Optional[int] = None          # top-k logprobs wanted per sampled token
+    prompt_logprobs: Optional[int] = None   # top-k logprobs wanted per prompt token
 
 
 @dataclass
@@ -29,6 +31,9 @@ class ScheduledSeq:
     block_ids: Optional[list[int]] = None      # full table when (re)started or changed
     sampling: Optional[SamplingInfo] = None    # set when (re)started
     sample: bool = True           # False for a prefill chunk that does not reach the end
+    # Prompt tokens at positions start_pos + 1 .. (within the prompt): the row of
+    # position p scores token p + 1. Set only when prompt logprobs were asked for.
+    prompt_targets: Optional[list[Optional[int]]] = None   # None rows: scored already
 
 
 @dataclass
@@ -48,6 +53,9 @@ class SchedulerOutput:
         return not self.seqs
 
 
+TopLogprobs = list[tuple[int, float]]      # (token id, logprob), best first
+
+
 @dataclass
 class ModelRunnerOutput:
     """One sampled token per sequence scheduled with sample=True, in order."""
@@ -55,6 +63,10 @@ class ModelRunnerOutput:
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Per sampled sequence: its top logprobs when it asked for them, else None.
+    top_logprobs: list[Optional[TopLogprobs]] = field(default_factory=list)
+    # seq_id -> (logprob of the target, top logprobs) for each prompt target of the chunk.
+    prompt_logprobs: dict[int, list[tuple[float, TopLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,3 +79,5 @@ class EngineCoreOutput:
     new_logprobs: list[float]
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    new_top_logprobs: Optional[list[TopLogprobs]] = None
+    prompt_logprobs: Optional[list[tuple[float, TopLogprobs]]] = None

@@ -139,11 +139,19 @@ class Scheduler:
         outputs = [EngineCoreOutput(r.request_id, s.index, [], [], s.finish_reason)
                    for r in self.finished_by_capacity for s in r.seqs]
         self.finished_by_capacity = []
+        by_seq: dict[int, EngineCoreOutput] = {}
+        for seq_id, scored in runner_out.prompt_logprobs.items():
+            entry = self._seqs.get(seq_id)
+            if entry is not None:
+                by_seq[seq_id] = EngineCoreOutput(entry[0].request_id, entry[1].index, [], [],
+                                                  prompt_logprobs=scored)
         touched: dict[str, Request] = {}
-        for seq_id, token, logprob in zip(runner_out.seq_ids, runner_out.token_ids,
-                                          runner_out.logprobs):
+        tops = runner_out.top_logprobs or [None] * len(runner_out.seq_ids)
+        for seq_id, token, logprob, top in zip(runner_out.seq_ids, runner_out.token_ids,
+                                               runner_out.logprobs, tops):
             entry = self._seqs.get(seq_id)
             if entry is None or entry[1].status.is_finished:   # aborted after scheduling
+                by_seq.pop(seq_id, None)
                 continue
             req, seq = entry
             seq.token_ids.append(token)
@@ -151,14 +159,18 @@ class Scheduler:
             status = self._stop_status(req, seq, token)
             if status is not None:
                 self._finish_seq(seq, status)
-            outputs.append(EngineCoreOutput(req.request_id, seq.index, [token], [logprob],
-                                            seq.finish_reason, seq.stop_reason))
+            out = by_seq.setdefault(seq_id, EngineCoreOutput(req.request_id, seq.index, [], []))
+            out.new_token_ids.append(token)
+            out.new_logprobs.append(logprob)
+            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            if top is not None:
+                out.new_top_logprobs = [top]
             touched[req.request_id] = req
         for req in touched.values():
             if not req.live_seqs:
                 self.running.remove(req)
                 self._retire(req)
-        return outputs
+        return outputs + list(by_seq.values())
 
     # ---- helpers -------------------------------------------------------------
     def _allocate(self, req: Request, num_new: int) -> Optional[list[list[int]]]:
@@ -169,7 +181,6 @@ class Scheduler:
               new_ids: list[list[int]]) -> int:
         start = req.num_computed_tokens
         reaches_end = start + num_new == req.num_tokens
-        p = req.params
         live = req.live_seqs
         for seq, blocks in zip(live, new_ids):
             fresh = seq.seq_id not in self._started
@@ -179,16 +190,32 @@ class Scheduler:
                 start_pos=start,
                 new_block_ids=blocks,
                 block_ids=self.kv.block_ids(seq.seq_id) if fresh else None,
-                sampling=self._sampling_info(p, seq) if fresh else None,
-                sample=reaches_end))
+                sampling=self._sampling_info(req.params, seq) if fresh else None,
+                sample=reaches_end,
+                prompt_targets=self._prompt_targets(req, seq, start, num_new)))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
         req.num_computed_tokens += num_new
         return num_new * len(live)
 
     @staticmethod
+    def _prompt_targets(req: Request, seq: Sequence, start: int, num_new: int):
+        """Prompt tokens to score in this chunk: each once (not again when a
+        preempted request recomputes), for the first sequence only."""
+        if req.params.prompt_logprobs is None or seq.index != 0:
+            return None
+        first = max(start, req.num_prompt_logprobs_done)
+        end = min(start + num_new, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return None
+        req.num_prompt_logprobs_done = end
+        # Rows first - start .. of the chunk score tokens first + 1 .. end.
+        return [None] * (first - start) + seq.token_ids[first + 1:end + 1]
+
+    @staticmethod
     def _sampling_info(p, seq: Sequence) -> SamplingInfo:
-        return SamplingInfo(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed)
+        return SamplingInfo(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed,
+                            p.logprobs, p.prompt_logprobs)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

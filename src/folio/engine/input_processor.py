@@ -49,6 +49,11 @@ class InputProcessor:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.max_logprobs:
+                raise ValueError(f"{name}={asked} is more than max_logprobs "
+                                 f"({self.config.max_logprobs})")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]

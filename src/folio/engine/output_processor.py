@@ -136,6 +136,7 @@ class _SeqText:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
         self.cumulative_logprob = 0.0
+        self.logprobs: Optional[list[dict[int, float]]] = None
 
 
 class _RequestState:
@@ -148,13 +149,25 @@ class _RequestState:
         self.seqs = [_SeqText(IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
                                                      p.skip_special_tokens))
                      for _ in request.seqs]
+        if p.logprobs is not None:
+            for seq in self.seqs:
+                seq.logprobs = []
+        # Position 0 has no logprob: nothing precedes it.
+        self.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
+
+    def add_prompt_logprobs(self, scored) -> None:
+        for logprob, top in scored:
+            token = self.prompt_token_ids[len(self.prompt_logprobs)]
+            self.prompt_logprobs.append({token: logprob, **dict(top)})
 
     def output(self) -> RequestOutput:
         outs = [CompletionOutput(i, s.text, list(s.token_ids), s.cumulative_logprob,
-                                 s.finish_reason, s.stop_reason)
+                                 s.finish_reason, s.stop_reason,
+                                 None if s.logprobs is None else list(s.logprobs))
                 for i, s in enumerate(self.seqs)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             finished=all(s.finish_reason is not None for s in self.seqs))
+                             finished=all(s.finish_reason is not None for s in self.seqs),
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -180,11 +193,18 @@ class OutputProcessor:
             state = self.states.get(co.request_id)
             if state is None:
                 continue
+            if co.prompt_logprobs and state.prompt_logprobs is not None:
+                state.add_prompt_logprobs(co.prompt_logprobs)
+                touched[co.request_id] = state
             seq = state.seqs[co.index]
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None or not (co.new_token_ids or co.finish_reason):
                 continue
             seq.token_ids.extend(co.new_token_ids)
             seq.cumulative_logprob += sum(co.new_logprobs)
+            if seq.logprobs is not None:
+                tops = co.new_top_logprobs or [[] for _ in co.new_token_ids]
+                for token, logprob, top in zip(co.new_token_ids, co.new_logprobs, tops):
+                    seq.logprobs.append({token: logprob, **dict(top)})
             ended_by_token = co.finish_reason == "stop"
             new_ids = co.new_token_ids[:-1] if ended_by_token else co.new_token_ids
             delta = seq.detok.add_tokens(new_ids)

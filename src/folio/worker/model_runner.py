@@ -62,14 +62,48 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self._prepare(ordered)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.num_computed_tokens_total += input_ids.shape[0]
+        out = ModelRunnerOutput()
+        self._score_prompts(hidden, ordered, last_rows, out)
         sampled = [(s, row) for s, row in zip(ordered, last_rows) if s.sample]
-        if not sampled:
-            return ModelRunnerOutput()
-        rows = torch.tensor([row for _, row in sampled], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])          # [S, V] fp32
-        tokens, logprobs = sample(logits, self._sampling_batch([s for s, _ in sampled]))
-        return ModelRunnerOutput([s.seq_id for s, _ in sampled], tokens.tolist(),
-                                 logprobs.tolist())
+        if sampled:
+            rows = torch.tensor([row for _, row in sampled], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])          # [S, V] fp32
+            seqs = [s for s, _ in sampled]
+            result = sample(logits, self._sampling_batch(seqs))
+            out.seq_ids = [s.seq_id for s in seqs]
+            out.token_ids = result.tokens.tolist()
+            out.logprobs = result.logprobs.tolist()
+            out.top_logprobs = self._top_lists(seqs, result)
+        return out
+
+    def _top_lists(self, seqs, result) -> list:
+        if result.top_ids is None:
+            return [None] * len(seqs)
+        ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+        tops = []
+        for i, s in enumerate(seqs):
+            k = self.states[s.seq_id].sampling.logprobs
+            tops.append(None if k is None else list(zip(ids[i][:k], lps[i][:k])))
+        return tops
+
+    def _score_prompts(self, hidden, ordered, last_rows, out: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens for sequences that asked (echo, scoring)."""
+        for s, last in zip(ordered, last_rows):
+            if not s.prompt_targets:
+                continue
+            first_row = last - len(s.token_ids) + 1
+            picks = [(i, t) for i, t in enumerate(s.prompt_targets) if t is not None]
+            rows = torch.tensor([first_row + i for i, _ in picks], device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            targets = torch.tensor([t for _, t in picks], device=self.device)
+            chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+            k = self.states[s.seq_id].sampling.prompt_logprobs or 0
+            if k:
+                top_lps, top_ids = logprobs.topk(k, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lps.tolist())]
+            else:
+                tops = [[] for _ in picks]
+            out.prompt_logprobs[s.seq_id] = list(zip(chosen, tops))
 
     def _update_state(self, s: ScheduledSeq) -> None:
         state = self.states.get(s.seq_id)
@@ -139,4 +173,5 @@ class ModelRunner:
             generators=[self.states[s.seq_id].generator for s in seqs],
             all_greedy=all(i.temperature == 0 for i in infos),
             needs_top_k=any(k < vocab for k in top_k),
-            needs_top_p=any(i.top_p < 1.0 for i in infos))
+            needs_top_p=any(i.top_p < 1.0 for i in infos),
+            max_logprobs=max((i.logprobs or 0) for i in infos))

@@ -29,6 +29,7 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
+    max_logprobs: int = 0      # the most top logprobs any row asked for
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -46,8 +47,17 @@ def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [S, V] fp32 -> (token ids [S] int64, their raw logprobs [S] fp32)."""
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor            # [S] int64
+    logprobs: torch.Tensor          # [S] fp32, raw logprob of each chosen token
+    top_ids: Optional[torch.Tensor] = None       # [S, max_logprobs]
+    top_logprobs: Optional[torch.Tensor] = None  # [S, max_logprobs]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [S, V] fp32 -> chosen tokens, their raw logprobs, and the top
+    `max_logprobs` raw logprobs of each row."""
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
     if not batch.all_greedy:
@@ -63,4 +73,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         for j, row in enumerate(random_rows):
             noise[j].exponential_(generator=batch.generators[row])
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    out = SamplerOutput(tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1))
+    if batch.max_logprobs > 0:
+        out.top_logprobs, out.top_ids = logprobs.topk(batch.max_logprobs, dim=-1)
+    return out
