@@ -1,4 +1,4 @@
-"""folio generate | chat | bench throughput (serve arrives with its issue).
+"""folio serve | generate | chat | bench throughput.
 
 Engine options use vLLM's flag names so existing command lines carry over.
 """
@@ -6,6 +6,8 @@ Engine options use vLLM's flag names so existing command lines carry over.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from typing import Iterator, Optional
 
@@ -122,9 +124,56 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from folio.engine.llm_engine import LLMEngine
+    from folio.server.app import ServerConfig, ServerState, build_app, served_name_for
+    model = args.model_pos or args.model
+    config = ServerConfig(
+        served_model_name=args.served_model_name or served_name_for(model),
+        api_key=args.api_key or os.environ.get("FOLIO_API_KEY") or None,
+        allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout)
+    kwargs = dict(engine_kwargs(args), max_logprobs=args.max_logprobs)
+
+    def load():
+        engine = LLMEngine.from_args(model, **kwargs)
+        if args.chat_template:
+            engine.tokenizer.chat_template = _read_template(args.chat_template)
+        return engine
+
+    app = build_app(ServerState(config, load))
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it
+    # found installed: a no-op one makes the drained server exit with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=int(args.drain_timeout))
+    return 0
+
+
+def _read_template(value: str) -> str:
+    return open(value).read() if os.path.exists(value) else value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="model to serve (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="also FOLIO_API_KEY; /health and "
+                                                       "/metrics stay open")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--chat-template", default=None, help="a Jinja file or template text")
+    serve.add_argument("--max-logprobs", type=int, default=20)
+    serve.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests")
+    serve.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("--prompt", required=True)
     add_engine_args(gen)

@@ -24,6 +24,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """time.monotonic() stamps of one request's life (for latency metrics)."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: Optional[str]
@@ -33,3 +44,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first token, then
     # {token id: logprob} with the prompt token and the top-k ones.
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    metrics: Optional[RequestMetrics] = None
+    num_preemptions: int = 0

@@ -76,6 +76,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_prompt_logprobs_done = 0   # prompt positions already scored
+        self.first_scheduled_time: Optional[float] = None
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -12,6 +12,7 @@ request cannot get a block, the latest-admitted running request is preempted
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Iterable, Optional
 
@@ -130,6 +131,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             budget -= self._emit(out, req, num_new, new_ids)
         return out

@@ -27,10 +27,12 @@ stream of invalid bytes with nothing valid after them keeps it growing).
 
 from __future__ import annotations
 
+import time
+
 from typing import Optional, Sequence
 
 from folio.core.outputs import EngineCoreOutput
-from folio.outputs import CompletionOutput, RequestOutput
+from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.request import Request
 
 _REPLACEMENT = "\ufffd"
@@ -141,6 +143,8 @@ class _SeqText:
 
 class _RequestState:
     def __init__(self, request: Request, prompt: Optional[str], tokenizer):
+        self.request = request
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.request_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
@@ -165,9 +169,14 @@ class _RequestState:
                                  s.finish_reason, s.stop_reason,
                                  None if s.logprobs is None else list(s.logprobs))
                 for i, s in enumerate(self.seqs)]
+        finished = all(s.finish_reason is not None for s in self.seqs)
+        m = self.metrics
+        m.first_scheduled_time = self.request.first_scheduled_time
+        if finished and m.finished_time is None:
+            m.finished_time = time.monotonic()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             finished=all(s.finish_reason is not None for s in self.seqs),
-                             prompt_logprobs=self.prompt_logprobs)
+                             finished=finished, prompt_logprobs=self.prompt_logprobs,
+                             metrics=m, num_preemptions=self.request.num_preemptions)
 
 
 class OutputProcessor:
@@ -199,6 +208,10 @@ class OutputProcessor:
             seq = state.seqs[co.index]
             if seq.finish_reason is not None or not (co.new_token_ids or co.finish_reason):
                 continue
+            if co.new_token_ids:
+                now = time.monotonic()
+                state.metrics.first_token_time = state.metrics.first_token_time or now
+                state.metrics.last_token_time = now
             seq.token_ids.extend(co.new_token_ids)
             seq.cumulative_logprob += sum(co.new_logprobs)
             if seq.logprobs is not None:

@@ -1,0 +1,160 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from folio.outputs import CompletionOutput, RequestOutput
+from folio.server.protocol import CompletionRequest, now, random_id
+from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, collect, holdback,
+                                  merged, sse, sse_error, token_text, usage)
+
+
+async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
+    """Strings are tokenized off the event loop; token ids are used verbatim."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise HTTPError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [(None, list(prompt))]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise HTTPError(400, "prompt must not be empty", "prompt")
+            out.append((p, await asyncio.to_thread(served.tokenizer.encode, p)))
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            out.append((None, list(p)))
+        else:
+            raise HTTPError(400, "prompt must be a string, a list of strings, a list of token "
+                                 "ids or a list of token-id lists", "prompt")
+    return out
+
+
+def _calls(served: ServedModel, req: CompletionRequest, prompts) -> list[EngineCall]:
+    base = random_id("cmpl")
+    calls = []
+    for i, (text, ids) in enumerate(prompts):
+        max_tokens = served.max_tokens_for(len(ids), req.max_tokens)
+        prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
+        calls.append(EngineCall(f"{base}-{i}", text, ids, params, req.priority))
+    return calls
+
+
+class _Logprobs:
+    """OpenAI completion logprobs: parallel arrays, offsets into the returned text."""
+
+    def __init__(self, tokenizer, offset: int = 0):
+        self.tok, self.offset = tokenizer, offset
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+
+    def add(self, token_id: int, entry: Optional[dict[int, float]]) -> None:
+        text = token_text(self.tok, token_id)
+        self.tokens.append(text)
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+        if entry is None:
+            self.token_logprobs.append(None)
+            self.top_logprobs.append(None)
+        else:
+            self.token_logprobs.append(entry[token_id])
+            self.top_logprobs.append({token_text(self.tok, t): lp for t, lp in entry.items()})
+
+    def body(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+
+def _choice_logprobs(tokenizer, out: RequestOutput, c: CompletionOutput, echo: bool) -> dict:
+    lp = _Logprobs(tokenizer)
+    if echo:
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+            lp.add(token, entry)
+    for token, entry in zip(c.token_ids, c.logprobs or []):
+        lp.add(token, entry)
+    return lp.body()
+
+
+def _final(served: ServedModel, req: CompletionRequest, outputs: list[RequestOutput]) -> dict:
+    choices = []
+    for i, out in enumerate(outputs):
+        prefix = (out.prompt or served.tokenizer.decode(out.prompt_token_ids,
+                                                        skip_special_tokens=False)
+                  ) if req.echo else ""
+        for c in out.outputs:
+            choices.append({
+                "index": i * req.n + c.index, "text": prefix + c.text,
+                "logprobs": (_choice_logprobs(served.tokenizer, out, c, req.echo)
+                             if req.logprobs is not None else None),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": outputs[0].request_id.rsplit("-", 1)[0], "object": "text_completion",
+            "created": now(), "model": served.name, "choices": choices,
+            "usage": usage(outputs)}
+
+
+async def _stream(served: ServedModel, req: CompletionRequest, calls: list[EngineCall],
+                  created: int) -> AsyncIterator[str]:
+    rid = calls[0].request_id.rsplit("-", 1)[0]
+    sent: dict[int, tuple[int, int]] = {}          # choice -> (chars sent, tokens sent)
+    finals: dict[int, RequestOutput] = {}
+    keep = holdback(calls[0].params)
+
+    def chunk(index: int, text: str, logprobs, finish: Optional[str]) -> str:
+        return sse({"id": rid, "object": "text_completion", "created": created,
+                    "model": served.name, "choices": [{"index": index, "text": text,
+                                                       "logprobs": logprobs,
+                                                       "finish_reason": finish}]})
+    try:
+        async for i, out in merged(served, calls):
+            finals[i] = out
+            for c in out.outputs:
+                index = i * req.n + c.index
+                if index in sent and sent[index][0] < 0:
+                    continue                        # its finish chunk already went out
+                chars, toks = sent.get(index, (0, 0))
+                if index not in sent and not c.token_ids and not c.finished:
+                    continue                        # wait for the first token (and prompt scores)
+                prefix = ""
+                if index not in sent and req.echo:
+                    prefix = out.prompt or served.tokenizer.decode(out.prompt_token_ids,
+                                                                   skip_special_tokens=False)
+                upto = len(c.text) if c.finished else max(chars, len(c.text) - keep)
+                if upto <= chars and not c.finished and not prefix:
+                    sent.setdefault(index, (chars, toks))
+                    continue
+                lp = None
+                if req.logprobs is not None:
+                    lp = _Logprobs(served.tokenizer, chars)
+                    if prefix:
+                        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+                            lp.add(token, entry)
+                    for token, entry in zip(c.token_ids[toks:], (c.logprobs or [])[toks:]):
+                        lp.add(token, entry)
+                    lp = lp.body()
+                yield chunk(index, prefix + c.text[chars:upto], lp, c.finish_reason)
+                sent[index] = (-1, 0) if c.finished else (upto, len(c.token_ids))
+        if req.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created,
+                       "model": served.name, "choices": [],
+                       "usage": usage([finals[i] for i in sorted(finals)])})
+    except Exception as e:          # noqa: BLE001 - an error after the stream began
+        yield sse_error(e)
+    yield SSE_DONE
+
+
+async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
+    served.check_model(req.model)
+    calls = _calls(served, req, await _prompts(served, req.prompt))
+    for c in calls:    # every prompt checked before any runs
+        served.engine.engine.input_processor.validate(c.prompt_ids, c.params)
+    if req.stream:
+        return StreamingResponse(_stream(served, req, calls, now()),
+                                 media_type="text/event-stream")
+    outputs = await collect(served, calls, raw)
+    return JSONResponse(_final(served, req, outputs))

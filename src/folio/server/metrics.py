@@ -1,0 +1,96 @@
+"""Prometheus metrics, named as vLLM's under `folio:` and labelled `model_name`.
+
+One registry per app (never the global one), updated from the engine thread
+after every step. `folio:num_requests_waiting` is the queue length to
+autoscale on.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from folio.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, label = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(f"folio:{name}", doc, label, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"folio:{name}", doc, label, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"folio:{name}", doc, label, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc",
+                              "Fraction (0-1) of KV blocks held by some sequence.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.success = Counter("folio:request_success", "Finished requests by reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                             _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        self.model_name = model_name
+        self._seen: dict[str, tuple[int, float]] = {}   # request id -> (tokens, last time)
+        self._preemptions_seen = 0
+
+    def on_step(self, engine, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each step."""
+        sched = engine.scheduler
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(sched.kv.usage())
+        if sched.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = sched.num_preemptions
+        for out in outputs:
+            self._on_output(out)
+
+    def _on_output(self, out: RequestOutput) -> None:
+        m = out.metrics
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        seen, last = self._seen.get(out.request_id, (0, None))
+        new = tokens - seen
+        if new > 0 and m is not None and m.last_token_time is not None:
+            if seen == 0:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                new_after_first = new - 1
+            else:
+                new_after_first = new
+            if last is not None and new_after_first > 0:
+                gap = (m.last_token_time - last) / new_after_first
+                for _ in range(new_after_first):
+                    self.itl.observe(gap)
+            self.generation_tokens.inc(new)
+            self._seen[out.request_id] = (tokens, m.last_token_time)
+        if out.finished:
+            self._seen.pop(out.request_id, None)
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self.success.labels(self.model_name, reason or "abort").inc()
+            if m is not None and m.finished_time is not None:
+                self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

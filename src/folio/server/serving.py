@@ -1,0 +1,157 @@
+"""What the completion and chat handlers share: the served model's state,
+running several engine requests for one HTTP request, streaming them as
+server-sent events, and aborting everything when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from folio.engine.async_engine import AsyncLLMEngine
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+from folio.server.protocol import error_body
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.status, self.param), self.status)
+
+
+@dataclass
+class ServedModel:
+    engine: AsyncLLMEngine
+    name: str
+    max_model_len: int
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, requested: Optional[str]) -> None:
+        if requested is not None and requested != self.name:
+            raise HTTPError(404, f"The model `{requested}` does not exist.", "model")
+
+    def max_tokens_for(self, prompt_len: int, asked: Optional[int]) -> int:
+        """The completion budget: asked for, or what the context has left."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise HTTPError(400, f"This model's maximum context length is "
+                                 f"{self.max_model_len} tokens, but the prompt has {prompt_len} "
+                                 f"tokens, leaving no room for a completion.", "prompt")
+        if asked is None:
+            return room
+        if asked < 1:
+            raise HTTPError(400, f"max_tokens must be at least 1, got {asked}", "max_tokens")
+        if prompt_len + asked > self.max_model_len:
+            raise HTTPError(400, f"This model's maximum context length is {self.max_model_len} "
+                                 f"tokens. However, you requested {prompt_len + asked} tokens "
+                                 f"({prompt_len} in the prompt, {asked} for the completion).",
+                            "max_tokens")
+        return asked
+
+
+@dataclass
+class EngineCall:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+async def collect(served: ServedModel, calls: list[EngineCall],
+                  raw: Request) -> list[RequestOutput]:
+    """Run the calls to completion; a client that disconnects aborts them all."""
+    async def one(call: EngineCall) -> RequestOutput:
+        last = None
+        async for last in served.engine.generate(call.request_id, call.prompt, call.prompt_ids,
+                                                 call.params, call.priority):
+            pass
+        return last
+
+    task = asyncio.ensure_future(asyncio.gather(*(one(c) for c in calls)))
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:      # noqa: BLE001 - the abort is what matters here
+                pass
+
+
+async def merged(served: ServedModel, calls: list[EngineCall]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index of the call, output) as they come, from all calls at once."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(i: int, call: EngineCall) -> None:
+        try:
+            async for out in served.engine.generate(call.request_id, call.prompt,
+                                                    call.prompt_ids, call.params, call.priority):
+                await queue.put((i, out))
+        except Exception as e:          # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done_marker))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:           # cancelling a pump aborts its engine request
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    status = e.status if isinstance(e, HTTPError) else 400 if isinstance(e, ValueError) else 500
+    return sse(error_body(str(e), status))
+
+
+def holdback(params: SamplingParams) -> int:
+    """Characters a stream keeps back so a stop string is never half-sent."""
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
