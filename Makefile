@@ -20,8 +20,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
 run: $(STAMP)
-	$(BIN)/folio generate --prompt "Write a haiku about paged memory." --max-tokens 64
+	$(BIN)/folio serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
