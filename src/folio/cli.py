@@ -1,4 +1,4 @@
-"""folio serve | generate | chat | bench throughput.
+"""folio serve | generate | chat | bench throughput | bench serve.
 
 Engine options use vLLM's flag names so existing command lines carry over.
 """
@@ -155,6 +155,11 @@ def _read_template(value: str) -> str:
     return open(value).read() if os.path.exists(value) else value
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from folio.bench.serve_cli import cmd_bench_serve
+    return cmd_bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    from folio.bench.serve import add_serve_args
+    sv = bench.add_parser("serve", help="latency and throughput of a running server")
+    add_serve_args(sv)
+    sv.set_defaults(func=_bench_serve)
     return parser
 
 

@@ -128,3 +128,30 @@ def test_sigterm_under_load_exits_cleanly(tiny_model):
 
 def srv_name(srv) -> str:
     return http("GET", srv.url + "/v1/models")[2]["data"][0]["id"]
+
+
+def test_health_is_503_when_the_model_cannot_load(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", str(tmp_path / "nope"),
+                             "--port", str(port), "--uvicorn-log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        def answered():
+            try:
+                return http("GET", f"http://127.0.0.1:{port}/health")
+            except OSError:
+                return None
+        assert wait_for(lambda: (answered() or (None,))[0] == 503 and
+                        "failed to load" in answered()[2]["error"]["message"], 60)
+        status, _, err = http("POST", f"http://127.0.0.1:{port}/v1/completions",
+                              {"prompt": "hi"})
+        assert status == 503 and "nope" in err["error"]["message"]
+    finally:
+        import os
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -1,0 +1,175 @@
+"""`folio bench serve`: drive a running server with streaming requests.
+
+Arrivals are Poisson at --request-rate (default: all at once), capped by
+--max-concurrency. Every request streams; the client times the first token
+(TTFT), each later chunk (inter-token latency), the time per output token after
+the first (TPOT) and the whole request (E2E).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from folio.bench.datasets import BenchRequest
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="served model name (default: the server's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model whose tokenizer builds the workload (default: --model, else the "
+                        "default model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--dataset", default="random")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", default="32:384")
+    p.add_argument("--output-len", default="32:192")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--slo", default=None, help="goodput targets, e.g. ttft_ms=500,tpot_ms=50")
+    p.add_argument("--save-result", default=None, help="write the result JSON here")
+    p.add_argument("--sweep-rates", default=None,
+                   help="comma-separated rates: run each and plot latency and throughput")
+    p.add_argument("--plot", default="bench-serve-sweep.png", help="PNG for --sweep-rates")
+    p.add_argument("--json", action="store_true")
+
+
+def parse_slo(text: Optional[str]) -> dict[str, float]:
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            raise ValueError(f"unknown SLO {key!r}: use ttft_ms, tpot_ms, e2e_ms")
+        out[key.strip()] = float(value)
+    return out
+
+
+def _payload(args, model: str, req: BenchRequest, text: Optional[str]) -> dict:
+    body = {"model": model, "max_tokens": req.max_tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    if args.endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = req.prompt_token_ids if text is None else text
+    return body
+
+
+async def _one(session, args, model: str, req: BenchRequest, text: Optional[str]) -> Result:
+    result = Result(ok=False, prompt_tokens=len(req.prompt_token_ids))
+    start = last = time.perf_counter()
+    try:
+        async with session.post(args.base_url + args.endpoint,
+                                json=_payload(args, model, req, text)) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except Exception as e:          # noqa: BLE001 - counted as a failed request
+        result.error = repr(e)
+    return result
+
+
+async def _drive(args, model: str, requests: list[BenchRequest], texts, rate: float):
+    import aiohttp
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    rng = random.Random(args.seed)
+    timeout = aiohttp.ClientTimeout(total=3600)
+
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def gated(req, text):
+            async with limit:
+                return await _one(session, args, model, req, text)
+
+        tasks, t0 = [], time.perf_counter()
+        for req, text in zip(requests, texts):
+            tasks.append(asyncio.ensure_future(gated(req, text)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"mean": statistics.fmean(values) * 1000, "median": statistics.median(values) * 1000,
+            "p99": p99 * 1000}
+
+
+def summarize(results: list[Result], seconds: float, slo: dict[str, float], rate: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def good(r: Result) -> bool:
+        checks = {"ttft_ms": r.ttft, "tpot_ms": r.tpot or 0.0, "e2e_ms": r.e2e}
+        return all(checks[k] * 1000 <= v for k, v in slo.items())
+
+    summary = {
+        "request_rate": rate if rate != float("inf") else "inf",
+        "completed": len(ok), "failed": len(results) - len(ok), "seconds": seconds,
+        "request_throughput": len(ok) / seconds, "output_throughput": out_tokens / seconds,
+        "total_token_throughput": (in_tokens + out_tokens) / seconds,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    if slo:
+        summary["slo"] = slo
+        summary["goodput"] = sum(good(r) for r in ok) / seconds
+    return summary
