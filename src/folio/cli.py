@@ -1,4 +1,4 @@
-"""folio serve | generate | chat | bench throughput | bench serve.
+"""folio serve | generate | chat | bench throughput | serve | memory.
 
 Engine options use vLLM's flag names so existing command lines carry over.
 """
@@ -28,13 +28,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: Optional[int]) -> None:
@@ -155,6 +158,19 @@ def _read_template(value: str) -> str:
     return open(value).read() if os.path.exists(value) else value
 
 
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    import json
+
+    from folio.bench.memory import bench_memory, print_memory
+    from folio.engine.llm_engine import LLMEngine
+    result = bench_memory(args, LLMEngine.from_args(args.model, **engine_kwargs(args)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_memory(result)
+    return 0
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from folio.bench.serve_cli import cmd_bench_serve
     return cmd_bench_serve(args)
@@ -200,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bench.add_parser("serve", help="latency and throughput of a running server")
     add_serve_args(sv)
     sv.set_defaults(func=_bench_serve)
+    from folio.bench.memory import add_memory_args
+    mem = bench.add_parser("memory", help="KV blocks saved by sharing (n > 1, shared prefixes)")
+    add_memory_args(mem)
+    add_engine_args(mem)
+    mem.set_defaults(func=cmd_bench_memory)
     return parser
 
 

@@ -46,3 +46,4 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     metrics: Optional[RequestMetrics] = None
     num_preemptions: int = 0
+    num_cached_tokens: Optional[int] = None     # prompt tokens served from the prefix cache

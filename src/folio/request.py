@@ -77,10 +77,19 @@ class Request:
         self.num_preemptions = 0
         self.num_prompt_logprobs_done = 0   # prompt positions already scored
         self.first_scheduled_time: Optional[float] = None
+        self.num_cached_tokens: Optional[int] = None   # prompt tokens found in the prefix cache
+        # n > 1: the prompt is computed once, for the first sequence; the others
+        # fork from it when its last prompt token is sampled.
+        self.forked = len(seqs) == 1
 
     @property
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]
+
+    @property
+    def kv_seqs(self) -> list[Sequence]:
+        """The live sequences that hold (or are about to hold) KV blocks."""
+        return self.live_seqs if self.forked else self.seqs[:1]
 
     @property
     def num_tokens(self) -> int:

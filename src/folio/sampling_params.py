@@ -26,12 +26,24 @@ class SamplingParams:
     logprobs: Optional[int] = None          # top logprobs per generated token (0: the chosen one)
     prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0           # - p if the token was generated already
+    frequency_penalty: float = 0.0          # - f x times it was generated
+    repetition_penalty: float = 1.0         # logits of prompt or generated tokens / r (x r if < 0)
+    min_p: float = 0.0                      # drop tokens below min_p x the top probability
+    logit_bias: Optional[dict[int, float]] = None   # token id -> added to its logit
+    min_tokens: int = 0                     # no EOS or stop token before this many
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError("logit_bias must map token ids to numbers") from e
         self._validate()
 
     def _validate(self) -> None:
@@ -53,6 +65,30 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling depends on the tokens seen so far (penalties)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -28,9 +28,12 @@ class FakeRunner:
             self.seen[s.seq_id] += len(s.token_ids)
             if s.sample:
                 pos = s.start_pos + len(s.token_ids)
-                out.seq_ids.append(s.seq_id)
-                out.token_ids.append((s.seq_id * 31 + pos) % self.vocab)
-                out.logprobs.append(-1.0)
+                for seq_id in [s.seq_id] + [c for c, _ in s.fork_children or []]:
+                    if seq_id != s.seq_id:
+                        self.seen[seq_id] = pos     # the child starts with the parent's cache
+                    out.seq_ids.append(seq_id)
+                    out.token_ids.append((seq_id * 31 + pos) % self.vocab)
+                    out.logprobs.append(-1.0)
         return out
 
 
@@ -38,9 +41,13 @@ _next_seq = [0]
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, n: int = 1,
-                 eos: tuple[int, ...] = (), **params) -> Request:
+                 eos: tuple[int, ...] = (), prompt: list[int] | None = None,
+                 **params) -> Request:
+    """Prompts differ between calls (no accidental prefix-cache hits) unless given."""
     seqs = []
-    prompt = [(i * 7) % 1000 for i in range(prompt_len)]
+    _next_seq[0] += 1
+    if prompt is None:
+        prompt = [(i * 7 + _next_seq[0] * 13) % 1000 for i in range(prompt_len)]
     for i in range(n):
         _next_seq[0] += 1
         seqs.append(Sequence(_next_seq[0], i, prompt, seed=i))

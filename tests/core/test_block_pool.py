@@ -34,13 +34,49 @@ def test_take_more_than_free_raises():
         BlockPool(0)
 
 
+def ids(grants):
+    return None if grants is None else [g.new_block_ids for g in grants]
+
+
 def test_allocate_slots_all_or_nothing():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    assert kv.allocate_slots([1], 5) == [[0, 1]]          # ceil(5/4) = 2 blocks
-    assert kv.allocate_slots([1], 8) == [[]]              # still 2
-    assert kv.allocate_slots([1, 2], 12) is None          # needs 1 + 3 > 2 free
+    assert ids(kv.allocate_slots([1], 0, 5)) == [[0, 1]]       # ceil(5/4) = 2 blocks
+    assert ids(kv.allocate_slots([1], 5, 8)) == [[]]           # still 2
+    assert kv.allocate_slots([1, 2], 8, 12) is None            # needs 1 + 3 > 2 free
     assert kv.num_free_blocks == 2 and kv.num_blocks_of(2) == 0
-    assert kv.allocate_slots([2], 8) == [[2, 3]]
+    assert ids(kv.allocate_slots([2], 0, 8)) == [[2, 3]]
     kv.free(1)
     kv.free(2)
     assert kv.num_free_blocks == 4
+
+
+def test_fork_then_copy_on_write():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    kv.allocate_slots([1], 0, 6)                   # 6 prompt tokens: blocks 0 and 1 (partial)
+    kv.fork(1, 2)
+    kv.fork(1, 3)
+    assert [b.ref_cnt for b in kv.tables[1]] == [3, 3]
+    grants = kv.allocate_slots([1, 2, 3], 6, 7)    # each writes token 6 into block 1
+    assert [g.copy for g in grants[:2]] == [(1, 2), (1, 3)]
+    assert grants[2].copy is None                  # the last holder writes in place
+    assert kv.block_ids(3) == [0, 1] and kv.block_ids(1) == [0, 2]
+    assert [b.ref_cnt for b in kv.tables[3]] == [3, 1]
+    for s in (1, 2, 3):
+        kv.free(s)
+    assert kv.num_free_blocks == 8
+
+
+def test_prefix_cache_hit_and_eviction():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    tokens = [5, 6, 7, 8, 9]
+    kv.allocate_slots([1], 0, 5)
+    kv.cache_full_blocks(1, tokens, 5)             # blocks of [5, 6] and [7, 8] published
+    kv.free(1)
+    assert kv.attach_cached_prefix(2, tokens + [1], 5) == 4
+    assert kv.block_ids(2) == [0, 1] and kv.num_free_blocks == 2
+    assert kv.attach_cached_prefix(3, [5, 6, 0, 0], 3) == 2       # only the first block
+    kv.free(2)
+    kv.free(3)
+    kv.allocate_slots([4], 0, 8)                   # needs every block: the cache is evicted
+    assert kv.pool.cached == {} and kv.attach_cached_prefix(5, tokens, 4) == 0
+    kv.free(4)

@@ -18,10 +18,12 @@ def check_invariants(sched: Scheduler) -> None:
     for block in sched.kv.pool.blocks:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
         assert sched.kv.pool.is_free(block.block_id) == (block.ref_cnt == 0), block
+    for h, block in sched.kv.pool.cached.items():
+        assert block.block_hash == h
     live = {s.seq_id for r in sched.requests.values() for s in r.live_seqs}
     assert set(sched.kv.tables) <= live
     for req in sched.running:
-        for seq in req.live_seqs:
+        for seq in req.kv_seqs:
             assert sched.kv.num_blocks_of(seq.seq_id) == cdiv(req.num_computed_tokens,
                                                               sched.kv.block_size)
     assert len(sched.running) <= sched.config.max_num_seqs
@@ -42,8 +44,12 @@ def test_random_operations_keep_the_pool_consistent(seed):
         if op < 0.25:
             prompt = rng.randint(1, min(cfg.max_model_len - 1, 3 * block_size * 4))
             n = rng.choice([1, 1, 1, 2, 3])
+            # Half the prompts start with a shared prefix: prefix-cache hits.
+            tokens = ([t % 50 for t in range(prompt)] if rng.random() < 0.5
+                      else [rng.randrange(50) for _ in range(prompt)])
             req = make_request(str(next_id), prompt, max_tokens=rng.choice([rng.randint(1, 40), None]), n=n,
-                               eos=(rng.randrange(50),), ignore_eos=rng.random() < 0.5)
+                               eos=(rng.randrange(50),), ignore_eos=rng.random() < 0.5,
+                               prompt=tokens)
             next_id += 1
             try:
                 sched.add_request(req)
@@ -61,3 +67,4 @@ def test_random_operations_keep_the_pool_consistent(seed):
     check_invariants(sched)
     assert sched.kv.num_free_blocks == num_blocks and not sched.kv.tables
     assert finished > 0
+    assert sched.prefix_cache_hits > 0

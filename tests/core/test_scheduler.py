@@ -81,11 +81,12 @@ def test_stop_conditions():
     assert r_len.seqs[0].num_output_tokens == 2 and r_len.seqs[0].finish_reason == "length"
     assert r_max.seqs[0].num_output_tokens == 2
     # EOS unless ignore_eos; stop_token_ids always, with stop_reason set
-    first = (make_request("x", 3).seqs[0].seq_id + 1) * 31 + 3   # token the fake samples first
-    r_eos = make_request("eos", 3, max_tokens=5, eos=(first % 1000,))
+    r_eos = make_request("eos", 3, max_tokens=5)
+    first = (r_eos.seqs[0].seq_id * 31 + 3) % 1000        # the token the fake samples first
+    r_eos.eos_token_ids = frozenset({first})
     sched.add_request(r_eos)
     run_to_end(sched, runner)
-    assert r_eos.seqs[0].output_token_ids == [first % 1000]
+    assert r_eos.seqs[0].output_token_ids == [first]
     assert r_eos.seqs[0].finish_reason == "stop" and r_eos.seqs[0].stop_reason is None
 
 

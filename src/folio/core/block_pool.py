@@ -1,9 +1,12 @@
-"""The pool of KV blocks: reference counts and a free queue.
+"""The pool of KV blocks: reference counts, a free queue and the prefix cache.
 
 A block is free when its reference count is 0. Free blocks wait in an LRU
 queue (an OrderedDict: O(1) append, pop-oldest and removal by id) so that a
-block freed long ago is reused first; prefix caching will later take a cached
-block back out of the middle of the queue, which is why removal must be O(1).
+block freed long ago is reused first. A full block may carry a hash of its
+tokens and of every token before them; it stays findable by that hash while it
+waits in the free queue, and a prefix-cache hit takes it back out of the middle
+of the queue (hence O(1) removal). Only when the queue hands it out for new
+tokens does it lose its hash: eviction is LRU and never touches a held block.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVBlock] = {}        # block hash -> the block holding it
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,9 +55,21 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:        # evict it from the prefix cache
+                del self.cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def lookup(self, block_hash: int):
+        return self.cached.get(block_hash)
+
+    def set_hash(self, block: KVBlock, block_hash: int) -> None:
+        """Publish a full block under its hash (first holder of a hash wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
 
     def share(self, blocks: Iterable[KVBlock]) -> None:
         """One more holder for each block (fork, prefix hit)."""

@@ -1,14 +1,27 @@
-"""Per-sequence block tables on top of the block pool.
+"""Per-sequence block tables on top of the block pool: allocation, sharing,
+copy-on-write and prefix caching.
 
     sequence tokens:  t0 .. t15 | t16 .. t31 | t32 t33 _ _ ...
     block table:      [  7      ,    2       ,   9      ]      (logical -> physical)
     slot of token i:  table[i // block_size] * block_size + i % block_size
 
 A sequence holds exactly ceil(tokens it has or is about to compute / block_size)
-blocks. `allocate_slots` either takes all the blocks a step needs or nothing.
+blocks. `allocate_slots` either takes everything a step needs or nothing.
+
+Sharing: forked sequences (n > 1) hold the same blocks, each counted once per
+holder. A sequence about to write into a block someone else also holds first
+gets its own copy: a new block, and (source, copy) in the step's copy list.
+Full blocks are never written again, so they are shared without copies.
+
+Prefix caching: a full block is published under a chained hash of (the
+previous block's hash, its tokens); a new sequence takes the longest run of
+published blocks matching its prompt and computes only the rest.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
 
 from folio.core.block_pool import BlockPool, KVBlock
 
@@ -17,47 +30,134 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class SlotGrant:
+    """What one sequence got for a step."""
+
+    new_block_ids: list[int] = field(default_factory=list)
+    copy: Optional[tuple[int, int]] = None      # (source, destination) when copied on write
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.tables: dict[int, list[KVBlock]] = {}   # seq_id -> its blocks, in order
+        self._hashes: dict[int, list[int]] = {}      # seq_id -> hashes of its full blocks
+        self._published: dict[int, int] = {}         # seq_id -> leading blocks published
 
-    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
-        have = len(self.tables.get(seq_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - have)
+    # ---- allocation ------------------------------------------------------------
+    def _needs(self, seq_ids: list[int], num_computed: int,
+               num_tokens: int) -> list[tuple[int, bool]]:
+        """Per sequence: (new blocks to take, whether the block it writes first
+        must be copied). Of several sequences sharing that block, all but the
+        last holder copy; the last one writes in place."""
+        planned: dict[int, int] = {}      # block id -> copies already planned this call
+        needs = []
+        index = num_computed // self.block_size
+        for seq_id in seq_ids:
+            table = self.tables.get(seq_id, ())
+            grow = max(0, cdiv(num_tokens, self.block_size) - len(table))
+            cow = False
+            if (num_tokens > num_computed and num_computed % self.block_size != 0
+                    and index < len(table)):
+                block = table[index]
+                cow = block.ref_cnt - planned.get(block.block_id, 0) > 1
+                if cow:
+                    planned[block.block_id] = planned.get(block.block_id, 0) + 1
+            needs.append((grow, cow))
+        return needs
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.pool.num_free_blocks
-
-    def allocate_slots(self, seq_ids: list[int], num_tokens: int) -> list[list[int]] | None:
-        """Grow each sequence's table to cover `num_tokens` tokens.
-
-        Returns the new block ids per sequence, or None (and changes nothing)
-        when the pool cannot cover all of them: the caller then preempts.
-        """
-        needs = [self.blocks_needed(s, num_tokens) for s in seq_ids]
-        if not self.can_allocate(sum(needs)):
+    def allocate_slots(self, seq_ids: list[int], num_computed: int,
+                       num_tokens: int) -> Optional[list[SlotGrant]]:
+        """Make each sequence able to hold `num_tokens` tokens, of which
+        `num_computed` are in the cache. None (and nothing changed) when the
+        pool cannot cover all of them: the caller then preempts."""
+        needs = self._needs(seq_ids, num_computed, num_tokens)
+        if sum(g + c for g, c in needs) > self.pool.num_free_blocks:
             return None
-        new_ids = []
-        for seq_id, need in zip(seq_ids, needs):
-            blocks = self.pool.take(need)
-            self.tables.setdefault(seq_id, []).extend(blocks)
-            new_ids.append([b.block_id for b in blocks])
-        return new_ids
+        grants = []
+        for seq_id, (grow, cow) in zip(seq_ids, needs):
+            table = self.tables.setdefault(seq_id, [])
+            grant = SlotGrant()
+            if cow:
+                index = num_computed // self.block_size
+                old, (new,) = table[index], self.pool.take(1)
+                table[index] = new
+                self.pool.release([old])
+                grant.copy = (old.block_id, new.block_id)
+            blocks = self.pool.take(grow)
+            table.extend(blocks)
+            grant.new_block_ids = [b.block_id for b in blocks]
+            grants.append(grant)
+        return grants
 
-    def block_ids(self, seq_id: int) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq_id, ())]
-
-    def num_blocks_of(self, seq_id: int) -> int:
-        return len(self.tables.get(seq_id, ()))
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child holds the parent's blocks too (copy-on-write later)."""
+        blocks = self.tables[parent_id]
+        self.pool.share(blocks)
+        self.tables[child_id] = list(blocks)
+        if parent_id in self._hashes:
+            self._hashes[child_id] = list(self._hashes[parent_id])
+            self._published[child_id] = self._published.get(parent_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks; the last block first so that the free
         queue's LRU order keeps a prompt's leading blocks longest."""
         blocks = self.tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        self._published.pop(seq_id, None)
         if blocks:
             self.pool.release(reversed(blocks))
+
+    # ---- prefix caching --------------------------------------------------------
+    def _block_hashes(self, seq_id: int, token_ids: list[int], num_full: int) -> list[int]:
+        hashes = self._hashes.setdefault(seq_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
+        return hashes[:num_full]
+
+    def attach_cached_prefix(self, seq_id: int, token_ids: list[int], limit: int) -> int:
+        """Give a fresh sequence the published blocks matching its first tokens
+        (whole blocks, at most `limit` tokens); returns the tokens covered."""
+        if not self.enable_caching or limit < self.block_size:
+            return 0
+        hits = []
+        for h in self._block_hashes(seq_id, token_ids, limit // self.block_size):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        if hits:
+            self.pool.share(hits)
+            self.tables[seq_id] = hits
+            self._published[seq_id] = len(hits)
+        return len(hits) * self.block_size
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Publish the sequence's blocks whose tokens are all in the cache now."""
+        if not self.enable_caching:
+            return
+        table = self.tables.get(seq_id, ())
+        num_full = min(num_computed // self.block_size, len(table))
+        start = self._published.get(seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq_id, token_ids, num_full)
+        for i in range(start, num_full):
+            self.pool.set_hash(table[i], hashes[i])
+        self._published[seq_id] = num_full
+
+    # ---- queries ---------------------------------------------------------------
+    def block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq_id, ())]
+
+    def num_blocks_of(self, seq_id: int) -> int:
+        return len(self.tables.get(seq_id, ()))
 
     @property
     def num_free_blocks(self) -> int:

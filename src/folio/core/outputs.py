@@ -20,6 +20,19 @@ class SamplingInfo:
     seed: int
     logprobs: Optional[int] = None          # top-k logprobs wanted per sampled token
     prompt_logprobs: Optional[int] = None   # top-k logprobs wanted per prompt token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
+    min_tokens: int = 0
+    min_tokens_banned: tuple[int, ...] = ()    # EOS and stop ids, masked before min_tokens
+    num_prompt_tokens: int = 0                 # where the sequence's output starts
+
+    @property
+    def needs_history(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or self.min_tokens > 0)
 
 
 @dataclass
@@ -34,6 +47,12 @@ class ScheduledSeq:
     # Prompt tokens at positions start_pos + 1 .. (within the prompt): the row of
     # position p scores token p + 1. Set only when prompt logprobs were asked for.
     prompt_targets: Optional[list[Optional[int]]] = None   # None rows: scored already
+    # n > 1 at the end of the prompt: also sample these sequences from this row;
+    # each then starts with a copy of this sequence's block table.
+    fork_children: Optional[list[tuple[int, "SamplingInfo"]]] = None
+    # (Re)started after a prefix-cache hit, for samplers that need every token
+    # seen (penalties, min_tokens): the tokens before start_pos.
+    history_prefix: Optional[list[int]] = None
 
 
 @dataclass

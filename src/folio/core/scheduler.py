@@ -17,16 +17,19 @@ from collections import deque
 from typing import Iterable, Optional
 
 from folio.config import SchedulerConfig
-from folio.core.kv_cache_manager import KVCacheManager, cdiv
+from folio.core.kv_cache_manager import KVCacheManager, SlotGrant, cdiv
 from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput, SamplingInfo,
                                 ScheduledSeq, SchedulerOutput)
 from folio.request import Request, RequestStatus, Sequence
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True):
         self.config = config
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.prefix_cache_queries = 0     # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0        # of which found
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -41,7 +44,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        need = cdiv(len(request.prompt_token_ids) + 1, self.kv.block_size) * len(request.seqs)
+        # The prompt's blocks once, plus one copied block per extra sample.
+        need = cdiv(len(request.prompt_token_ids) + 1, self.kv.block_size) + len(request.seqs) - 1
         if need > self.kv.pool.num_blocks:
             raise ValueError(
                 f"the request needs {need} KV blocks but the whole cache has "
@@ -98,7 +102,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget // len(req.live_seqs))
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget // len(req.kv_seqs))
             if num_new <= 0:
                 idx += 1
                 continue
@@ -125,23 +129,48 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.num_preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget // len(req.live_seqs))
-            new_ids = self._allocate(req, num_new) if num_new > 0 else None
-            if new_ids is None:
+            grants = self._admit(req, budget)
+            if grants is None:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            budget -= self._emit(out, req, num_new, new_ids)
+            budget -= self._emit(out, req, min(req.num_tokens - req.num_computed_tokens,
+                                               budget // len(req.kv_seqs)), grants)
         return out
+
+    def _admit(self, req: Request, budget: int):
+        """Blocks for a waiting request's next chunk, after taking what the prefix
+        cache has for it; None (the cache left as it was) when they do not fit."""
+        seqs = req.kv_seqs
+        cached = 0
+        if len(seqs) == 1 and req.params.prompt_logprobs is None:
+            seq = seqs[0]
+            # Whole blocks only, and never the last token: its logits are needed.
+            cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, req.num_tokens - 1)
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += cached
+        req.num_computed_tokens = cached
+        num_new = min(req.num_tokens - cached, budget // len(seqs))
+        grants = self._allocate(req, num_new) if num_new > 0 else None
+        if grants is None and cached:
+            self.kv.free(seqs[0].seq_id)
+            req.num_computed_tokens = 0
+            self.prefix_cache_queries -= req.num_tokens
+            self.prefix_cache_hits -= cached
+        elif grants is not None and req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+        return grants
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = [EngineCoreOutput(r.request_id, s.index, [], [], s.finish_reason)
                    for r in self.finished_by_capacity for s in r.seqs]
         self.finished_by_capacity = []
+        self._cache_computed_blocks(sched_out)
+        self._fork_new_children(runner_out)
         by_seq: dict[int, EngineCoreOutput] = {}
         for seq_id, scored in runner_out.prompt_logprobs.items():
             entry = self._seqs.get(seq_id)
@@ -176,30 +205,63 @@ class Scheduler:
         return outputs + list(by_seq.values())
 
     # ---- helpers -------------------------------------------------------------
-    def _allocate(self, req: Request, num_new: int) -> Optional[list[list[int]]]:
-        seq_ids = [s.seq_id for s in req.live_seqs]
-        return self.kv.allocate_slots(seq_ids, req.num_computed_tokens + num_new)
+    def _cache_computed_blocks(self, sched_out: SchedulerOutput) -> None:
+        for s in sched_out.seqs:
+            entry = self._seqs.get(s.seq_id)
+            if entry is not None and not entry[1].status.is_finished:
+                self.kv.cache_full_blocks(s.seq_id, entry[1].token_ids,
+                                          s.start_pos + len(s.token_ids))
+
+    def _fork_new_children(self, runner_out: ModelRunnerOutput) -> None:
+        for seq_id in runner_out.seq_ids:
+            entry = self._seqs.get(seq_id)
+            if entry is None or entry[0].forked or entry[1].index == 0:
+                continue
+            req, child = entry
+            if req.seqs[0].seq_id in self.kv.tables and not child.status.is_finished:
+                self.kv.fork(req.seqs[0].seq_id, child.seq_id)
+                self._started.add(child.seq_id)   # the runner copied the table itself
+            if child is req.seqs[-1]:
+                req.forked = True
+
+    def _allocate(self, req: Request, num_new: int) -> Optional[list[SlotGrant]]:
+        seq_ids = [s.seq_id for s in req.kv_seqs]
+        return self.kv.allocate_slots(seq_ids, req.num_computed_tokens,
+                                      req.num_computed_tokens + num_new)
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int,
-              new_ids: list[list[int]]) -> int:
+              grants: list[SlotGrant]) -> int:
         start = req.num_computed_tokens
         reaches_end = start + num_new == req.num_tokens
-        live = req.live_seqs
-        for seq, blocks in zip(live, new_ids):
+        seqs = req.kv_seqs
+        for seq, grant in zip(seqs, grants):
             fresh = seq.seq_id not in self._started
+            if grant.copy is not None:
+                out.blocks_to_copy.append(grant.copy)
             out.seqs.append(ScheduledSeq(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start:start + num_new],
                 start_pos=start,
-                new_block_ids=blocks,
-                block_ids=self.kv.block_ids(seq.seq_id) if fresh else None,
-                sampling=self._sampling_info(req.params, seq) if fresh else None,
+                new_block_ids=grant.new_block_ids,
+                block_ids=(self.kv.block_ids(seq.seq_id)
+                           if fresh or grant.copy is not None else None),
+                sampling=self._sampling_info(req, seq) if fresh else None,
                 sample=reaches_end,
-                prompt_targets=self._prompt_targets(req, seq, start, num_new)))
+                prompt_targets=self._prompt_targets(req, seq, start, num_new),
+                fork_children=self._fork_children(req) if reaches_end else None,
+                history_prefix=(seq.token_ids[:start] if fresh and start and
+                                (req.params.needs_history or req.params.min_tokens) else None)))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
         req.num_computed_tokens += num_new
-        return num_new * len(live)
+        return num_new * len(seqs)
+
+    def _fork_children(self, req: Request):
+        """At the end of the shared prompt, the other samples are drawn from the
+        same logits and then hold the prompt's blocks with the first one."""
+        if req.forked:
+            return None
+        return [(s.seq_id, self._sampling_info(req, s)) for s in req.seqs[1:]]
 
     @staticmethod
     def _prompt_targets(req: Request, seq: Sequence, start: int, num_new: int):
@@ -216,9 +278,15 @@ class Scheduler:
         return [None] * (first - start) + seq.token_ids[first + 1:end + 1]
 
     @staticmethod
-    def _sampling_info(p, seq: Sequence) -> SamplingInfo:
-        return SamplingInfo(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed,
-                            p.logprobs, p.prompt_logprobs)
+    def _sampling_info(req: Request, seq: Sequence) -> SamplingInfo:
+        p = req.params
+        banned = () if not p.min_tokens else tuple(sorted(
+            set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))))
+        return SamplingInfo(
+            0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed, p.logprobs,
+            p.prompt_logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+            p.min_p, tuple(sorted(p.logit_bias.items())) if p.logit_bias else None,
+            p.min_tokens, banned, seq.num_prompt_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -234,9 +302,11 @@ class Scheduler:
 
     def _stop_status(self, req: Request, seq: Sequence, token: int) -> Optional[RequestStatus]:
         p = req.params
-        if not p.ignore_eos and token in req.eos_token_ids:
+        if seq.num_output_tokens < p.min_tokens:
+            pass                        # EOS and stop ids were masked out by the sampler
+        elif not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
+        elif token in p.stop_token_ids:
             seq.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:

@@ -54,6 +54,11 @@ class InputProcessor:
             if asked is not None and asked > self.config.max_logprobs:
                 raise ValueError(f"{name}={asked} is more than max_logprobs "
                                  f"({self.config.max_logprobs})")
+        if params.logit_bias:
+            outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if outside:
+                raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]

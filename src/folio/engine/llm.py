@@ -27,14 +27,15 @@ class LLM:
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, seed: int = 0,
                  device: Optional[str] = None, tensor_parallel_size: int = 1,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, enable_prefix_caching: bool = True):
         configure_logging()
         config = FolioConfig.build(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
             block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            tensor_parallel_size=tensor_parallel_size, seed=seed, max_logprobs=max_logprobs)
+            tensor_parallel_size=tensor_parallel_size, seed=seed, max_logprobs=max_logprobs,
+            enable_prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

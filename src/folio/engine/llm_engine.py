@@ -28,7 +28,8 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(config.model)
         self.executor = make_executor(config)
         self.num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config.scheduler, self.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), dtype %s on %s",

@@ -150,6 +150,8 @@ class _RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         p = request.params
         self.stop = p.stop
+        self.include_stop = p.include_stop_str_in_output
+        self.min_tokens = p.min_tokens
         self.seqs = [_SeqText(IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
                                                      p.skip_special_tokens))
                      for _ in request.seqs]
@@ -176,7 +178,8 @@ class _RequestState:
             m.finished_time = time.monotonic()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished=finished, prompt_logprobs=self.prompt_logprobs,
-                             metrics=m, num_preemptions=self.request.num_preemptions)
+                             metrics=m, num_preemptions=self.request.num_preemptions,
+                             num_cached_tokens=self.request.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -238,7 +241,7 @@ class OutputProcessor:
 
     def _append_text(self, state: _RequestState, seq: _SeqText, delta: str) -> bool:
         """Add text; True when a stop string ended the sequence."""
-        if not state.stop:
+        if not state.stop or len(seq.token_ids) < state.min_tokens:
             seq.text += delta
             return False
         back = max(len(s) for s in state.stop) - 1
@@ -249,7 +252,7 @@ class OutputProcessor:
         if not hits:
             return False
         i, s = min(hits)
-        seq.text = seq.text[:i]
+        seq.text = seq.text[:i + len(s)] if state.include_stop else seq.text[:i]
         seq.finish_reason, seq.stop_reason = "stop", s
         return True
 

@@ -39,6 +39,10 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.cache_queries = counter("prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._cache_seen = (0, 0)
         self.success = Counter("folio:request_success", "Finished requests by reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
@@ -62,6 +66,10 @@ class ServerMetrics:
         if sched.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = sched.num_preemptions
+        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+        self.cache_queries.inc(max(0, queries - self._cache_seen[0]))
+        self.cache_hits.inc(max(0, hits - self._cache_seen[1]))
+        self._cache_seen = (queries, hits)
         for out in outputs:
             self._on_output(out)
 

@@ -17,11 +17,10 @@ from folio.sampling_params import SamplingParams
 # field -> the value that means "not used"
 _NOT_YET = {
     "response_format": None, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "logit_bias": None, "suffix": None, "guided_json": None,
+    "function_call": None, "suffix": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "use_beam_search": False, "min_p": 0.0, "min_tokens": 0,
+    "use_beam_search": False,
 }
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 class StreamOptions(BaseModel):
@@ -47,17 +46,19 @@ class _Sampling(BaseModel):
     user: Optional[str] = None
     priority: int = 0
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def refuse_missing_features(self) -> None:
         extra = self.model_extra or {}
         for name, unused in _NOT_YET.items():
             if extra.get(name, unused) not in (unused, None):
                 raise ValueError(f"'{name}' is not supported by Folio yet")
-        for name, neutral in _NEUTRAL.items():
-            value = extra.get(name)
-            if value is not None and value != neutral:
-                raise ValueError(f"'{name}' is not supported by Folio yet "
-                                 f"(only the neutral value {neutral} is accepted)")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("'best_of' different from 'n' is not supported by Folio yet")
         if not 1 <= self.n <= 16:
@@ -72,7 +73,11 @@ class _Sampling(BaseModel):
             top_k=0 if self.top_k is None else self.top_k, seed=self.seed,
             max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:

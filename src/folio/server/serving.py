@@ -149,8 +149,10 @@ def holdback(params: SamplingParams) -> int:
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def token_text(tokenizer, token_id: int) -> str:

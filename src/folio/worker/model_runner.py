@@ -16,7 +16,7 @@ import torch
 from folio.config import FolioConfig, cpu_count
 from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
-from folio.model.layers.sampler import SamplingBatch, sample
+from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.device import torch_dtype
@@ -28,6 +28,7 @@ class SeqState:
     block_table: list[int]
     sampling: SamplingInfo
     generator: Optional[torch.Generator]
+    history: Optional[list[int]] = None    # every token computed, for penalties / min_tokens
 
 
 class ModelRunner:
@@ -64,25 +65,45 @@ class ModelRunner:
         self.num_computed_tokens_total += input_ids.shape[0]
         out = ModelRunnerOutput()
         self._score_prompts(hidden, ordered, last_rows, out)
-        sampled = [(s, row) for s, row in zip(ordered, last_rows) if s.sample]
-        if sampled:
-            rows = torch.tensor([row for _, row in sampled], device=self.device)
+        targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
+        for s, row in zip(ordered, last_rows):
+            if s.sample:
+                targets.append((s.seq_id, row))
+                for child_id, info in s.fork_children or ():
+                    self._start_child(child_id, info, s.seq_id)
+                    targets.append((child_id, row))
+        if targets:
+            rows = torch.tensor([row for _, row in targets], device=self.device)
             logits = self.model.compute_logits(hidden[rows])          # [S, V] fp32
-            seqs = [s for s, _ in sampled]
-            result = sample(logits, self._sampling_batch(seqs))
-            out.seq_ids = [s.seq_id for s in seqs]
+            seq_ids = [seq_id for seq_id, _ in targets]
+            result = sample(logits, self._sampling_batch(seq_ids))
+            out.seq_ids = seq_ids
             out.token_ids = result.tokens.tolist()
             out.logprobs = result.logprobs.tolist()
-            out.top_logprobs = self._top_lists(seqs, result)
+            out.top_logprobs = self._top_lists(seq_ids, result)
         return out
 
-    def _top_lists(self, seqs, result) -> list:
+    def _start_child(self, child_id: int, info: SamplingInfo, parent_id: int) -> None:
+        """A forked sample: its own generator, and the parent's block table (the
+        scheduler shares the same blocks; copy-on-write comes later)."""
+        parent = self.states[parent_id]
+        self.states[child_id] = SeqState(list(parent.block_table), info, self._generator(info),
+                                         None if parent.history is None else list(parent.history))
+
+    def _generator(self, info: SamplingInfo) -> Optional[torch.Generator]:
+        if info.temperature <= 0:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(info.seed)
+        return generator
+
+    def _top_lists(self, seq_ids: list[int], result) -> list:
         if result.top_ids is None:
-            return [None] * len(seqs)
+            return [None] * len(seq_ids)
         ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
         tops = []
-        for i, s in enumerate(seqs):
-            k = self.states[s.seq_id].sampling.logprobs
+        for i, seq_id in enumerate(seq_ids):
+            k = self.states[seq_id].sampling.logprobs
             tops.append(None if k is None else list(zip(ids[i][:k], lps[i][:k])))
         return tops
 
@@ -110,15 +131,16 @@ class ModelRunner:
         if state is None:
             if s.sampling is None or s.block_ids is None:
                 raise RuntimeError(f"sequence {s.seq_id} scheduled before it was started")
-            generator = None
-            if s.sampling.temperature > 0:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(s.sampling.seed)
-            self.states[s.seq_id] = SeqState(list(s.block_ids), s.sampling, generator)
+            state = SeqState(list(s.block_ids), s.sampling, self._generator(s.sampling))
+            self.states[s.seq_id] = state
         elif s.block_ids is not None:   # resumed after preemption, or table rewritten
             state.block_table = list(s.block_ids)
         else:
             state.block_table.extend(s.new_block_ids)
+        if state.sampling.needs_history:
+            if s.start_pos == 0 or s.history_prefix is not None:
+                state.history = list(s.history_prefix or [])
+            state.history.extend(s.token_ids)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
@@ -161,17 +183,51 @@ class ModelRunner:
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)
 
-    def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:
-        infos = [self.states[s.seq_id].sampling for s in seqs]
+    def _sampling_batch(self, seq_ids: list[int]) -> SamplingBatch:
+        infos = [self.states[seq_id].sampling for seq_id in seq_ids]
         vocab = self.model.config.vocab_size
         top_k = [i.top_k if i.top_k > 0 else vocab for i in infos]
+        f32 = dict(dtype=torch.float32, device=self.device)
         return SamplingBatch(
-            temperature=torch.tensor([i.temperature for i in infos], dtype=torch.float32,
-                                     device=self.device),
+            temperature=torch.tensor([i.temperature for i in infos], **f32),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
-            top_p=torch.tensor([i.top_p for i in infos], dtype=torch.float32, device=self.device),
-            generators=[self.states[s.seq_id].generator for s in seqs],
+            top_p=torch.tensor([i.top_p for i in infos], **f32),
+            generators=[self.states[seq_id].generator for seq_id in seq_ids],
             all_greedy=all(i.temperature == 0 for i in infos),
             needs_top_k=any(k < vocab for k in top_k),
             needs_top_p=any(i.top_p < 1.0 for i in infos),
-            max_logprobs=max((i.logprobs or 0) for i in infos))
+            max_logprobs=max((i.logprobs or 0) for i in infos),
+            adjust=self._adjustments(seq_ids, infos, vocab),
+            min_p=(torch.tensor([i.min_p for i in infos], **f32)
+                   if any(i.min_p > 0 for i in infos) else None))
+
+    def _adjustments(self, seq_ids, infos, vocab: int) -> Optional[LogitAdjustments]:
+        """Penalty, bias and min_tokens inputs; None when no row uses any."""
+        if not any(i.needs_history or i.logit_bias for i in infos):
+            return None
+        f32 = dict(dtype=torch.float32, device=self.device)
+        n = len(infos)
+        counts = torch.zeros(n, vocab, **f32)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
+        bias = torch.zeros(n, vocab, **f32) if any(i.logit_bias for i in infos) else None
+        banned = None
+        for row, (seq_id, info) in enumerate(zip(seq_ids, infos)):
+            history = self.states[seq_id].history or []
+            outputs = history[info.num_prompt_tokens:]
+            if outputs:
+                ids = torch.tensor(outputs, device=self.device)
+                counts[row].index_add_(0, ids, torch.ones(len(outputs), **f32))
+            if history:
+                seen[row, torch.tensor(history, device=self.device)] = True
+            if info.logit_bias:
+                tokens, values = zip(*info.logit_bias)
+                bias[row, torch.tensor(tokens, device=self.device)] = torch.tensor(values, **f32)
+            if info.min_tokens and len(outputs) < info.min_tokens and info.min_tokens_banned:
+                if banned is None:
+                    banned = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
+                banned[row, torch.tensor(info.min_tokens_banned, device=self.device)] = True
+        return LogitAdjustments(
+            presence=torch.tensor([i.presence_penalty for i in infos], **f32),
+            frequency=torch.tensor([i.frequency_penalty for i in infos], **f32),
+            repetition=torch.tensor([i.repetition_penalty for i in infos], **f32),
+            output_counts=counts, seen=seen, bias=bias, banned=banned)

@@ -1,13 +1,21 @@
 """Vectorised sampling for the whole batch.
 
 Order of operations, per row of fp32 logits:
-  1. logprobs of the raw distribution (log_softmax), reported for the chosen token;
-  2. greedy rows (temperature 0) take the argmax; the rest:
-  3. divide by temperature;
-  4. top-k: keep the k largest logits (0 or -1: all);
-  5. top-p: keep the smallest prefix of the sorted distribution whose mass
+  1. logprobs of the raw distribution (log_softmax), reported for the chosen
+     token and the top-k (the model's own distribution, before any processing);
+  2. penalties: repetition (a logit of a token in the prompt or the output is
+     divided by r when positive, multiplied by r when negative), then
+     frequency (minus f x its count in the output) and presence (minus p if it
+     occurs in the output);
+  3. logit bias added;
+  4. before min_tokens outputs, EOS and stop token ids masked out;
+  5. greedy rows (temperature 0) take the argmax; the rest:
+  6. divide by temperature;
+  7. top-k: keep the k largest logits (0 or -1: all);
+  8. top-p: keep the smallest prefix of the sorted distribution whose mass
      reaches p (the most likely token always stays);
-  6. sample by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) drawn
+  9. min-p: drop tokens whose probability is below min_p x the top one;
+ 10. sample by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) drawn
      from the sequence's own generator, equivalent to sampling from p and
      independent of what else is in the batch.
 """
@@ -30,6 +38,32 @@ class SamplingBatch:
     needs_top_k: bool
     needs_top_p: bool
     max_logprobs: int = 0      # the most top logprobs any row asked for
+    adjust: Optional["LogitAdjustments"] = None   # steps 2-4, when any row needs them
+    min_p: Optional[torch.Tensor] = None          # [S] fp32, when any row sets it
+
+
+@dataclass
+class LogitAdjustments:
+    presence: torch.Tensor         # [S] fp32
+    frequency: torch.Tensor        # [S] fp32
+    repetition: torch.Tensor       # [S] fp32 (1: none)
+    output_counts: torch.Tensor    # [S, V] fp32: times each token was generated
+    seen: torch.Tensor             # [S, V] bool: in the prompt or the output
+    bias: Optional[torch.Tensor]   # [S, V] fp32
+    banned: Optional[torch.Tensor] # [S, V] bool
+
+
+def apply_adjustments(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor:
+    rep = a.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(a.seen, penalized, logits)
+    logits = logits - a.frequency[:, None] * a.output_counts
+    logits = logits - a.presence[:, None] * (a.output_counts > 0).float()
+    if a.bias is not None:
+        logits = logits + a.bias
+    if a.banned is not None:
+        logits = logits.masked_fill(a.banned, float("-inf"))
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -59,6 +93,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] fp32 -> chosen tokens, their raw logprobs, and the top
     `max_logprobs` raw logprobs of each row."""
     logprobs = torch.log_softmax(logits, dim=-1)
+    if batch.adjust is not None:
+        logits = apply_adjustments(logits, batch.adjust)
     tokens = logits.argmax(dim=-1)
     if not batch.all_greedy:
         random_rows = [i for i, g in enumerate(batch.generators) if g is not None]
@@ -69,6 +105,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                                 [], False, batch.needs_top_k, batch.needs_top_p)
             scaled = _apply_top_k_top_p(scaled, sub)
         probs = scaled.softmax(dim=-1)
+        if batch.min_p is not None:
+            floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs)
         for j, row in enumerate(random_rows):
             noise[j].exponential_(generator=batch.generators[row])

@@ -1,0 +1,29 @@
+"""`folio bench memory --json` on a tiny model: the promised fields, and sharing shows."""
+
+import json
+
+from folio.cli import main
+from folio.core.kv_cache_manager import cdiv
+from tests.utils import make_tiny_model
+
+
+def test_bench_memory_json(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "m", max_position_embeddings=512)
+    assert main(["bench", "memory", "--model", model, "--dtype", "float32", "--block-size", "8",
+                 "--num-kv-blocks", "256", "--prompt-len", "40", "--output-len", "12",
+                 "--prefix-len", "64", "--suffix-len", "8", "--num-shared", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["block_size"] == 8 and result["num_blocks"] == 256
+    cases = {c["name"]: c for c in result["cases"]}
+    assert list(cases) == ["parallel-n1", "parallel-n2", "parallel-n4", "parallel-n8",
+                           "shared-prefix-6"]
+    for c in cases.values():
+        assert {"peak_blocks", "peak_tokens", "blocks_without_sharing"} <= set(c)
+    assert cases["parallel-n1"]["saved"] == 0
+    n4 = cases["parallel-n4"]
+    assert n4["peak_blocks"] <= cdiv(40, 8) + 4 * (cdiv(12, 8) + 1)
+    assert n4["blocks_without_sharing"] > n4["peak_blocks"]
+    shared = cases["shared-prefix-6"]
+    assert shared["saved"] > 0.3
+    # the warm prefix is computed once: 6 requests ran little more than their own tokens
+    assert shared["tokens_computed"] < 6 * (64 + 8)

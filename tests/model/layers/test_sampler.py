@@ -1,0 +1,112 @@
+"""The sampler on fixed distributions: filters never leak, frequencies match the
+filtered distribution, each logit adjustment is exactly as defined."""
+
+import math
+
+import pytest
+import torch
+
+from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, apply_adjustments, sample
+
+PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02])
+ROWS = 4000
+
+
+def batch_of(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0, **kw):
+    vocab = PROBS.numel()
+    gens = []
+    for i in range(rows):
+        g = torch.Generator()
+        g.manual_seed(seed0 + i)
+        gens.append(g)
+    return SamplingBatch(
+        temperature=torch.full((rows,), temperature), top_k=torch.full((rows,), top_k or vocab),
+        top_p=torch.full((rows,), top_p), generators=gens, all_greedy=False,
+        needs_top_k=bool(top_k), needs_top_p=top_p < 1.0,
+        min_p=torch.full((rows,), min_p) if min_p else None, **kw)
+
+
+def draw(**kw) -> torch.Tensor:
+    logits = PROBS.log().expand(ROWS, -1).clone()
+    return sample(logits, batch_of(ROWS, **kw)).tokens
+
+
+def check_frequencies(tokens, allowed):
+    expected = PROBS.clone()
+    expected[[i for i in range(PROBS.numel()) if i not in allowed]] = 0
+    expected /= expected.sum()
+    counts = torch.bincount(tokens, minlength=PROBS.numel()).float() / ROWS
+    sigma = (expected * (1 - expected) / ROWS).sqrt()
+    assert set(tokens.unique().tolist()) <= set(allowed)
+    assert torch.all((counts - expected).abs() <= 5 * sigma + 1e-9), (counts, expected)
+
+
+def test_plain_sampling_follows_the_distribution():
+    check_frequencies(draw(), range(7))
+
+
+def test_top_k():
+    check_frequencies(draw(top_k=3), [0, 1, 2])
+
+
+def test_top_p():
+    # mass before token i: 0, .40, .65, .80 -> p = 0.7 keeps tokens 0, 1, 2
+    check_frequencies(draw(top_p=0.7), [0, 1, 2])
+
+
+def test_min_p():
+    # min_p 0.3 x top 0.40 = 0.12: keeps tokens 0, 1, 2
+    check_frequencies(draw(min_p=0.3), [0, 1, 2])
+
+
+def test_temperature_sharpens():
+    cold = torch.bincount(draw(temperature=0.25), minlength=7).float() / ROWS
+    assert cold[0] > 0.8
+
+
+def test_seeded_rows_are_batch_independent():
+    logits = PROBS.log().expand(8, -1).clone()
+    full = sample(logits, batch_of(8, seed0=100)).tokens
+    for i in range(8):
+        alone = sample(logits[i:i + 1], batch_of(1, seed0=100 + i)).tokens
+        assert alone.item() == full[i].item()
+
+
+def adjustments(**over):
+    base = dict(presence=torch.tensor([0.0]), frequency=torch.tensor([0.0]),
+                repetition=torch.tensor([1.0]), output_counts=torch.zeros(1, 4),
+                seen=torch.zeros(1, 4, dtype=torch.bool), bias=None, banned=None)
+    base.update(over)
+    return LogitAdjustments(**base)
+
+
+LOGITS = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    seen = torch.tensor([[True, True, False, False]])
+    out = apply_adjustments(LOGITS, adjustments(repetition=torch.tensor([2.0]), seen=seen))
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_frequency_and_presence_penalties():
+    counts = torch.tensor([[0.0, 3.0, 1.0, 0.0]])
+    out = apply_adjustments(LOGITS, adjustments(frequency=torch.tensor([0.5]),
+                                                presence=torch.tensor([0.25]),
+                                                output_counts=counts))
+    assert out[0].tolist() == pytest.approx([2.0, -1.0 - 1.5 - 0.25, 0.5 - 0.5 - 0.25, 3.0])
+
+
+def test_logit_bias_and_ban():
+    out = apply_adjustments(LOGITS, adjustments(
+        bias=torch.tensor([[0.0, 10.0, 0.0, 0.0]]),
+        banned=torch.tensor([[False, False, False, True]])))
+    assert out[0, :3].tolist() == [2.0, 9.0, 0.5] and math.isinf(out[0, 3].item())
+
+
+def test_greedy_rows_use_adjusted_logits_but_report_raw_logprobs():
+    b = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), [None], True, False,
+                      False, adjust=adjustments(bias=torch.tensor([[0.0, 10.0, 0.0, 0.0]])))
+    out = sample(LOGITS.clone(), b)
+    assert out.tokens.item() == 1
+    assert out.logprobs.item() == pytest.approx(torch.log_softmax(LOGITS, -1)[0, 1].item())
