@@ -62,8 +62,8 @@ def bench_memory(args, engine) -> dict:
         return [rng.choice(ordinary) for _ in range(n)]
 
     cases = []
-    prompt = tokens(args.prompt_len)
     for n in (1, 2, 4, 8):
+        prompt = tokens(args.prompt_len)      # a fresh prompt: no help from the prefix cache
         params = SamplingParams(n=n, temperature=1.0, seed=args.seed, max_tokens=args.output_len,
                                 ignore_eos=True)
         cases.append(run_case(engine, f"parallel-n{n}", [prompt], params))
