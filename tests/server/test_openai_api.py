@@ -119,3 +119,15 @@ def test_sixty_four_concurrent_streams(server):
     async def all64():
         return await asyncio.gather(*[one(i) for i in range(64)])
     assert asyncio.run(all64()) == [5] * 64
+
+
+def test_prefix_cache_shows_in_usage_and_metrics(client, server):
+    from tests.server.test_lifecycle import metrics
+    long_prompt = [1] + [(i * 3) % 300 + 5 for i in range(100)]
+    first = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2)
+    second = client.completions.create(model="tiny", prompt=long_prompt + [7, 8], max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 96     # 12 full blocks of 8
+    m = metrics(server)
+    assert m["folio:prefix_cache_hits_total"] >= 96
+    assert m["folio:prefix_cache_queries_total"] >= 101 + 103
