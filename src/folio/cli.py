@@ -30,6 +30,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts across steps (default on)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap one request's prefill chunk per step (0: no cap)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,7 +42,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                scheduling_policy=args.scheduling_policy)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: Optional[int]) -> None:

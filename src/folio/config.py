@@ -79,6 +79,10 @@ class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True      # off: a prompt runs whole in one step
+    long_prefill_token_threshold: int = 0    # cap on one request's prefill chunk (0: none)
+    scheduling_policy: str = "fcfs"          # fcfs | priority (lower priority value first)
+    priority_aging_steps: int = 64           # waiting this many steps gains one priority level
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,9 @@ class FolioConfig:
               kv_cache_memory_bytes: int | str | None = None, num_kv_blocks: Optional[int] = None,
               max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
               tensor_parallel_size: int = 1, seed: int = 0,
-              max_logprobs: int = 20, enable_prefix_caching: bool = True) -> "FolioConfig":
+              max_logprobs: int = 20, enable_prefix_caching: bool = True,
+              enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+              scheduling_policy: str = "fcfs") -> "FolioConfig":
         from folio.model.loader import load_model_config
         from folio.worker.device import resolve_device, resolve_dtype
 
@@ -135,14 +141,23 @@ class FolioConfig:
                                       else max(2048, min(max_model_len, 8192)))
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', "
+                             f"got {scheduling_policy!r}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
         return FolioConfig(
             model=model_config,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem,
                               num_kv_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                scheduling_policy=scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             dtype=run_dtype, device=device, seed=seed, max_logprobs=max_logprobs)
 

@@ -42,7 +42,7 @@ _next_seq = [0]
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, n: int = 1,
                  eos: tuple[int, ...] = (), prompt: list[int] | None = None,
-                 **params) -> Request:
+                 priority: int = 0, **params) -> Request:
     """Prompts differ between calls (no accidental prefix-cache hits) unless given."""
     seqs = []
     _next_seq[0] += 1
@@ -51,4 +51,5 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 8, n: int = 1,
     for i in range(n):
         _next_seq[0] += 1
         seqs.append(Sequence(_next_seq[0], i, prompt, seed=i))
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n, **params), seqs, eos)
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n, **params), seqs, eos,
+                   priority=priority)

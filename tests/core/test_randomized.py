@@ -29,14 +29,17 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.config.max_num_seqs
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
 def test_random_operations_keep_the_pool_consistent(seed):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8, 16])
     num_blocks = rng.randint(8, 64)
     cfg = SchedulerConfig(max_model_len=rng.randint(num_blocks * block_size // 2, 2 * num_blocks * block_size),
                           max_num_seqs=rng.randint(1, 12),
-                          max_num_batched_tokens=rng.randint(1, 96))
+                          max_num_batched_tokens=rng.randint(1, 96),
+                          long_prefill_token_threshold=rng.choice([0, 0, 8, 32]),
+                          scheduling_policy=rng.choice(["fcfs", "priority"]),
+                          priority_aging_steps=rng.choice([0, 4, 64]))
     sched, runner = Scheduler(cfg, num_blocks, block_size), FakeRunner(vocab=50)
     next_id, finished = 0, 0
     for _ in range(1500):
@@ -49,7 +52,7 @@ def test_random_operations_keep_the_pool_consistent(seed):
                       else [rng.randrange(50) for _ in range(prompt)])
             req = make_request(str(next_id), prompt, max_tokens=rng.choice([rng.randint(1, 40), None]), n=n,
                                eos=(rng.randrange(50),), ignore_eos=rng.random() < 0.5,
-                               prompt=tokens)
+                               prompt=tokens, priority=rng.randint(0, 3))
             next_id += 1
             try:
                 sched.add_request(req)

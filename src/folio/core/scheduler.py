@@ -13,11 +13,11 @@ request cannot get a block, the latest-admitted running request is preempted
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Iterable, Optional
 
 from folio.config import SchedulerConfig
 from folio.core.kv_cache_manager import KVCacheManager, SlotGrant, cdiv
+from folio.core.request_queue import RequestQueue
 from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput, SamplingInfo,
                                 ScheduledSeq, SchedulerOutput)
 from folio.request import Request, RequestStatus, Sequence
@@ -30,7 +30,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.prefix_cache_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0        # of which found
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue(config.scheduling_policy, config.priority_aging_steps)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
@@ -50,10 +50,16 @@ class Scheduler:
             raise ValueError(
                 f"the request needs {need} KV blocks but the whole cache has "
                 f"{self.kv.pool.num_blocks}: shorten the prompt or give the cache more memory")
+        if (not self.config.enable_chunked_prefill
+                and len(request.prompt_token_ids) > self.config.max_num_batched_tokens):
+            raise ValueError(
+                f"the prompt has {len(request.prompt_token_ids)} tokens, more than "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), and chunked "
+                f"prefill is off: enable it or raise max_num_batched_tokens")
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self._seqs[seq.seq_id] = (request, seq)
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []
@@ -98,48 +104,91 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
+        self.waiting.tick()
+        self._make_room_for_priority(out)
         budget = self.config.max_num_batched_tokens
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget // len(req.kv_seqs))
+        done: set[str] = set()          # requests scheduled (or gone) this step
+        pressure = False
+        # Decodes first, then prefill chunks: a long prompt never stalls a decode.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue                # preempted earlier in this step
+            num_new = self._chunk(req, budget)
             if num_new <= 0:
-                idx += 1
                 continue
-            new_ids = self._allocate(req, num_new)
-            if new_ids is None and len(self.running) == 1:
+            grants = self._allocate(req, num_new)
+            if grants is None and len(self.running) == 1:
                 # Alone and still out of blocks: the whole cache is too small for
                 # this sequence to grow; it ends here rather than loop forever.
                 self._finish_request(req, RequestStatus.FINISHED_LENGTH)
                 out.finished_seq_ids.extend(self._finished_seq_ids)
                 self._finished_seq_ids = []
                 break
-            while new_ids is None:
-                victim = self.running[-1]
+            while grants is None:
+                victim = self._victim(done)
+                if victim is None:
+                    break               # everyone else already runs this step: wait
                 self._preempt(victim)
                 out.num_preempted += 1
+                pressure = True
                 if victim is req:
                     break
-                new_ids = self._allocate(req, num_new)
-            if new_ids is None:
-                break
-            budget -= self._emit(out, req, num_new, new_ids)
-            idx += 1
+                grants = self._allocate(req, num_new)
+            if grants is None:
+                continue
+            budget -= self._emit(out, req, num_new, grants)
+            done.add(req.request_id)
         # After a preemption there is no room to spare: admit nobody this step.
-        while (self.waiting and budget > 0 and not out.num_preempted
+        while (self.waiting and budget > 0 and not pressure
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             grants = self._admit(req, budget)
             if grants is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            budget -= self._emit(out, req, min(req.num_tokens - req.num_computed_tokens,
-                                               budget // len(req.kv_seqs)), grants)
+            budget -= self._emit(out, req, self._chunk(req, budget), grants)
         return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens per sequence this step: one to decode, else a prompt chunk."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        per_seq = budget // len(req.kv_seqs)
+        if remaining <= 1:
+            return min(remaining, per_seq)
+        cfg = self.config
+        if not cfg.enable_chunked_prefill and req.kv_seqs[0].num_output_tokens == 0:
+            return remaining if remaining <= per_seq else 0      # whole prompts only
+        if cfg.long_prefill_token_threshold > 0:
+            per_seq = min(per_seq, cfg.long_prefill_token_threshold)
+        return min(remaining, per_seq)
+
+    def _victim(self, scheduled: set[str]) -> Optional[Request]:
+        """The running request to preempt: lowest priority, latest arrival, among
+        those not already given tokens this step."""
+        candidates = [r for r in self.running if r.request_id not in scheduled]
+        return max(candidates, key=self.waiting.key) if candidates else None
+
+    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy: a waiting request more urgent than running ones
+        preempts them until its first chunk and a seat are free."""
+        if self.waiting.policy != "priority" or not self.waiting:
+            return
+        head = self.waiting.peek()
+        remaining = head.num_tokens - head.num_computed_tokens
+        need = cdiv(min(remaining, self.config.max_num_batched_tokens), self.kv.block_size)
+        while self.running and (self.kv.num_free_blocks < need
+                                or len(self.running) >= self.config.max_num_seqs):
+            victim = max(self.running, key=self.waiting.key)
+            if self.waiting.key(victim) <= self.waiting.key(head):
+                return
+            self._preempt(victim)
+            out.num_preempted += 1
 
     def _admit(self, req: Request, budget: int):
         """Blocks for a waiting request's next chunk, after taking what the prefix
@@ -153,7 +202,7 @@ class Scheduler:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += cached
         req.num_computed_tokens = cached
-        num_new = min(req.num_tokens - cached, budget // len(seqs))
+        num_new = self._chunk(req, budget)
         grants = self._allocate(req, num_new) if num_new > 0 else None
         if grants is None and cached:
             self.kv.free(seqs[0].seq_id)
@@ -298,7 +347,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     def _stop_status(self, req: Request, seq: Sequence, token: int) -> Optional[RequestStatus]:
         p = req.params

@@ -27,7 +27,9 @@ class LLM:
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, seed: int = 0,
                  device: Optional[str] = None, tensor_parallel_size: int = 1,
-                 max_logprobs: int = 20, enable_prefix_caching: bool = True):
+                 max_logprobs: int = 20, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str = "fcfs"):
         configure_logging()
         config = FolioConfig.build(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -35,7 +37,10 @@ class LLM:
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             tensor_parallel_size=tensor_parallel_size, seed=seed, max_logprobs=max_logprobs,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            scheduling_policy=scheduling_policy)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -44,11 +49,14 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """`priority`: one value per prompt (lower runs first) under the priority
+        scheduling policy."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, use_tqdm)
+        return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -65,7 +73,8 @@ class LLM:
             tokenized.append((text, tok.encode_chat(conv, **kwargs)))
         return self._run(tokenized, sampling_params, use_tqdm)
 
-    def _run(self, tokenized, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, tokenized, sampling_params, use_tqdm: bool,
+             priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -76,10 +85,13 @@ class LLM:
         # and leaves the rest of the batch untouched.
         for (_, ids), params in zip(tokenized, sampling_params):
             self.engine.input_processor.validate(ids, params)
+        if priority is not None and len(priority) != len(tokenized):
+            raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
         order = []
-        for (text, ids), params in zip(tokenized, sampling_params):
+        for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
             rid = str(next(self._ids))
-            self.engine.add_tokenized_request(rid, text, ids, params)
+            self.engine.add_tokenized_request(rid, text, ids, params,
+                                              priority=priority[i] if priority else 0)
             order.append(rid)
         return self._drain(order, use_tqdm and len(order) > 1)
 
