@@ -11,7 +11,9 @@ def test_bench_memory_json(tmp_path, capsys):
     model = make_tiny_model(tmp_path / "m", max_position_embeddings=512)
     assert main(["bench", "memory", "--model", model, "--dtype", "float32", "--block-size", "8",
                  "--num-kv-blocks", "256", "--prompt-len", "40", "--output-len", "12",
-                 "--prefix-len", "64", "--suffix-len", "8", "--num-shared", "6", "--json"]) == 0
+                 "--prefix-len", "64", "--suffix-len", "8", "--num-shared", "6",
+                 "--waste-requests", "6", "--waste-input-len", "5:40", "--waste-output-len", "3:20",
+                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["block_size"] == 8 and result["num_blocks"] == 256
     cases = {c["name"]: c for c in result["cases"]}
@@ -27,3 +29,8 @@ def test_bench_memory_json(tmp_path, capsys):
     assert shared["saved"] > 0.3
     # the warm prefix is computed once: 6 requests ran little more than their own tokens
     assert shared["tokens_computed"] < 6 * (64 + 8)
+    waste = result["waste"]
+    assert 0 < waste["average_waste"] <= waste["peak_waste"] < 1
+    assert 0 < waste["contiguous_max_model_len"]["tokens_fraction"] < \
+        waste["contiguous_prompt_plus_max_tokens"]["tokens_fraction"] <= 1
+    assert waste["contiguous_max_model_len"]["requests_at_once"] == 256 * 8 // 512

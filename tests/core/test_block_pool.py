@@ -80,3 +80,13 @@ def test_prefix_cache_hit_and_eviction():
     kv.allocate_slots([4], 0, 8)                   # needs every block: the cache is evicted
     assert kv.pool.cached == {} and kv.attach_cached_prefix(5, tokens, 4) == 0
     kv.free(4)
+
+
+def test_waste_counts_empty_slots_of_last_blocks_once():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    kv.allocate_slots([1], 0, 5)          # 2 blocks, 3 empty slots
+    kv.allocate_slots([2], 0, 8)          # 2 full blocks
+    kv.fork(1, 3)                         # shares seq 1's partial block: counted once
+    assert kv.waste([(1, 5), (2, 8), (3, 5)]) == (3, 16)
+    for s in (1, 2, 3):
+        kv.free(s)

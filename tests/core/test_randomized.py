@@ -27,6 +27,10 @@ def check_invariants(sched: Scheduler) -> None:
             assert sched.kv.num_blocks_of(seq.seq_id) == cdiv(req.num_computed_tokens,
                                                               sched.kv.block_size)
     assert len(sched.running) <= sched.config.max_num_seqs
+    wasted, allocated = sched.kv.waste((s.seq_id, r.num_computed_tokens)
+                                       for r in sched.running for s in r.kv_seqs)
+    seqs = sum(len(r.kv_seqs) for r in sched.running)
+    assert 0 <= wasted <= seqs * (sched.kv.block_size - 1) and wasted <= allocated
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])

@@ -21,6 +21,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=512, help="the shared system prompt")
     p.add_argument("--suffix-len", type=int, default=32, help="each request's own tokens")
     p.add_argument("--num-shared", type=int, default=16, help="requests behind the prefix")
+    p.add_argument("--waste-requests", type=int, default=32,
+                   help="requests of the waste workload (0: skip it)")
+    p.add_argument("--waste-input-len", default="32:384")
+    p.add_argument("--waste-output-len", default="32:192")
     p.add_argument("--json", action="store_true")
 
 
@@ -73,8 +77,45 @@ def bench_memory(args, engine) -> dict:
     # Warm the cache with one request, as a server that has seen the prefix before.
     run_case(engine, "warm", shared[:1], params)
     cases.append(run_case(engine, f"shared-prefix-{args.num_shared}", shared, params))
-    return {"block_size": engine.config.cache.block_size, "num_blocks": engine.num_blocks,
-            "prefix_caching": engine.config.cache.enable_prefix_caching, "cases": cases}
+    result = {"block_size": engine.config.cache.block_size, "num_blocks": engine.num_blocks,
+              "prefix_caching": engine.config.cache.enable_prefix_caching, "cases": cases}
+    if args.waste_requests:
+        result["waste"] = waste_figures(args, engine)
+    return result
+
+
+def waste_figures(args, engine) -> dict:
+    """Internal waste of the paged cache on a workload, against two contiguous
+    engines' reservations for the same running batch at every step: one slot
+    run of max_model_len per request, or of prompt + max_tokens."""
+    from folio.bench.datasets import parse_range, random_requests
+    sched, bs = engine.scheduler, engine.config.cache.block_size
+    requests = random_requests(args.waste_requests, parse_range(args.waste_input_len),
+                               parse_range(args.waste_output_len), engine.config.model.vocab_size,
+                               engine.tokenizer.all_special_ids, args.seed)
+    for i, r in enumerate(requests):
+        engine.add_tokenized_request(f"waste-{i}", None, r.prompt_token_ids, SamplingParams(
+            temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    sched.waste = type(sched.waste)()          # count this workload only
+    stored = reserved_max = reserved_need = 0
+    max_len = engine.config.max_model_len
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = sched.running
+        stored += sum(len(r.live_seqs) * r.num_computed_tokens for r in running)
+        reserved_max += len(running) * max_len
+        reserved_need += sum(len(r.prompt_token_ids) + r.params.max_tokens for r in running)
+    slots = engine.num_blocks * bs
+    mean_need = sum(len(r.prompt_token_ids) + r.max_tokens for r in requests) / len(requests)
+    return {
+        "requests": len(requests), "peak_waste": sched.waste.peak,
+        "average_waste": sched.waste.average,
+        "contiguous_max_model_len": {"tokens_fraction": stored / max(1, reserved_max),
+                                     "requests_at_once": slots // max_len},
+        "contiguous_prompt_plus_max_tokens": {"tokens_fraction": stored / max(1, reserved_need),
+                                              "requests_at_once": int(slots // mean_need)},
+        "paged_requests_at_once": int(slots // (mean_need * (1 + sched.waste.average))),
+    }
 
 
 def print_memory(result: dict) -> None:
@@ -84,3 +125,12 @@ def print_memory(result: dict) -> None:
         print(f"{c['name']:>20}: peak {c['peak_blocks']} blocks ({c['peak_tokens']} tokens), "
               f"{c['blocks_without_sharing']} without sharing -> {100 * c['saved']:.1f}% saved; "
               f"{c['tokens_computed']} tokens computed")
+    w = result.get("waste")
+    if w:
+        a, b = w["contiguous_max_model_len"], w["contiguous_prompt_plus_max_tokens"]
+        print(f"waste over {w['requests']} requests: peak {100 * w['peak_waste']:.2f}%, "
+              f"average {100 * w['average_waste']:.2f}% of allocated slots")
+        print(f"  contiguous, max_model_len each: {100 * a['tokens_fraction']:.1f}% of KV holds "
+              f"tokens, {a['requests_at_once']} requests fit; prompt + max_tokens each: "
+              f"{100 * b['tokens_fraction']:.1f}%, {b['requests_at_once']} fit; paged: "
+              f"{w['paged_requests_at_once']} fit")

@@ -31,6 +31,30 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass
+class WasteStats:
+    """Slots allocated in held blocks against tokens actually stored, per step."""
+
+    steps: int = 0
+    wasted_sum: int = 0
+    allocated_sum: int = 0
+    peak: float = 0.0          # the worst step's waste fraction
+    last: float = 0.0
+
+    def record(self, wasted: int, allocated: int) -> None:
+        self.last = wasted / allocated if allocated else 0.0
+        if allocated:
+            self.steps += 1
+            self.wasted_sum += wasted
+            self.allocated_sum += allocated
+            self.peak = max(self.peak, self.last)
+
+    @property
+    def average(self) -> float:
+        """Time-averaged over steps, weighted by the slots allocated."""
+        return self.wasted_sum / self.allocated_sum if self.allocated_sum else 0.0
+
+
+@dataclass
 class SlotGrant:
     """What one sequence got for a step."""
 
@@ -153,6 +177,19 @@ class KVCacheManager:
         self._published[seq_id] = num_full
 
     # ---- queries ---------------------------------------------------------------
+    def waste(self, holders) -> tuple[int, int]:
+        """(empty slots, allocated slots) over held blocks. `holders` gives
+        (seq_id, tokens computed) per sequence; only a sequence's last block can
+        be partly filled, and a block shared by several counts once."""
+        bs = self.block_size
+        partial: dict[int, int] = {}
+        for seq_id, num_computed in holders:
+            table = self.tables.get(seq_id)
+            if table:
+                partial[table[-1].block_id] = num_computed - (len(table) - 1) * bs
+        wasted = sum(bs - fill for fill in partial.values() if 0 <= fill < bs)
+        return wasted, self.pool.num_used_blocks * bs
+
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 

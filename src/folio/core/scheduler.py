@@ -16,7 +16,7 @@ import time
 from typing import Iterable, Optional
 
 from folio.config import SchedulerConfig
-from folio.core.kv_cache_manager import KVCacheManager, SlotGrant, cdiv
+from folio.core.kv_cache_manager import KVCacheManager, SlotGrant, WasteStats, cdiv
 from folio.core.request_queue import RequestQueue
 from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput, SamplingInfo,
                                 ScheduledSeq, SchedulerOutput)
@@ -30,6 +30,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.prefix_cache_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0        # of which found
+        self.waste = WasteStats()
         self.waiting = RequestQueue(config.scheduling_policy, config.priority_aging_steps)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -251,6 +252,8 @@ class Scheduler:
             if not req.live_seqs:
                 self.running.remove(req)
                 self._retire(req)
+        self.waste.record(*self.kv.waste((s.seq_id, r.num_computed_tokens)
+                                         for r in self.running for s in r.kv_seqs))
         return outputs + list(by_seq.values())
 
     # ---- helpers -------------------------------------------------------------

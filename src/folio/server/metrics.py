@@ -36,6 +36,8 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc",
                               "Fraction (0-1) of KV blocks held by some sequence.")
+        self.kv_waste = gauge("kv_cache_waste_perc",
+                              "Fraction (0-1) of the slots in held blocks that hold no token.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Preemptions of running requests.")
@@ -63,6 +65,7 @@ class ServerMetrics:
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.kv_usage.set(sched.kv.usage())
+        self.kv_waste.set(sched.waste.last)
         if sched.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = sched.num_preemptions
