@@ -53,3 +53,18 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 8, n: int = 1,
         seqs.append(Sequence(_next_seq[0], i, prompt, seed=i))
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n, **params), seqs, eos,
                    priority=priority)
+
+
+def step(sched, runner):
+    """One scheduler step against the fake runner; returns the SchedulerOutput."""
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute(so))
+    return so
+
+
+def drain(sched, runner, limit: int = 5000) -> None:
+    for _ in range(limit):
+        if not sched.has_unfinished_requests():
+            return
+        step(sched, runner)
+    raise AssertionError("requests did not finish")

@@ -6,27 +6,13 @@ import pytest
 from folio.config import SchedulerConfig
 from folio.core.scheduler import Scheduler
 from folio.request import RequestStatus
-from tests.core.fake import FakeRunner, make_request
+from tests.core.fake import FakeRunner, drain, make_request, step
 
 
 def make(num_blocks=512, block_size=16, budget=256, max_num_seqs=8, **kw):
     cfg = SchedulerConfig(max_model_len=4096, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, **kw)
     return Scheduler(cfg, num_blocks, block_size), FakeRunner()
-
-
-def step(sched, runner):
-    so = sched.schedule()
-    sched.update_from_output(so, runner.execute(so))
-    return so
-
-
-def drain(sched, runner, limit=5000):
-    for _ in range(limit):
-        if not sched.has_unfinished_requests():
-            return
-        step(sched, runner)
-    raise AssertionError("did not finish")
 
 
 def test_decodes_get_a_token_every_step_while_a_long_prompt_prefills():

@@ -123,3 +123,13 @@ def test_kv_cache_sized_from_memory_and_reported(tmp_path, caplog):
     assert llm.engine.num_blocks == 128
     assert "KV cache: 128 blocks of 16 tokens" in caplog.text
     assert llm.engine.executor.runner.kv_caches[0].shape == (2, 128, 16, 2, 16)
+
+
+def test_a_request_too_big_for_the_cache_leaves_the_batch_untouched(llm):
+    small = LLM(llm.engine.config.model.path, dtype="float32", num_kv_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="whole cache has 4"):
+        small.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [5] * 20}],
+                       SamplingParams(max_tokens=1))
+    assert not small.engine.has_unfinished_requests()
+    out = small.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) >= 1

@@ -88,11 +88,15 @@ class LLM:
         if priority is not None and len(priority) != len(tokenized):
             raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
         order = []
-        for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
-            rid = str(next(self._ids))
-            self.engine.add_tokenized_request(rid, text, ids, params,
-                                              priority=priority[i] if priority else 0)
-            order.append(rid)
+        try:
+            for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
+                rid = str(next(self._ids))
+                self.engine.add_tokenized_request(rid, text, ids, params,
+                                                  priority=priority[i] if priority else 0)
+                order.append(rid)
+        except ValueError:          # e.g. a request larger than the whole cache
+            self.engine.abort_request(order)
+            raise
         return self._drain(order, use_tqdm and len(order) > 1)
 
     def _drain(self, order: list[str], progress: bool) -> list[RequestOutput]:
