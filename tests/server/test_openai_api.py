@@ -131,3 +131,23 @@ def test_prefix_cache_shows_in_usage_and_metrics(client, server):
     m = metrics(server)
     assert m["folio:prefix_cache_hits_total"] >= 96
     assert m["folio:prefix_cache_queries_total"] >= 101 + 103
+
+
+def test_chat_n2_stop_and_usage_streamed(client):
+    msgs = [{"role": "user", "content": "Tell me something"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, **GREEDY)
+    text = full.choices[0].message.content
+    stop = text[4:6]
+    cut = text.find(stop)
+    plain = client.chat.completions.create(model="tiny", messages=msgs, stop=[stop], **GREEDY)
+    assert plain.choices[0].message.content == text[:cut]
+    assert plain.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=msgs, stop=[stop], n=2, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == text[:cut]
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
