@@ -1,10 +1,12 @@
 """Folio: a self-hosted LLM inference and serving engine."""
 
+from folio.core.beam import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput"]
 
 
 def __getattr__(name):

@@ -17,6 +17,8 @@ class CompletionOutput:
     # With SamplingParams.logprobs: per token, {token id: logprob} holding the
     # chosen token and the top-k ones (raw model distribution).
     logprobs: Optional[list[dict[int, float]]] = None
+    # Beam search: the length-normalised score the beams are ranked by.
+    score: Optional[float] = None
 
     @property
     def finished(self) -> bool:

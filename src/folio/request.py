@@ -7,6 +7,7 @@ tokens until they finish), so `num_computed_tokens` is kept once per request.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from typing import Optional
 
@@ -33,6 +34,14 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+_seq_ids = itertools.count()
+
+
+def next_seq_id() -> int:
+    """Sequence ids are unique in the process (requests and beam forks alike)."""
+    return next(_seq_ids)
 
 
 class Sequence:
@@ -81,6 +90,7 @@ class Request:
         # n > 1: the prompt is computed once, for the first sequence; the others
         # fork from it when its last prompt token is sampled.
         self.forked = len(seqs) == 1
+        self.beam = None        # a core.beam.BeamState for beam-search requests
 
     @property
     def live_seqs(self) -> list[Sequence]:

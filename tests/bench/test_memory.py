@@ -18,7 +18,8 @@ def test_bench_memory_json(tmp_path, capsys):
     assert result["block_size"] == 8 and result["num_blocks"] == 256
     cases = {c["name"]: c for c in result["cases"]}
     assert list(cases) == ["parallel-n1", "parallel-n2", "parallel-n4", "parallel-n8",
-                           "shared-prefix-6"]
+                           "beam-w2", "beam-w4", "beam-w8", "shared-prefix-6"]
+    assert cases["beam-w8"]["blocks_without_sharing"] > cases["beam-w8"]["peak_blocks"]
     for c in cases.values():
         assert {"peak_blocks", "peak_tokens", "blocks_without_sharing"} <= set(c)
     assert cases["parallel-n1"]["saved"] == 0

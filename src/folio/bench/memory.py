@@ -1,6 +1,7 @@
 """`folio bench memory`: how many KV blocks sharing saves, as figures.
 
-Cases: n = 1, 2, 4, 8 parallel samples of one prompt (copy-on-write), and many
+Cases: n = 1, 2, 4, 8 parallel samples of one prompt (copy-on-write), beam
+search of width 2, 4, 8 (beams fork and drop on shared blocks), and many
 requests behind one long shared prefix (prefix caching). For each, the peak
 blocks held, the tokens they held then, and the blocks the same sequences
 would hold at that moment if nothing were shared (each sequence its own copy).
@@ -39,10 +40,15 @@ def _held(engine) -> tuple[int, int]:
     return tokens, blocks
 
 
-def run_case(engine, name: str, prompts: list[list[int]], params: SamplingParams) -> dict:
+def run_case(engine, name: str, prompts: list[list[int]], params) -> dict:
+    """`params`: SamplingParams, or BeamSearchParams for a beam search."""
+    from folio.core.beam import BeamSearchParams
     pool = engine.scheduler.kv.pool
     for i, ids in enumerate(prompts):
-        engine.add_tokenized_request(f"{name}-{i}", None, ids, params)
+        if isinstance(params, BeamSearchParams):
+            engine.add_beam_request(f"{name}-{i}", None, ids, params)
+        else:
+            engine.add_tokenized_request(f"{name}-{i}", None, ids, params)
     peak = {"name": name, "peak_blocks": 0, "peak_tokens": 0, "blocks_without_sharing": 0}
     before = engine.executor.runner.num_computed_tokens_total
     while engine.has_unfinished_requests():
@@ -71,6 +77,10 @@ def bench_memory(args, engine) -> dict:
         params = SamplingParams(n=n, temperature=1.0, seed=args.seed, max_tokens=args.output_len,
                                 ignore_eos=True)
         cases.append(run_case(engine, f"parallel-n{n}", [prompt], params))
+    from folio.core.beam import BeamSearchParams
+    for width in (2, 4, 8):
+        beam = BeamSearchParams(beam_width=width, max_tokens=args.output_len, ignore_eos=True)
+        cases.append(run_case(engine, f"beam-w{width}", [tokens(args.prompt_len)], beam))
     prefix = tokens(args.prefix_len)
     shared = [prefix + tokens(args.suffix_len) for _ in range(args.num_shared)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

@@ -100,3 +100,4 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     new_top_logprobs: Optional[list[TopLogprobs]] = None
     prompt_logprobs: Optional[list[tuple[float, TopLogprobs]]] = None
+    beams: Optional[list] = None      # beam search, when it ends: core.beam.Hypothesis, best first

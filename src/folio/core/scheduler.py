@@ -18,9 +18,11 @@ from typing import Iterable, Optional
 from folio.config import SchedulerConfig
 from folio.core.kv_cache_manager import KVCacheManager, SlotGrant, WasteStats, cdiv
 from folio.core.request_queue import RequestQueue
-from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput, SamplingInfo,
+from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                 ScheduledSeq, SchedulerOutput)
-from folio.request import Request, RequestStatus, Sequence
+from folio.core.beam import step_beams
+from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
+from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 
 class Scheduler:
@@ -45,8 +47,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        # The prompt's blocks once, plus one copied block per extra sample.
-        need = cdiv(len(request.prompt_token_ids) + 1, self.kv.block_size) + len(request.seqs) - 1
+        # The prompt's blocks once, plus one copied block per extra sample or beam.
+        copies = request.beam.params.beam_width if request.beam else len(request.seqs)
+        need = cdiv(len(request.prompt_token_ids) + 1, self.kv.block_size) + copies - 1
         if need > self.kv.pool.num_blocks:
             raise ValueError(
                 f"the request needs {need} KV blocks but the whole cache has "
@@ -228,6 +231,7 @@ class Scheduler:
                 by_seq[seq_id] = EngineCoreOutput(entry[0].request_id, entry[1].index, [], [],
                                                   prompt_logprobs=scored)
         touched: dict[str, Request] = {}
+        beam_tops: dict[str, dict[int, list]] = {}
         tops = runner_out.top_logprobs or [None] * len(runner_out.seq_ids)
         for seq_id, token, logprob, top in zip(runner_out.seq_ids, runner_out.token_ids,
                                                runner_out.logprobs, tops):
@@ -236,6 +240,9 @@ class Scheduler:
                 by_seq.pop(seq_id, None)
                 continue
             req, seq = entry
+            if req.beam is not None:
+                beam_tops.setdefault(req.request_id, {})[seq_id] = top
+                continue
             seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
             status = self._stop_status(req, seq, token)
@@ -248,6 +255,8 @@ class Scheduler:
             if top is not None:
                 out.new_top_logprobs = [top]
             touched[req.request_id] = req
+        for rid, beam in beam_tops.items():
+            outputs.extend(self._beam_step(self.requests[rid], beam))
         for req in touched.values():
             if not req.live_seqs:
                 self.running.remove(req)
@@ -257,6 +266,31 @@ class Scheduler:
         return outputs + list(by_seq.values())
 
     # ---- helpers -------------------------------------------------------------
+    def _beam_step(self, req: Request, tops: dict[int, list]) -> list[EngineCoreOutput]:
+        def fork(parent: Sequence, token: int, score: float) -> Sequence:
+            child = Sequence(next_seq_id(), len(req.seqs), req.prompt_token_ids, parent.seed)
+            child.token_ids = parent.token_ids + [token]
+            child.cumulative_logprob = score
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)
+            self._seqs[child.seq_id] = (req, child)
+            return child
+
+        def drop(seq: Sequence) -> None:
+            self._finish_seq(seq, RequestStatus.FINISHED_ABORTED)
+
+        state = req.beam
+        step_beams(state, req.live_seqs, tops, req.eos_token_ids, fork, drop)
+        if not state.done:
+            return []
+        for seq in req.live_seqs:
+            drop(seq)
+        self.running.remove(req)
+        self._retire(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        return [EngineCoreOutput(req.request_id, 0, [], [], "stop", beams=state.finished)]
+
     def _cache_computed_blocks(self, sched_out: SchedulerOutput) -> None:
         for s in sched_out.seqs:
             entry = self._seqs.get(s.seq_id)
@@ -297,48 +331,16 @@ class Scheduler:
                 new_block_ids=grant.new_block_ids,
                 block_ids=(self.kv.block_ids(seq.seq_id)
                            if fresh or grant.copy is not None else None),
-                sampling=self._sampling_info(req, seq) if fresh else None,
+                sampling=sampling_info(req, seq) if fresh else None,
                 sample=reaches_end,
-                prompt_targets=self._prompt_targets(req, seq, start, num_new),
-                fork_children=self._fork_children(req) if reaches_end else None,
+                prompt_targets=prompt_targets(req, seq, start, num_new),
+                fork_children=fork_children(req) if reaches_end else None,
                 history_prefix=(seq.token_ids[:start] if fresh and start and
                                 (req.params.needs_history or req.params.min_tokens) else None)))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
         req.num_computed_tokens += num_new
         return num_new * len(seqs)
-
-    def _fork_children(self, req: Request):
-        """At the end of the shared prompt, the other samples are drawn from the
-        same logits and then hold the prompt's blocks with the first one."""
-        if req.forked:
-            return None
-        return [(s.seq_id, self._sampling_info(req, s)) for s in req.seqs[1:]]
-
-    @staticmethod
-    def _prompt_targets(req: Request, seq: Sequence, start: int, num_new: int):
-        """Prompt tokens to score in this chunk: each once (not again when a
-        preempted request recomputes), for the first sequence only."""
-        if req.params.prompt_logprobs is None or seq.index != 0:
-            return None
-        first = max(start, req.num_prompt_logprobs_done)
-        end = min(start + num_new, seq.num_prompt_tokens - 1)
-        if first >= end:
-            return None
-        req.num_prompt_logprobs_done = end
-        # Rows first - start .. of the chunk score tokens first + 1 .. end.
-        return [None] * (first - start) + seq.token_ids[first + 1:end + 1]
-
-    @staticmethod
-    def _sampling_info(req: Request, seq: Sequence) -> SamplingInfo:
-        p = req.params
-        banned = () if not p.min_tokens else tuple(sorted(
-            set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))))
-        return SamplingInfo(
-            0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed, p.logprobs,
-            p.prompt_logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-            p.min_p, tuple(sorted(p.logit_bias.items())) if p.logit_bias else None,
-            p.min_tokens, banned, seq.num_prompt_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -6,12 +6,11 @@ input raises a ValueError a user understands and takes no block.
 
 from __future__ import annotations
 
-import itertools
 import random
 from typing import Any, Optional, Union
 
 from folio.config import FolioConfig
-from folio.request import Request, Sequence
+from folio.request import Request, Sequence, next_seq_id
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 
@@ -25,7 +24,6 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or config.model.eos_token_ids
         self._rng = random.Random(config.seed)   # seeds for requests that give none
-        self._seq_ids = itertools.count()
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token ids). Token ids are used verbatim."""
@@ -77,6 +75,6 @@ class InputProcessor:
         for i in range(params.n):
             # The i-th sample of a seeded request is reproducible on its own.
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            seqs.append(Sequence(next(self._seq_ids), i, prompt_ids, seed))
+            seqs.append(Sequence(next_seq_id(), i, prompt_ids, seed))
         return Request(request_id, prompt_ids, params, seqs, self.eos_token_ids,
                        arrival_time=arrival_time, priority=priority)

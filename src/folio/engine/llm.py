@@ -15,6 +15,7 @@ from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.logger import configure_logging
 from folio.outputs import RequestOutput
+from folio.core.beam import BeamSearchParams
 from folio.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -57,6 +58,26 @@ class LLM:
             prompts = [prompts]
         tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm, priority)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: "BeamSearchParams", use_tqdm: bool = True) -> list[RequestOutput]:
+        """Per prompt, its `beam_width` best beams (token ids, text, cumulative
+        logprob and length-normalised `score`), best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
+        for _, ids in tokenized:
+            self.engine.input_processor.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+        order = []
+        try:
+            for text, ids in tokenized:
+                rid = str(next(self._ids))
+                self.engine.add_beam_request(rid, text, ids, params)
+                order.append(rid)
+        except ValueError:
+            self.engine.abort_request(order)
+            raise
+        return self._drain(order, use_tqdm and len(order) > 1)
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

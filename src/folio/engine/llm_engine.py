@@ -10,6 +10,7 @@ import logging
 from typing import Optional
 
 from folio.config import FolioConfig
+from folio.core.beam import BeamSearchParams, BeamState
 from folio.core.scheduler import Scheduler
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor
@@ -50,6 +51,20 @@ class LLMEngine:
                               arrival_time: Optional[float] = None, priority: int = 0) -> Request:
         request = self.input_processor.make_request(request_id, prompt_ids, params,
                                                     arrival_time, priority)
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request, prompt_text)
+        return request
+
+    def add_beam_request(self, request_id: str, prompt_text: Optional[str],
+                         prompt_ids: list[int], params: BeamSearchParams,
+                         arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+        """A beam search: greedy steps that report each beam's top 2W logprobs."""
+        sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens,
+                                  logprobs=2 * params.beam_width, ignore_eos=params.ignore_eos)
+        request = self.input_processor.make_request(request_id, prompt_ids, sampling,
+                                                    arrival_time, priority)
+        max_len = min(len(prompt_ids) + params.max_tokens, self.config.max_model_len)
+        request.beam = BeamState(params, len(prompt_ids), max_len)
         self.scheduler.add_request(request)
         self.output_processor.add_request(request, prompt_text)
         return request

@@ -139,6 +139,7 @@ class _SeqText:
         self.stop_reason: Optional[int | str] = None
         self.cumulative_logprob = 0.0
         self.logprobs: Optional[list[dict[int, float]]] = None
+        self.score: Optional[float] = None
 
 
 class _RequestState:
@@ -161,6 +162,21 @@ class _RequestState:
         # Position 0 has no logprob: nothing precedes it.
         self.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
 
+    def set_beams(self, beams, tokenizer) -> None:
+        """A finished beam search: its hypotheses, best first, become the outputs."""
+        eos = self.request.eos_token_ids
+        self.seqs = []
+        for h in beams:
+            seq = _SeqText(None)
+            seq.token_ids = list(h.token_ids)
+            ends_with_eos = bool(h.token_ids) and h.token_ids[-1] in eos
+            text_ids = h.token_ids[:-1] if ends_with_eos else h.token_ids
+            seq.text = tokenizer.decode(text_ids, skip_special_tokens=True)
+            seq.cumulative_logprob = h.cumulative_logprob
+            seq.finish_reason = "stop" if ends_with_eos else "length"
+            seq.score = h.score
+            self.seqs.append(seq)
+
     def add_prompt_logprobs(self, scored) -> None:
         for logprob, top in scored:
             token = self.prompt_token_ids[len(self.prompt_logprobs)]
@@ -169,7 +185,7 @@ class _RequestState:
     def output(self) -> RequestOutput:
         outs = [CompletionOutput(i, s.text, list(s.token_ids), s.cumulative_logprob,
                                  s.finish_reason, s.stop_reason,
-                                 None if s.logprobs is None else list(s.logprobs))
+                                 None if s.logprobs is None else list(s.logprobs), s.score)
                 for i, s in enumerate(self.seqs)]
         finished = all(s.finish_reason is not None for s in self.seqs)
         m = self.metrics
@@ -204,6 +220,10 @@ class OutputProcessor:
         for co in core_outputs:
             state = self.states.get(co.request_id)
             if state is None:
+                continue
+            if co.beams is not None:
+                state.set_beams(co.beams, self.tokenizer)
+                touched[co.request_id] = state
                 continue
             if co.prompt_logprobs and state.prompt_logprobs is not None:
                 state.add_prompt_logprobs(co.prompt_logprobs)
