@@ -151,3 +151,20 @@ def test_chat_n2_stop_and_usage_streamed(client):
         assert "".join(c.delta.content or "" for c in mine) == text[:cut]
         assert [c.finish_reason for c in mine if c.finish_reason] == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_beam_search_over_http_matches_transformers(client, tiny_model):
+    from tests.engine.test_beam_search import reference_beams
+    prompt = [1, 30, 31, 32, 33]
+    out = client.completions.create(model="tiny", prompt=prompt, n=2, best_of=4, max_tokens=12,
+                                    extra_body={"use_beam_search": True})
+    expected, _ = reference_beams(load_reference_model(tiny_model), prompt, 4, 12, False, 1.0,
+                                  {2, 4})
+    from folio.tokenizer import Tokenizer
+    tok = Tokenizer.from_hf_folder(tiny_model)
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert texts == [tok.decode([t for t in e if t not in (2, 4)]) for e in expected[:2]]
+    assert out.usage.completion_tokens == sum(len(e) for e in expected)   # all 4 searched
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model="tiny", prompt=prompt, stream=True, max_tokens=4,
+                                  extra_body={"use_beam_search": True})

@@ -15,8 +15,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Union
 
+from folio.core.beam import BeamSearchParams
 from folio.engine.llm_engine import LLMEngine
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ class _Add:
     request_id: str
     prompt: Optional[str]
     prompt_ids: list[int]
-    params: SamplingParams
+    params: Union[SamplingParams, BeamSearchParams]
     arrival_time: float
     priority: int
 
@@ -62,12 +63,14 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: Union[SamplingParams, BeamSearchParams],
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs until the finished one. Leaving the iteration
         early (client gone, task cancelled) aborts the request."""
         if self.is_dead:
             raise EngineDeadError("the engine has stopped")
-        self.engine.input_processor.validate(prompt_ids, params)   # ValueError -> 400
+        if not isinstance(params, BeamSearchParams):
+            self.engine.input_processor.validate(prompt_ids, params)   # ValueError -> 400
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         with self._streams_lock:
             if request_id in self._streams:
@@ -141,9 +144,10 @@ class AsyncLLMEngine:
         with self._streams_lock:
             if c.request_id not in self._streams:      # the client left before we started
                 return
+        add = (self.engine.add_beam_request if isinstance(c.params, BeamSearchParams)
+               else self.engine.add_tokenized_request)
         try:
-            self.engine.add_tokenized_request(c.request_id, c.prompt, c.prompt_ids, c.params,
-                                              c.arrival_time, c.priority)
+            add(c.request_id, c.prompt, c.prompt_ids, c.params, c.arrival_time, c.priority)
         except ValueError as e:
             self._deliver(c.request_id, e)
 

@@ -8,6 +8,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from folio.core.beam import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import CompletionRequest, now, random_id
 from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, collect, holdback,
@@ -36,11 +37,29 @@ async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], lis
     return out
 
 
+def _beam_params(req: CompletionRequest, max_tokens: int) -> BeamSearchParams:
+    """use_beam_search: best_of (or n) beams are searched, the n best returned."""
+    if req.stream or req.logprobs is not None or req.echo:
+        raise HTTPError(400, "use_beam_search works without stream, logprobs and echo",
+                        "use_beam_search")
+    width = req.best_of or req.n
+    if width < req.n:
+        raise HTTPError(400, "best_of must be at least n", "best_of")
+    req.refuse_missing_features()
+    return BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                            length_penalty=req.length_penalty, ignore_eos=req.ignore_eos,
+                            early_stopping=req.early_stopping)
+
+
 def _calls(served: ServedModel, req: CompletionRequest, prompts) -> list[EngineCall]:
     base = random_id("cmpl")
     calls = []
     for i, (text, ids) in enumerate(prompts):
         max_tokens = served.max_tokens_for(len(ids), req.max_tokens)
+        if req.use_beam_search:
+            calls.append(EngineCall(f"{base}-{i}", text, ids, _beam_params(req, max_tokens),
+                                    req.priority))
+            continue
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
         calls.append(EngineCall(f"{base}-{i}", text, ids, params, req.priority))
@@ -87,7 +106,7 @@ def _final(served: ServedModel, req: CompletionRequest, outputs: list[RequestOut
         prefix = (out.prompt or served.tokenizer.decode(out.prompt_token_ids,
                                                         skip_special_tokens=False)
                   ) if req.echo else ""
-        for c in out.outputs:
+        for c in out.outputs[:req.n]:
             choices.append({
                 "index": i * req.n + c.index, "text": prefix + c.text,
                 "logprobs": (_choice_logprobs(served.tokenizer, out, c, req.echo)
@@ -152,7 +171,8 @@ async def create_completion(served: ServedModel, req: CompletionRequest, raw: Re
     served.check_model(req.model)
     calls = _calls(served, req, await _prompts(served, req.prompt))
     for c in calls:    # every prompt checked before any runs
-        served.engine.engine.input_processor.validate(c.prompt_ids, c.params)
+        if not req.use_beam_search:
+            served.engine.engine.input_processor.validate(c.prompt_ids, c.params)
     if req.stream:
         return StreamingResponse(_stream(served, req, calls, now()),
                                  media_type="text/event-stream")

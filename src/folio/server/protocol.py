@@ -19,7 +19,6 @@ _NOT_YET = {
     "response_format": None, "tools": None, "tool_choice": None, "functions": None,
     "function_call": None, "suffix": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "use_beam_search": False,
 }
 
 
@@ -46,6 +45,9 @@ class _Sampling(BaseModel):
     user: Optional[str] = None
     priority: int = 0
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,8 +61,9 @@ class _Sampling(BaseModel):
         for name, unused in _NOT_YET.items():
             if extra.get(name, unused) not in (unused, None):
                 raise ValueError(f"'{name}' is not supported by Folio yet")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("'best_of' different from 'n' is not supported by Folio yet")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise ValueError("'best_of' different from 'n' is not supported by Folio yet "
+                             "(except with use_beam_search)")
         if not 1 <= self.n <= 16:
             raise ValueError(f"n must be between 1 and 16, got {self.n}")
 
