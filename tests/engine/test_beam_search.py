@@ -53,7 +53,7 @@ def test_matches_transformers_on_a_tiny_model(tiny, width):
 def test_matches_transformers_on_the_default_model(default_llm, default_reference):
     tok = default_llm.get_tokenizer()
     eos = set(tok.eos_token_ids)
-    for question in ["What is the capital of France?", "Name a primary color."]:
+    for question in ["What is the capital of France?", "Name a primary color.", "Say hello."]:
         prompt = tok.encode_chat([{"role": "user", "content": question}])
         out = default_llm.beam_search({"prompt_token_ids": prompt},
                                       BeamSearchParams(beam_width=4, max_tokens=16))[0]
