@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap one request's prefill chunk per step (0: no cap)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer across N ranks (worker processes, gloo on CPU)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,7 +48,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                scheduling_policy=args.scheduling_policy)
+                scheduling_policy=args.scheduling_policy,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: Optional[int]) -> None:

@@ -88,6 +88,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"     # mp (worker processes) | ray
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ class FolioConfig:
               tensor_parallel_size: int = 1, seed: int = 0,
               max_logprobs: int = 20, enable_prefix_caching: bool = True,
               enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-              scheduling_policy: str = "fcfs") -> "FolioConfig":
+              scheduling_policy: str = "fcfs",
+              distributed_executor_backend: str = "mp") -> "FolioConfig":
         from folio.model.loader import load_model_config
         from folio.worker.device import resolve_device, resolve_dtype
 
@@ -144,6 +146,15 @@ class FolioConfig:
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', "
                              f"got {scheduling_policy!r}")
+        if distributed_executor_backend == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError as e:
+                raise ValueError("the ray backend needs Ray: pip install folio-llm[ray]") from e
+            raise ValueError("the ray executor backend is not implemented yet; use mp")
+        if distributed_executor_backend != "mp":
+            raise ValueError(f"unknown distributed executor backend "
+                             f"{distributed_executor_backend!r}: use mp or ray")
         if long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
@@ -158,7 +169,8 @@ class FolioConfig:
                 enable_chunked_prefill=enable_chunked_prefill,
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 scheduling_policy=scheduling_policy),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend),
             dtype=run_dtype, device=device, seed=seed, max_logprobs=max_logprobs)
 
 

@@ -126,6 +126,10 @@ class AsyncLLMEngine:
             self._fail_all(EngineDeadError(f"the engine stopped: {e!r}"))
         finally:
             self._abort_everything()
+            try:
+                self.engine.shutdown()          # tensor-parallel workers exit with us
+            except Exception:                   # noqa: BLE001 - best effort on the way out
+                logger.exception("engine shutdown failed")
 
     def _drain_commands(self) -> list[RequestOutput]:
         """Apply queued adds and aborts; returns the aborted requests' outputs."""

@@ -30,7 +30,7 @@ class LLM:
                  device: Optional[str] = None, tensor_parallel_size: int = 1,
                  max_logprobs: int = 20, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp"):
         configure_logging()
         config = FolioConfig.build(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -41,9 +41,14 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            scheduling_policy=scheduling_policy)
+            scheduling_policy=scheduling_policy,
+            distributed_executor_backend=distributed_executor_backend)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a single-process engine has none)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

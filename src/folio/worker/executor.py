@@ -1,5 +1,6 @@
-"""Executors: where the model runner lives. One process for now; tensor
-parallelism will add N workers over torch.distributed behind the same API."""
+"""Executors: where the model runner lives. One process, or (tensor parallel)
+rank 0 here and N - 1 worker processes over torch.distributed, behind the same
+execute / shutdown API (worker/multiproc.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class UniProcExecutor:
         pass
 
 
-def make_executor(config: FolioConfig) -> UniProcExecutor:
-    if config.parallel.tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size > 1 is not supported yet")
-    return UniProcExecutor(config)
+def make_executor(config: FolioConfig):
+    if config.parallel.tensor_parallel_size == 1:
+        return UniProcExecutor(config)
+    from folio.worker.multiproc import MultiprocExecutor
+    return MultiprocExecutor(config)

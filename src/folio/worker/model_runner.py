@@ -32,9 +32,9 @@ class SeqState:
 
 
 class ModelRunner:
-    def __init__(self, config: FolioConfig):
+    def __init__(self, config: FolioConfig, num_threads: Optional[int] = None):
         if config.device == "cpu":
-            torch.set_num_threads(cpu_count())
+            torch.set_num_threads(num_threads or cpu_count())
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)

@@ -25,16 +25,18 @@ def tp_size() -> int:
     return _TP_SIZE
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP_SIZE == 1:
+def all_reduce(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Sum over the `size` ranks the calling layer was built for (layers keep
+    their own size, so a second, unsharded model in the process is unaffected)."""
+    if size == 1:
         return x
     torch.distributed.all_reduce(x)
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    if _TP_SIZE == 1:
+def all_gather_last_dim(x: torch.Tensor, size: int) -> torch.Tensor:
+    if size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    parts = [torch.empty_like(x) for _ in range(size)]
     torch.distributed.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)

@@ -13,7 +13,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
         super().__init__()
         self.vocab_size = vocab_size
-        self.shard = -(-vocab_size // tp_size())            # rows per rank (last padded)
+        self.tp = tp_size()
+        self.shard = -(-vocab_size // self.tp)              # rows per rank (last padded)
         self.start = tp_rank() * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -23,12 +24,12 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows.shape[0]].copy_(rows.to(param.dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if self.tp == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.shard)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0), self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -42,4 +43,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         # [num_sampled, vocab] in fp32: the matmul runs in the weight dtype
         # (converting the head to fp32 every step would cost more than the matmul).
         local = F.linear(hidden, self.weight).float()
-        return all_gather_last_dim(local)[..., :self.vocab_size]
+        return all_gather_last_dim(local, self.tp)[..., :self.vocab_size]

@@ -105,6 +105,7 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__(_divide(in_features, tp_size(), "input size"), out_features, bias, dtype)
+        self.tp = tp_size()
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:            # the bias is added once, after the reduction
@@ -114,5 +115,5 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias

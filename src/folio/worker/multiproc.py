@@ -1,0 +1,147 @@
+"""Tensor parallelism over torch.distributed: rank 0 in the engine's process,
+ranks 1..N-1 in worker processes started with `spawn`.
+
+Every step rank 0 sends the SchedulerOutput down a pipe to each worker; all
+ranks then run the same forward (each on its shard of every layer, joined by
+all-reduces and an all-gather of the logits) and only rank 0's sampled tokens
+are used. A worker that dies makes rank 0's next collective fail, so the
+engine reports an error instead of hanging; a worker whose pipe closes (the
+engine is gone) exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+from typing import Optional
+
+from folio.config import FolioConfig, cpu_count
+from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("folio")
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def check_tensor_parallel(config: FolioConfig) -> None:
+    """A clear error at start when the model cannot be split N ways."""
+    tp, m = config.parallel.tensor_parallel_size, config.model
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+    if m.num_attention_heads % tp:
+        raise ValueError(f"the model's {m.num_attention_heads} attention heads cannot be split "
+                         f"across tensor_parallel_size={tp} ranks")
+    kv = m.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"the model's {kv} KV heads can neither be split across nor "
+                         f"replicated over tensor_parallel_size={tp} ranks")
+    if m.intermediate_size % tp:
+        raise ValueError(f"the model's intermediate size {m.intermediate_size} is not divisible "
+                         f"by tensor_parallel_size={tp}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_rank(config: FolioConfig, rank: int, port: int) -> "ModelRunner":
+    import torch
+    import torch.distributed as dist
+
+    from folio.worker.parallel_state import set_tensor_parallel
+    tp = config.parallel.tensor_parallel_size
+    torch.set_num_threads(max(1, cpu_count() // tp))
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=tp, timeout=COLLECTIVE_TIMEOUT)
+    set_tensor_parallel(rank, tp)
+    from folio.worker.model_runner import ModelRunner
+    return ModelRunner(config, num_threads=max(1, cpu_count() // tp))
+
+
+def _worker_main(config: FolioConfig, rank: int, port: int, conn) -> None:
+    runner = _init_rank(config, rank, port)
+    conn.send(runner.num_blocks)
+    while True:
+        try:
+            so = conn.recv()
+        except (EOFError, OSError):       # the engine is gone
+            break
+        if so is None:
+            break
+        runner.execute(so)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: FolioConfig):
+        check_tensor_parallel(config)
+        tp = config.parallel.tensor_parallel_size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.workers, self.pipes = [], []
+        # Threads per rank are fixed before torch starts in the child.
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // tp))
+        try:
+            for rank in range(1, tp):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(config, rank, port, child),
+                                   daemon=True, name=f"folio-tp{rank}")
+                proc.start()
+                child.close()
+                self.workers.append(proc)
+                self.pipes.append(parent)
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        from folio.worker.parallel_state import set_tensor_parallel
+        self.runner = _init_rank(config, 0, port)
+        # The layers keep the split they were built with; the process-wide
+        # default goes back to 1 so another model in this process is unaffected.
+        set_tensor_parallel(0, 1)
+        counts = {self.runner.num_blocks} | {p.recv() for p in self.pipes}
+        self.num_blocks = min(counts)
+        logger.info("tensor parallel: %d ranks over %s", tp,
+                    "nccl" if config.device.startswith("cuda") else "gloo")
+
+    def check_workers(self) -> None:
+        dead = [p.name for p in self.workers if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died")
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_workers()
+        try:
+            for pipe in self.pipes:
+                pipe.send(so)
+            return self.runner.execute(so)
+        except Exception as e:
+            self.check_workers()
+            raise RuntimeError(f"tensor-parallel step failed: {e}") from e
+
+    def shutdown(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self.workers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:           # noqa: BLE001 - best effort at exit
+            pass

@@ -1,0 +1,61 @@
+"""A tensor-parallel server (tp=2 on a tiny model): it answers as one rank does,
+and when a worker dies requests fail fast, /health turns 503, and stopping the
+server leaves no process behind."""
+
+import glob
+import os
+import signal
+
+from tests.server.conftest import ServerProcess, http
+from tests.server.test_lifecycle import wait_for
+
+
+def spawned_children(pid: int) -> list[int]:
+    kids = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(path) as f:
+            kids += [int(x) for x in f.read().split()]
+    workers = []
+    for kid in kids:
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    workers.append(kid)
+        except OSError:
+            pass
+    return workers
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_tp2_server_answers_then_fails_cleanly(tiny_model):
+    body = {"model": "tiny", "prompt": [1, 20, 30, 40], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    single = ServerProcess(["--model", tiny_model, "--dtype", "float32", "--num-kv-blocks", "32",
+                            "--served-model-name", "tiny", "--uvicorn-log-level", "warning"])
+    try:
+        expected = http("POST", single.url + "/v1/completions", body)[2]["choices"][0]["text"]
+    finally:
+        single.stop()
+    srv = ServerProcess(["--model", tiny_model, "--dtype", "float32", "--num-kv-blocks", "32",
+                         "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                         "--uvicorn-log-level", "warning"])
+    try:
+        status, _, out = http("POST", srv.url + "/v1/completions", body)
+        assert status == 200 and out["choices"][0]["text"] == expected
+        workers = spawned_children(srv.proc.pid)
+        assert workers, "no tensor-parallel worker found"
+        os.kill(workers[0], signal.SIGKILL)
+        status, _, err = http("POST", srv.url + "/v1/completions", body)
+        assert status == 503 and "worker" in err["error"]["message"]
+        assert wait_for(lambda: http("GET", srv.url + "/health")[0] == 503, 10)
+    finally:
+        srv.stop(signal.SIGTERM)
+    assert srv.proc.returncode == 0
+    assert wait_for(lambda: not any(alive(w) for w in workers), 10)

@@ -1,0 +1,80 @@
+"""Tensor parallelism over torch.distributed (gloo on the CPU): the same greedy
+tokens as one rank, clear errors for impossible splits, and a dead worker
+failing requests quickly with no process left behind."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from folio import LLM, SamplingParams
+from tests.utils import make_tiny_model
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # 2 layers, 4 heads, 2 KV heads: tp=4 replicates the KV heads
+    return make_tiny_model(tmp_path_factory.mktemp("tp"))
+
+
+def prompts():
+    return [{"prompt_token_ids": [1, 20 + i, 30, 40, 50 + i] * (i + 1)} for i in range(4)]
+
+
+def test_tp2_and_tp4_match_one_rank(tiny):
+    expected = [o.outputs[0].token_ids for o in
+                LLM(tiny, dtype="float32", num_kv_blocks=64).generate(prompts(), PARAMS)]
+    for tp in (2, 4):
+        llm = LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=tp)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS)]
+        finally:
+            llm.shutdown()
+        assert got == expected, tp
+        assert not any(w.is_alive() for w in llm.engine.executor.workers)
+
+
+def test_default_model_tp3(default_llm):
+    chats = [{"prompt_token_ids": default_llm.get_tokenizer().encode_chat(
+        [{"role": "user", "content": q}])} for q in ["Hi!", "What is 2+2?", "Name a fruit.",
+                                                     "Say something kind."]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in default_llm.generate(chats, params)]
+    llm = LLM(dtype="float32", num_kv_blocks=64, max_model_len=2048, tensor_parallel_size=3)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(chats, params)]
+    finally:
+        llm.shutdown()
+    assert got == expected
+
+
+def test_impossible_splits_are_clear_errors(tiny):
+    with pytest.raises(ValueError, match="4 attention heads cannot be split across "
+                                         "tensor_parallel_size=3"):
+        LLM(tiny, dtype="float32", num_kv_blocks=16, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=8"):
+        LLM(tiny, dtype="float32", num_kv_blocks=16, tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="pip install folio-llm\\[ray\\]|not implemented"):
+        LLM(tiny, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2,
+            distributed_executor_backend="ray")
+
+
+def test_a_dead_worker_fails_requests_fast_and_leaves_nothing(tiny):
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    worker = engine.executor.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker"):
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - start < 10
+    engine.abort_request(["a"])
+    llm.shutdown()
+    assert not any(w.is_alive() for w in engine.executor.workers)
