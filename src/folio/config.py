@@ -146,13 +146,7 @@ class FolioConfig:
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', "
                              f"got {scheduling_policy!r}")
-        if distributed_executor_backend == "ray":
-            try:
-                import ray  # noqa: F401
-            except ImportError as e:
-                raise ValueError("the ray backend needs Ray: pip install folio-llm[ray]") from e
-            raise ValueError("the ray executor backend is not implemented yet; use mp")
-        if distributed_executor_backend != "mp":
+        if distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"unknown distributed executor backend "
                              f"{distributed_executor_backend!r}: use mp or ray")
         if long_prefill_token_threshold < 0:

@@ -57,9 +57,9 @@ def test_impossible_splits_are_clear_errors(tiny):
         LLM(tiny, dtype="float32", num_kv_blocks=16, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=8"):
         LLM(tiny, dtype="float32", num_kv_blocks=16, tensor_parallel_size=8)
-    with pytest.raises(ValueError, match="pip install folio-llm\\[ray\\]|not implemented"):
+    with pytest.raises(ValueError, match="mp or ray"):
         LLM(tiny, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2,
-            distributed_executor_backend="ray")
+            distributed_executor_backend="mpi")
 
 
 def test_a_dead_worker_fails_requests_fast_and_leaves_nothing(tiny):

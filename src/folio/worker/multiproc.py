@@ -48,7 +48,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_rank(config: FolioConfig, rank: int, port: int) -> "ModelRunner":
+def _init_rank(config: FolioConfig, rank: int, port: int,
+               master: str = "127.0.0.1") -> "ModelRunner":
     import torch
     import torch.distributed as dist
 
@@ -58,7 +59,7 @@ def _init_rank(config: FolioConfig, rank: int, port: int) -> "ModelRunner":
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=tp, timeout=COLLECTIVE_TIMEOUT)
     set_tensor_parallel(rank, tp)
     from folio.worker.model_runner import ModelRunner
