@@ -32,7 +32,8 @@ class SeqState:
 
 
 class ModelRunner:
-    def __init__(self, config: FolioConfig, num_threads: Optional[int] = None):
+    def __init__(self, config: FolioConfig, num_threads: Optional[int] = None,
+                 is_driver: bool = True):
         if config.device == "cpu":
             torch.set_num_threads(num_threads or cpu_count())
         self.config = config
@@ -45,6 +46,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(config, num_kv_heads)
         self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads)
         self.states: dict[int, SeqState] = {}
+        self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
 
     @torch.inference_mode()
@@ -75,6 +77,8 @@ class ModelRunner:
         if targets:
             rows = torch.tensor([row for _, row in targets], device=self.device)
             logits = self.model.compute_logits(hidden[rows])          # [S, V] fp32
+            if not self.is_driver:      # the logits gather is collective; sampling is not
+                return out
             seq_ids = [seq_id for seq_id, _ in targets]
             result = sample(logits, self._sampling_batch(seq_ids))
             out.seq_ids = seq_ids

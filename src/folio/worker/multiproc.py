@@ -63,7 +63,7 @@ def _init_rank(config: FolioConfig, rank: int, port: int,
                             world_size=tp, timeout=COLLECTIVE_TIMEOUT)
     set_tensor_parallel(rank, tp)
     from folio.worker.model_runner import ModelRunner
-    return ModelRunner(config, num_threads=max(1, cpu_count() // tp))
+    return ModelRunner(config, num_threads=max(1, cpu_count() // tp), is_driver=rank == 0)
 
 
 def _worker_main(config: FolioConfig, rank: int, port: int, conn) -> None:
