@@ -113,12 +113,15 @@ def test_sigterm_under_load_exits_cleanly(tiny_model):
 
     def client(i):
         results.append(http("POST", srv.url + "/v1/completions",
-                            {"model": srv_name(srv), "prompt": f"load {i}", "max_tokens": 30,
+                            {"model": name, "prompt": f"load {i}", "max_tokens": 200,
                              "ignore_eos": True})[0])
+    name = srv_name(srv)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    in_flight = lambda: sum(metrics(srv)[k] for k in ("folio:num_requests_running",  # noqa: E731
+                                                       "folio:num_requests_waiting"))
+    assert wait_for(lambda: in_flight() == 6, 30)
     srv.stop(signal.SIGTERM)
     for t in threads:
         t.join(30)

@@ -113,10 +113,12 @@ class AsyncLLMEngine:
                 aborted = self._drain_commands()
                 stepped = self.engine.has_unfinished_requests()
                 outputs = self.engine.step() if stepped else []
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                # Metrics first: a client that reads /metrics after its answer
+                # must find that answer counted.
                 if self.on_step is not None and (stepped or aborted):
                     self.on_step(self.engine, aborted + outputs)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
                 if not stepped and not aborted:
                     self._wake.wait(0.5)
                     self._wake.clear()
