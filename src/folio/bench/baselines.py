@@ -18,13 +18,26 @@ from folio.config import ModelConfig
 
 
 def load_hf_model(m: ModelConfig, dtype: torch.dtype):
+    """transformers' model on the same weights, dense in `dtype`.
+
+    For GGUF files transformers would keep the weights packed and compute in
+    fp32 whatever dtype is asked; to compare like with like, its model is
+    built from the GGUF's config and given our dequantized tensors (the loader
+    tests prove them equal to transformers' own dequantization)."""
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:    # pragma: no cover - depends on the install
         raise ValueError("the transformers baselines need `pip install folio-llm[dev]`") from e
     if m.format == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(m.path), gguf_file=os.path.basename(m.path), dtype=dtype)
+        from folio.model.loader import iter_weights
+        config = AutoConfig.from_pretrained(os.path.dirname(m.path),
+                                            gguf_file=os.path.basename(m.path))
+        config.tie_word_embeddings = m.tie_word_embeddings
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        missing, unexpected = model.load_state_dict(dict(iter_weights(m)), strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise ValueError(f"weights do not fit the reference model: {missing or unexpected}")
+        model.tie_weights()
     else:
         model = AutoModelForCausalLM.from_pretrained(m.path, dtype=dtype)
     model.generation_config.eos_token_id = None     # ignore EOS: run to max_tokens
