@@ -118,19 +118,21 @@ def test_sigterm_under_load_exits_cleanly(tiny_model):
                                  "ignore_eos": True})[0])
         except OSError:                     # arrived after the server stopped listening
             results.append(None)
-    name = srv_name(srv)
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-
     def in_flight() -> float:
         m = metrics(srv)
         return m["folio:num_requests_running"] + m["folio:num_requests_waiting"]
-    assert wait_for(lambda: in_flight() >= 1, 30)
-    at_sigterm = in_flight()
-    srv.stop(signal.SIGTERM)
-    for t in threads:
-        t.join(60)
+    try:
+        name = srv_name(srv)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: in_flight() >= 1, 30)
+        at_sigterm = in_flight()
+        srv.stop(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+    finally:
+        srv.stop()                          # never leave a server behind
     assert srv.proc.returncode == 0, srv.output()
     # every request in flight when SIGTERM came was finished, not dropped
     assert results.count(200) >= at_sigterm and len(results) == 6
