@@ -71,13 +71,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            for seq in req.live_seqs:
-                self._finish_seq(seq, RequestStatus.FINISHED_ABORTED)
-            self._retire(req)
+            self._end_request(req, RequestStatus.FINISHED_ABORTED)
             aborted.append(req)
         return aborted
 
@@ -90,8 +84,7 @@ class Scheduler:
                 continue
             self._finish_seq(req.seqs[index], RequestStatus.FINISHED_STOPPED)
             if not req.live_seqs:
-                (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
-                self._retire(req)
+                self._end_request(req, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -126,7 +119,8 @@ class Scheduler:
             if grants is None and len(self.running) == 1:
                 # Alone and still out of blocks: the whole cache is too small for
                 # this sequence to grow; it ends here rather than loop forever.
-                self._finish_request(req, RequestStatus.FINISHED_LENGTH)
+                self._end_request(req, RequestStatus.FINISHED_LENGTH)
+                self.finished_by_capacity.append(req)
                 out.finished_seq_ids.extend(self._finished_seq_ids)
                 self._finished_seq_ids = []
                 break
@@ -203,17 +197,18 @@ class Scheduler:
             seq = seqs[0]
             # Whole blocks only, and never the last token: its logits are needed.
             cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, req.num_tokens - 1)
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += cached
         req.num_computed_tokens = cached
         num_new = self._chunk(req, budget)
         grants = self._allocate(req, num_new) if num_new > 0 else None
-        if grants is None and cached:
-            self.kv.free(seqs[0].seq_id)
-            req.num_computed_tokens = 0
-            self.prefix_cache_queries -= req.num_tokens
-            self.prefix_cache_hits -= cached
-        elif grants is not None and req.num_cached_tokens is None:
+        if grants is None:
+            if cached:
+                self.kv.free(seqs[0].seq_id)
+                req.num_computed_tokens = 0
+            return None
+        if len(seqs) == 1 and req.params.prompt_logprobs is None:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += cached
+        if req.num_cached_tokens is None:
             req.num_cached_tokens = cached
         return grants
 
@@ -259,8 +254,7 @@ class Scheduler:
             outputs.extend(self._beam_step(self.requests[rid], beam))
         for req in touched.values():
             if not req.live_seqs:
-                self.running.remove(req)
-                self._retire(req)
+                self._end_request(req, RequestStatus.FINISHED_STOPPED)
         self.waste.record(*self.kv.waste((s.seq_id, r.num_computed_tokens)
                                          for r in self.running for s in r.kv_seqs))
         return outputs + list(by_seq.values())
@@ -284,10 +278,7 @@ class Scheduler:
         step_beams(state, req.live_seqs, tops, req.eos_token_ids, fork, drop)
         if not state.done:
             return []
-        for seq in req.live_seqs:
-            drop(seq)
-        self.running.remove(req)
-        self._retire(req)
+        self._end_request(req, RequestStatus.FINISHED_ABORTED)   # drops the live beams
         req.status = RequestStatus.FINISHED_STOPPED
         return [EngineCoreOutput(req.request_id, 0, [], [], "stop", beams=state.finished)]
 
@@ -372,18 +363,18 @@ class Scheduler:
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
         self.kv.free(seq.seq_id)
-        if seq.seq_id in self._started:
-            self._started.discard(seq.seq_id)
+        self._started.discard(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
 
-    def _finish_request(self, req: Request, status: RequestStatus) -> None:
-        self.running.remove(req)
+    def _end_request(self, req: Request, status: RequestStatus) -> None:
+        """Take a request out of its queue, end its live sequences with `status`,
+        and forget it; its status becomes the most final of its sequences'."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
         for seq in req.live_seqs:
             self._finish_seq(seq, status)
-        self._retire(req)
-        self.finished_by_capacity.append(req)
-
-    def _retire(self, req: Request) -> None:
         req.status = max(s.status for s in req.seqs)
         del self.requests[req.request_id]
         for seq in req.seqs:

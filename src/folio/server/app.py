@@ -74,17 +74,6 @@ class ServerState:
         return self.served
 
 
-def _error_response(e: BaseException) -> JSONResponse:
-    if isinstance(e, HTTPError):
-        return e.response()
-    if isinstance(e, EngineDeadError):
-        return JSONResponse(error_body(str(e), 503), 503)
-    if isinstance(e, ValueError):
-        return JSONResponse(error_body(str(e), 400), 400)
-    logger.exception("internal error", exc_info=e)
-    return JSONResponse(error_body(f"internal error: {type(e).__name__}", 500), 500)
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     errors = exc.errors()
     if not errors:
@@ -117,16 +106,16 @@ def build_app(state: ServerState) -> FastAPI:
 def _add_middleware(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def auth_and_request_id(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         key = state.config.api_key
         if key and request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 response = JSONResponse(error_body("invalid or missing API key", 401), 401)
-                response.headers["X-Request-Id"] = request.headers.get("x-request-id") or \
-                    uuid.uuid4().hex
+                response.headers["X-Request-Id"] = request_id
                 return response
         response = await call_next(request)
-        response.headers["X-Request-Id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+        response.headers["X-Request-Id"] = request_id
         return response
 
 

@@ -75,8 +75,13 @@ class ModelRunner:
                     self._start_child(child_id, info, s.seq_id)
                     targets.append((child_id, row))
         if targets:
-            rows = torch.tensor([row for _, row in targets], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])          # [S, V] fp32
+            # Forked samples share their parent's row: the LM head runs once per row.
+            unique = sorted({row for _, row in targets})
+            index = {row: i for i, row in enumerate(unique)}
+            logits = self.model.compute_logits(hidden[torch.tensor(unique, device=self.device)])
+            if len(unique) < len(targets):
+                logits = logits[torch.tensor([index[r] for _, r in targets], device=self.device)]
+            # logits: [S, V] fp32, one row per target
             if not self.is_driver:      # the logits gather is collective; sampling is not
                 return out
             seq_ids = [seq_id for seq_id, _ in targets]

@@ -66,17 +66,19 @@ def apply_adjustments(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor
     return logits
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """top_k / top_p: [S] per row, or None where no row of the batch uses it."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    if batch.needs_top_k:
+    if top_k is not None:
         ranks = torch.arange(vocab, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= batch.top_k[:, None],
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None],
                                                   float("-inf"))
-    if batch.needs_top_p:
+    if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_p[:, None],
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None],
                                                   float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
@@ -101,9 +103,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         idx = torch.tensor(random_rows, device=logits.device)
         scaled = logits[idx] / batch.temperature[idx, None]
         if batch.needs_top_k or batch.needs_top_p:
-            sub = SamplingBatch(batch.temperature[idx], batch.top_k[idx], batch.top_p[idx],
-                                [], False, batch.needs_top_k, batch.needs_top_p)
-            scaled = _apply_top_k_top_p(scaled, sub)
+            scaled = _apply_top_k_top_p(scaled,
+                                        batch.top_k[idx] if batch.needs_top_k else None,
+                                        batch.top_p[idx] if batch.needs_top_p else None)
         probs = scaled.softmax(dim=-1)
         if batch.min_p is not None:
             floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
