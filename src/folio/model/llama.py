@@ -17,7 +17,7 @@ from folio.model.attention.metadata import AttentionMetadata
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from folio.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                       RowParallelLinear)
+                                       RowParallelLinear, prepack)
 from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -135,3 +135,4 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+        prepack(self)

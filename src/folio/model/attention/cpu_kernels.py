@@ -47,20 +47,23 @@ def _cache_dir() -> Path:
     return Path(base) / "folio" / "kernels"
 
 
-def _build() -> Optional[ctypes.CDLL]:
+def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+    """Compile (once per source, CPU and flags) and load the kernel library;
+    `extra_flags` lets the tests build the portable path too (-mno-avx512f)."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: CPU decode attention uses the torch path")
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode())
+    key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
+                         + " ".join(extra_flags).encode())
     target = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-                   str(_SOURCE), "-o", str(out), "-lm"]
+            cmd = [compiler, "-O3", "-march=native", *extra_flags, "-ffast-math", "-fopenmp",
+                   "-shared", "-fPIC", str(_SOURCE), "-o", str(out), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 logger.warning("building the CPU attention kernel failed, using the torch "
@@ -94,14 +97,15 @@ def supports(q: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float,
+                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """q: [B, H, D]; kv_cache: [2, NB, BS, Hkv, D]; -> [B, H, D]."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
-    failed = _lib.folio_paged_decode(
+    failed = (lib or _lib).folio_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         q.shape[0], tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
         num_blocks, scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())

@@ -3,9 +3,10 @@
 Decodes run batched with no per-sequence Python loop: keys and values are
 gathered through the block tables into a padded [B, max_context] view and
 masked by each sequence's context length. Prefill chunks run one SDPA call per
-sequence with a causal mask built from absolute positions (SDPA's `is_causal`
-aligns the triangle to the top-left, which is wrong once a sequence resumes
-mid-prompt with keys before its first query).
+sequence: `is_causal` for a chunk that starts the sequence, otherwise a mask
+built from absolute positions (SDPA's `is_causal` aligns the triangle to the
+top-left, which is wrong once a sequence resumes mid-prompt with keys before
+its first query).
 """
 
 from __future__ import annotations
@@ -53,14 +54,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
         n, ctx = span.num_tokens, span.start_pos + span.num_tokens
-        if span.start_pos > 0:     # earlier tokens live only in the cache
-            k = k_cache[span.block_table].flatten(0, 1)[:ctx]
-            v = v_cache[span.block_table].flatten(0, 1)[:ctx]
-        group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)        # [H, ctx, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        # 4-D inputs with grouped heads: torch's CPU flash-attention kernel takes
+        # them (3-D ones fall to the unfused math path, 2.5x slower here).
+        q4 = q.transpose(0, 1)[None]                                 # [1, H, n, D]
+        if span.start_pos == 0:     # a whole prompt: the plain causal triangle
+            out = F.scaled_dot_product_attention(
+                q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                scale=self.scale, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        # a later chunk: earlier keys live only in the cache
+        k = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+        v = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None]
         query_pos = span.start_pos + torch.arange(n, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]   # [n, ctx]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
-                                             scale=self.scale)      # [H, n, D]
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask[None, None],
+                                             scale=self.scale, enable_gqa=True)  # [1, H, n, D]
+        return out[0].transpose(0, 1)

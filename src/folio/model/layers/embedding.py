@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.model.layers.linear import linear, pack_weight
 from folio.worker.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -36,11 +37,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary slice, gathered; shares the embedding
     when the model ties them."""
 
+    packed = None
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+
+    def prepack(self) -> None:
+        # a packed copy: the plain weight stays, the embedding may share it
+        self.packed = pack_weight(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_sampled, vocab] in fp32: the matmul runs in the weight dtype
         # (converting the head to fp32 every step would cost more than the matmul).
-        local = F.linear(hidden, self.weight).float()
+        local = linear(hidden, self.weight, self.packed).float()
         return all_gather_last_dim(local, self.tp)[..., :self.vocab_size]

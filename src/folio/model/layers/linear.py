@@ -3,6 +3,11 @@
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that
 copies its own slice of a full checkpoint tensor: tensor parallelism and the
 fused qkv / gate-up projections both fall out of this.
+
+Once loaded, bf16 weights on the CPU are repacked into oneDNN's blocked layout
+(`prepack`): a plain-layout weight is reordered inside every matmul call, which
+at decode batch sizes costs as much as the multiplication (measured in
+docs/benchmarks.md). The packed product is bit-identical to `F.linear`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,32 @@ def _divide(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight in oneDNN's blocked layout, or None where that does not apply
+    (not the CPU, not bf16, or no oneDNN in this torch build)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack(model: nn.Module) -> None:
+    """Repack every layer that can, once its weights are final."""
+    for module in model.modules():
+        if hasattr(module, "prepack"):
+            module.prepack()
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -32,12 +63,20 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.packed: Optional[torch.Tensor] = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded)
 
+    def prepack(self) -> None:
+        """Keep only the packed weight when there is one (the plain one would
+        double the memory); the parameter stays, empty, for its name."""
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -115,5 +154,5 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(linear(x, self.weight, self.packed), self.tp)
         return y if self.bias is None else y + self.bias
