@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from folio.model.attention import cpu_kernels
+from folio.model import native
 from folio.model.attention.backend import AttentionBackend
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 
@@ -28,8 +28,8 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         d = meta.num_decodes
-        if d and cpu_kernels.supports(q):
-            out[:d] = cpu_kernels.paged_decode(q[:d], kv_cache, meta.decode_block_tables,
+        if d and native.supports(q):
+            out[:d] = native.paged_decode(q[:d], kv_cache, meta.decode_block_tables,
                                                meta.decode_context_lens, self.scale)
         elif d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta)

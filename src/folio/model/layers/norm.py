@@ -1,9 +1,18 @@
-"""RMSNorm, computed in fp32 whatever the run dtype."""
+"""RMSNorm, computed in fp32 whatever the run dtype, with the residual add fused in.
+
+`forward(x, residual)` returns (norm(x + residual), x + residual): the decoder
+carries the residual stream beside the hidden states, so every add joins the
+norm that follows it (one native kernel for bf16 on the CPU).
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
+
+from folio.model import native
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +21,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if native.fuses(x) and x.dim() == 2:
+            return native.add_rmsnorm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -12,6 +12,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from folio.model import native
+
 
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -65,6 +67,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (q and k heads together) -> rotated, in fp32, cast back."""
+    """x: [T, heads, D] (q and k heads together) -> rotated, in fp32, cast back.
+    bf16 on the CPU is rotated in place by the native kernel."""
+    if native.fuses(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return native.rotary_(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

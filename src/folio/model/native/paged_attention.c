@@ -21,19 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7fff + ((bits >> 16) & 1);   /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* Load n elements of the given dtype as floats. */
 static inline void load_row(const void *base, int64_t index, int dtype, int n, float *dst) {
@@ -174,7 +162,7 @@ static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, in
     const char *base = (const char *)kv + first * elt;
     for (int64_t r = 0; r < rows; r++)
         for (int off = 0; off < row_bytes; off += 64)
-            __builtin_prefetch(base + r * stride * elt + off, 0, 3);
+            __builtin_prefetch(base + r * stride * elt + off, 0, 1);   /* to L2: measured best */
 }
 
 /* A task's queries are a run of KV heads with their query groups: up to this many

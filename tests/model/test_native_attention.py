@@ -5,18 +5,18 @@ import platform
 import pytest
 import torch
 
-from folio.model.attention import cpu_kernels
+from folio.model import native
 from folio.model.attention.metadata import AttentionMetadata
 from folio.model.attention.torch_backend import TorchAttentionBackend
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
 
 def _portable():
     """The same source built without AVX-512: the portable C path."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the portable build flag is x86-specific")
-    lib = cpu_kernels._build(("-mno-avx512f",))
+    lib = native._build(("-mno-avx512f",))
     if lib is None:
         pytest.skip("no C compiler here")
     return lib
@@ -45,6 +45,6 @@ def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, b
     meta = AttentionMetadata(slot_mapping=None, num_decodes=batch, decode_block_tables=tables,
                              decode_context_lens=lens)
     expected = backend._decode(q, kv[0], kv[1], meta).float()
-    got = cpu_kernels.paged_decode(q, kv, tables, lens, dim ** -0.5, lib).float()
+    got = native.paged_decode(q, kv, tables, lens, dim ** -0.5, lib).float()
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()

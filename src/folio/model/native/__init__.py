@@ -1,0 +1,167 @@
+"""Native CPU kernels, built on first use with the system C compiler.
+
+- `paged_attention.c`: decode attention through the block tables.
+- `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply.
+
+The C sources ship with the package; they are compiled once per machine (the
+cache key includes the sources and the CPU's flags, since they are built with
+-march=native) into one library in ~/.cache/folio/kernels, called through
+ctypes, which releases the GIL. Without a compiler the torch layers are used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("folio")
+
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c"]
+_HEADERS = [_DIR / "bf16.h"]
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "folio" / "kernels"
+
+
+def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+    """Compile (once per source, CPU and flags) and load the kernel library;
+    `extra_flags` lets the tests build the portable path too (-mno-avx512f)."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the torch path")
+        return None
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
+                         + " ".join(extra_flags).encode())
+    target = _cache_dir() / f"folio_cpu_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, "-O3", "-march=native", *extra_flags, "-ffast-math", "-fopenmp",
+                   "-shared", "-fPIC", *map(str, _SOURCES), "-o", str(out), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                logger.warning("building the native CPU kernels failed, using the torch "
+                               "layers:\n%s", done.stderr[-2000:])
+                return None
+            os.replace(out, target)        # atomic: concurrent builders agree
+    lib = ctypes.CDLL(str(target))
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "folio_paged_decode": (ctypes.c_int, [p] * 5 + [i64] * 2 + [i32] * 4
+                               + [i64, f32, i32, i32]),
+        "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
+        "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
+        "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The kernel library, or None when it cannot be built here."""
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _build()
+            except OSError as e:
+                logger.warning("native CPU kernels unavailable (%s): using the torch layers", e)
+                _lib = None
+        return _lib
+
+
+def supports(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _DTYPE_CODES and load() is not None
+
+
+def fuses(x: torch.Tensor) -> bool:
+    """Whether the fused element-wise kernels serve this tensor: bf16 on the CPU.
+    fp32 keeps the torch layers, bit-identical to the reference implementation."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and load() is not None
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float,
+                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """q: [B, H, D]; kv_cache: [2, NB, BS, Hkv, D]; -> [B, H, D]."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    tables = block_tables.contiguous()
+    lens = context_lens.contiguous()
+    failed = (lib or _lib).folio_paged_decode(
+        q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        q.shape[0], tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
+        num_blocks, scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
+    if failed:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    return out
+
+
+def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), the sum written into `residual`;
+    without a residual, (norm(x), x). x, residual: [T, hidden] contiguous."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows, hidden = x.shape
+    _lib.folio_add_rmsnorm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                           weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+                           _DTYPE_CODES[x.dtype], residual is not None, torch.get_num_threads())
+    return out, (x if residual is None else residual)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] in place (rows may be strided, heads and D dense);
+    cos, sin: fp32 with T rows of D/2."""
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim:
+        raise ValueError("rotary_ needs each token's heads packed together")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _lib.folio_rotary(x.data_ptr(), tokens, x.stride(0), heads, dim, cos.data_ptr(),
+                      sin.data_ptr(), _DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2d] (gate then up) -> silu(gate) * up, [T, d]."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _lib.folio_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                        _DTYPE_CODES[gate_up.dtype], torch.get_num_threads())
+    return out

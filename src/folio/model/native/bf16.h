@@ -1,0 +1,27 @@
+/* bfloat16 <-> float for the native kernels (bf16 is the top half of a float). */
+#ifndef FOLIO_BF16_H
+#define FOLIO_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7fff + ((bits >> 16) & 1);   /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+/* Round a float to the run dtype's precision (dtype 1: bf16; 0: fp32, as is). */
+static inline float round_to(float f, int dtype) {
+    return dtype ? bf16_to_float(float_to_bf16(f)) : f;
+}
+
+#endif

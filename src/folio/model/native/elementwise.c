@@ -1,0 +1,99 @@
+/* Fused element-wise layers for the CPU: residual add + RMSNorm, rotary
+ * embedding in place, and SiLU-and-multiply. Each replaces several torch ops
+ * (and their dispatch, which at decode batch sizes costs more than the
+ * arithmetic) with one call.
+ *
+ * Arithmetic is fp32; every value torch would round to the run dtype between
+ * its ops is rounded here at the same point (dtype 0: float32, 1: bfloat16),
+ * so results match the torch layers up to the order of a sum. Rows run in
+ * parallel only when there is enough work to pay for waking the threads.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+#define FOLIO_PARALLEL_MIN 32768      /* elements */
+
+static inline float load(const void *base, int64_t i, int dtype) {
+    return dtype ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store(void *base, int64_t i, float v, int dtype) {
+    if (dtype)
+        ((uint16_t *)base)[i] = float_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* With a residual: residual = x + residual (rounded), then out = norm(residual).
+ * Without: out = norm(x). norm(h) = weight * round(h / sqrt(mean(h^2) + eps)). */
+void folio_add_rmsnorm(const void *x, void *residual, const void *weight, void *out,
+                       int64_t rows, int64_t hidden, float eps, int dtype, int has_residual,
+                       int num_threads) {
+    int threads = rows * hidden >= FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * hidden;
+        float ss = 0.f;
+        if (has_residual) {
+#pragma omp simd reduction(+:ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                float h = round_to(load(x, base + i, dtype) + load(residual, base + i, dtype), dtype);
+                store(residual, base + i, h, dtype);
+                ss += h * h;
+            }
+        } else {
+#pragma omp simd reduction(+:ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                float h = load(x, base + i, dtype);
+                ss += h * h;
+            }
+        }
+        const void *src = has_residual ? residual : x;
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) {
+            float y = round_to(load(src, base + i, dtype) * inv, dtype);
+            store(out, base + i, y * load(weight, i, dtype), dtype);
+        }
+    }
+}
+
+/* Rotate-half rotary embedding in place on `heads` heads of each token's row
+ * (q and k side by side), with cos/sin [tokens][head_dim / 2] in fp32. */
+void folio_rotary(void *x, int64_t tokens, int64_t row_stride, int heads, int head_dim,
+                  const float *cos_table, const float *sin_table, int dtype, int num_threads) {
+    const int half = head_dim / 2;
+    int threads = tokens * heads * head_dim >= FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + t * half, *s = sin_table + t * half;
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = t * row_stride + (int64_t)h * head_dim;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float a = load(x, base + i, dtype), b = load(x, base + half + i, dtype);
+                float lo = a * c[i] - b * s[i], hi = b * c[i] + a * s[i];
+                store(x, base + i, lo, dtype);
+                store(x, base + half + i, hi, dtype);
+            }
+        }
+    }
+}
+
+/* out[r][i] = silu(gate[r][i]) * up[r][i], with gate_up rows [gate | up] of 2 * d. */
+void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int dtype,
+                    int num_threads) {
+    int threads = rows * d >= FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in = r * 2 * d, o = r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) {
+            float g = load(gate_up, in + i, dtype);
+            float act = round_to(g / (1.f + expf(-g)), dtype);
+            store(out, o + i, act * load(gate_up, in + d + i, dtype), dtype);
+        }
+    }
+}
