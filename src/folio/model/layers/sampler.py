@@ -18,6 +18,8 @@ Order of operations, per row of fp32 logits:
  10. sample by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) drawn
      from the sequence's own generator, equivalent to sampling from p and
      independent of what else is in the batch.
+A batch that is all greedy, with no adjustments and no top logprobs, takes one
+native pass on the CPU (argmax and its logprob) instead of steps 1 and 5.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from folio.model import native
 
 
 @dataclass
@@ -94,6 +98,10 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] fp32 -> chosen tokens, their raw logprobs, and the top
     `max_logprobs` raw logprobs of each row."""
+    if (batch.all_greedy and batch.adjust is None and batch.max_logprobs == 0
+            and logits.dtype == torch.float32 and native.supports(logits)):
+        # the common case in one native pass: argmax and its logprob
+        return SamplerOutput(*native.greedy(logits))
     logprobs = torch.log_softmax(logits, dim=-1)
     if batch.adjust is not None:
         logits = apply_adjustments(logits, batch.adjust)

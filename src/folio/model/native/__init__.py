@@ -1,7 +1,8 @@
 """Native CPU kernels, built on first use with the system C compiler.
 
 - `paged_attention.c`: decode attention through the block tables.
-- `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply.
+- `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
+  greedy sampling.
 
 The C sources ship with the package; they are compiled once per machine (the
 cache key includes the sources and the CPU's flags, since they are built with
@@ -83,6 +84,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
+        "folio_greedy": (None, [p, p, p, i64, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -123,7 +125,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
-    failed = (lib or _lib).folio_paged_decode(
+    failed = (lib or load()).folio_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         q.shape[0], tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
         num_blocks, scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
@@ -139,7 +141,7 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
     x = x.contiguous()
     out = torch.empty_like(x)
     rows, hidden = x.shape
-    _lib.folio_add_rmsnorm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+    load().folio_add_rmsnorm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                            weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
                            _DTYPE_CODES[x.dtype], residual is not None, torch.get_num_threads())
     return out, (x if residual is None else residual)
@@ -152,7 +154,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if x.stride(2) != 1 or x.stride(1) != dim:
         raise ValueError("rotary_ needs each token's heads packed together")
     cos, sin = cos.contiguous(), sin.contiguous()
-    _lib.folio_rotary(x.data_ptr(), tokens, x.stride(0), heads, dim, cos.data_ptr(),
+    load().folio_rotary(x.data_ptr(), tokens, x.stride(0), heads, dim, cos.data_ptr(),
                       sin.data_ptr(), _DTYPE_CODES[x.dtype], torch.get_num_threads())
     return x
 
@@ -162,6 +164,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    _lib.folio_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+    load().folio_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                         _DTYPE_CODES[gate_up.dtype], torch.get_num_threads())
     return out
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits [S, V] -> (argmax [S] int64, its log-softmax value [S] fp32)."""
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    load().folio_greedy(logits.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), rows, vocab,
+                      torch.get_num_threads())
+    return tokens, logprobs

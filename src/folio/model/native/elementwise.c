@@ -97,3 +97,25 @@ void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int
         }
     }
 }
+
+/* Greedy sampling of fp32 logits [rows][vocab]: the first index of each row's
+ * maximum, and its logprob, -log(sum(exp(x - max))), in two passes over the
+ * row and no [rows][vocab] output (torch's argmax + log_softmax write one). */
+void folio_greedy(const float *logits, int64_t *tokens, float *logprobs, int64_t rows,
+                  int64_t vocab, int num_threads) {
+    int threads = rows * vocab >= 4 * FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        float m = x[0];
+#pragma omp simd reduction(max:m)
+        for (int64_t i = 0; i < vocab; i++) m = x[i] > m ? x[i] : m;
+        int64_t best = 0;
+        while (x[best] != m) best++;
+        float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < vocab; i++) sum += expf(x[i] - m);
+        tokens[r] = best;
+        logprobs[r] = -logf(sum);
+    }
+}
