@@ -61,3 +61,27 @@ def test_parse_range():
     assert parse_range("32:384") == (32, 384) and parse_range("7") == (7, 7)
     with pytest.raises(ValueError):
         parse_range("9:3")
+
+
+def test_each_timed_run_starts_with_an_empty_prefix_cache(tiny):
+    """The static run of `--batching both` repeats the continuous run's prompts:
+    it must compute them again, not find them cached."""
+    import argparse
+
+    from folio.bench.throughput import add_throughput_args, bench_throughput
+    from folio.engine.llm_engine import LLMEngine
+    p = argparse.ArgumentParser()
+    add_throughput_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(["--num-prompts", "4", "--input-len", "40:60", "--output-len", "3",
+                         "--batching", "both", "--batch-size", "2"])
+    engine = LLMEngine.from_args(tiny, dtype="float32", block_size=16)
+    try:
+        runner = engine.executor.runner
+        before = runner.num_computed_tokens_total
+        result = bench_throughput(args, engine)
+        computed = runner.num_computed_tokens_total - before - 16 - 3      # less the warm-up
+        per_run = result["prompt_tokens"] + result["output_tokens"] - result["requests"]
+        assert computed == 2 * per_run
+    finally:
+        engine.shutdown()

@@ -90,3 +90,17 @@ def test_waste_counts_empty_slots_of_last_blocks_once():
     assert kv.waste([(1, 5), (2, 8), (3, 5)]) == (3, 16)
     for s in (1, 2, 3):
         kv.free(s)
+
+
+def test_reset_prefix_cache_forgets_every_hash_only_when_nothing_is_held():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    tokens = [5, 6, 7, 8, 9]
+    kv.allocate_slots([1], 0, 5)
+    kv.cache_full_blocks(1, tokens, 5)
+    assert not kv.pool.reset_prefix_cache()          # sequence 1 still holds its blocks
+    assert len(kv.pool.cached) == 2
+    kv.free(1)
+    assert kv.pool.reset_prefix_cache()
+    assert kv.pool.cached == {} and all(b.block_hash is None for b in kv.pool.blocks)
+    assert kv.attach_cached_prefix(2, tokens + [1], 5) == 0
+    kv.free(2)

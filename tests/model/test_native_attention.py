@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from folio.model import native
-from folio.model.attention.metadata import AttentionMetadata
+from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
@@ -48,3 +48,80 @@ def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, b
     got = native.paged_decode(q, kv, tables, lens, dim ** -0.5, lib).float()
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 64), (8, 8, 32, 128),
+                                                           (4, 2, 8, 48)])
+def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, tol, heads, kv_heads,
+                                                    block_size, dim):
+    """A step of 2 decodes, a whole 40-token prompt and a 23-token chunk that
+    resumes at position 37: the kernel against the torch backend's own paths
+    (gathered decode, SDPA per prefill span), token for token."""
+    lib = _portable() if build == "portable" else None
+    g = torch.Generator().manual_seed(heads + dim)
+    seqs = [(0, 1, 70), (0, 1, 5), (0, 40, 0), (1, 23, 37)]   # (kind, tokens, start)
+    width = max(-(-(n + s) // block_size) for _, n, s in seqs)
+    num_blocks = len(seqs) * width + 2
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:len(seqs) * width].view(len(seqs), width)
+    rows, lens, spans, start = [], [], [], 0
+    for i, (_, n, s) in enumerate(seqs):
+        rows += [i] * n
+        lens += list(range(s + 1, s + n + 1))
+        if n > 1:
+            spans.append(PrefillSpan(start, n, s, tables[i]))
+        start += n
+    q = torch.randn(start, heads, dim, generator=g).to(dtype)
+    backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
+    meta = AttentionMetadata(slot_mapping=None, num_decodes=2, decode_block_tables=tables[:2],
+                             decode_context_lens=torch.tensor(lens[:2]))
+    expected = torch.cat([backend._decode(q[:2], kv[0], kv[1], meta)] + [
+        backend._prefill(q[sp.token_start:sp.token_start + sp.num_tokens],
+                         *_span_keys(kv, sp), kv[0], kv[1], sp) for sp in spans]).float()
+    got = native.paged_attention(q, kv, tables, torch.tensor(rows), torch.tensor(lens),
+                                 dim ** -0.5, lib).float()
+    assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+
+
+def _span_keys(kv, span):
+    """The chunk's own keys and values, as the backend receives them."""
+    flat_k = kv[0][span.block_table].flatten(0, 1)
+    flat_v = kv[1][span.block_table].flatten(0, 1)
+    rows = slice(span.start_pos, span.start_pos + span.num_tokens)
+    return flat_k[rows], flat_v[rows]
+
+
+@pytest.mark.parametrize("limit", [1024, 45, 1])
+def test_backend_routes_long_prefill_chunks_to_sdpa(monkeypatch, limit):
+    """With chunks past NATIVE_PREFILL_MAX sent to SDPA and the rest to the
+    kernel, the backend's answer is the all-torch one."""
+    import folio.model.attention.torch_backend as tb
+    g = torch.Generator().manual_seed(limit)
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    seqs = [(1, 49), (40, 0), (23, 37)]                    # (tokens, start): contexts 50, 40, 60
+    width = max(-(-(n + s) // bs) for n, s in seqs)
+    num_blocks = len(seqs) * width + 1
+    tables = torch.randperm(num_blocks, generator=g)[:len(seqs) * width].view(len(seqs), width)
+    kv = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=g)
+    rows, lens, slots, spans, start = [], [], [], [], 0
+    for i, (n, s) in enumerate(seqs):
+        pos = torch.arange(s, s + n)
+        rows += [i] * n
+        lens += (pos + 1).tolist()
+        slots += (tables[i][pos // bs] * bs + pos % bs).tolist()
+        if n > 1:
+            spans.append(PrefillSpan(start, n, s, tables[i]))
+        start += n
+    q, k, v = (torch.randn(start, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=1,
+                             decode_block_tables=tables[:1], decode_context_lens=torch.tensor([50]),
+                             prefills=spans, block_tables=tables, token_rows=torch.tensor(rows),
+                             context_lens=torch.tensor(lens))
+    backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
+    monkeypatch.setattr(tb, "NATIVE_PREFILL_MAX", limit)
+    got = backend.forward(q, k, v, kv.clone(), meta)
+    monkeypatch.setattr(native, "supports", lambda q: False)
+    expected = backend.forward(q, k, v, kv.clone(), meta)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()

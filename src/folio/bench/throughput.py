@@ -103,6 +103,10 @@ def run_baselines(args, engine, requests) -> list[dict]:
 
 
 def _timed_run(args, engine, requests, mode: str):
+    # Every timed run starts cold: a second run of the same prompts would
+    # otherwise find them all in the prefix cache and skip their prefill.
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the engine still holds requests before a timed run")
     bar, tick = _bar(len(requests), f"folio ({mode})", not args.json)
     produced, seconds = run_engine(engine, requests, args.ignore_eos, mode, args.batch_size, tick)
     if bar:

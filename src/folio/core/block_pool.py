@@ -87,5 +87,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, so no later prompt hits an earlier one's
+        blocks (benchmarks, after a weights change). Only with no block held:
+        returns False and changes nothing otherwise."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free

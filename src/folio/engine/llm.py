@@ -50,6 +50,10 @@ class LLM:
         """Stop tensor-parallel workers (a single-process engine has none)."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (as vLLM's); False while requests are running."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -84,6 +84,10 @@ class LLMEngine:
             self.scheduler.stop_sequences(stopped)
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing done) while requests hold blocks."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -159,8 +159,8 @@ class ModelRunner:
 
     def _prepare(self, ordered: list[ScheduledSeq]):
         bs = self.block_size
-        ids, pos, slots, last_rows, prefills = [], [], [], [], []
-        decode_tables, decode_lens = [], []
+        ids, pos, slots, last_rows, prefills, tables = [], [], [], [], [], []
+        num_decodes = 0
         row = 0
         for s in ordered:
             n = len(s.token_ids)
@@ -169,25 +169,29 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
             if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(s.start_pos + 1)
+                num_decodes += 1
             else:
                 prefills.append(PrefillSpan(row, n, s.start_pos,
                                             torch.from_numpy(table).to(self.device)))
             row += n
             last_rows.append(row - 1)
-        meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)),
-                                 num_decodes=len(decode_tables), prefills=prefills)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                padded[i, :len(t)] = t
-            meta.decode_block_tables = self._tensor(padded)
-            meta.decode_context_lens = self._tensor(np.asarray(decode_lens, dtype=np.int64))
+        padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = t
+        positions = np.concatenate(pos)
+        lens = [len(s.token_ids) for s in ordered]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)), num_decodes=num_decodes,
+            prefills=prefills, block_tables=self._tensor(padded),
+            token_rows=self._tensor(np.repeat(np.arange(len(ordered), dtype=np.int64), lens)),
+            context_lens=self._tensor(positions + 1))
+        if num_decodes:      # decodes come first: the first rows and tokens
+            meta.decode_block_tables = meta.block_tables[:num_decodes]
+            meta.decode_context_lens = meta.context_lens[:num_decodes]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, self._tensor(np.concatenate(pos)), meta, last_rows
+        return input_ids, self._tensor(positions), meta, last_rows
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)

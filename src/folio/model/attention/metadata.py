@@ -7,6 +7,11 @@ The step's flat batch is ordered decodes first, then prefills:
 
 `slot_mapping[t]` is the physical KV slot token t writes to:
 block_table[pos // block_size] * block_size + pos % block_size.
+
+Two views of the same step: per kind (decode tables and lengths, prefill
+spans) for the torch paths, and per token (`block_tables` with a row per
+sequence, `token_rows`, `context_lens`) for the native kernel, which serves
+every token of the step in one call.
 """
 
 from __future__ import annotations
@@ -31,3 +36,6 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] int64, 0-padded
     decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64, incl. the new token
     prefills: list[PrefillSpan] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] int64, 0-padded
+    token_rows: torch.Tensor | None = None     # [T] int64: each token's row of block_tables
+    context_lens: torch.Tensor | None = None   # [T] int64: keys each token sees (position + 1)

@@ -1,4 +1,5 @@
-"""Portable paged attention in plain PyTorch.
+"""Portable paged attention in plain PyTorch, and the native CPU kernel where
+it is built (every token of the step in one call, see native/paged_attention.c).
 
 Decodes run batched with no per-sequence Python loop: keys and values are
 gathered through the block tables into a padded [B, max_context] view and
@@ -19,6 +20,10 @@ from folio.model.attention.backend import AttentionBackend
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 
 
+# Longest prefill context the native kernel takes; longer chunks go to SDPA.
+NATIVE_PREFILL_MAX = 1024
+
+
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -26,16 +31,38 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
+        if meta.token_rows is not None and native.supports(q):
+            return self._native(q, k, v, kv_cache, meta)
         out = torch.empty_like(q)
         d = meta.num_decodes
-        if d and native.supports(q):
-            out[:d] = native.paged_decode(q[:d], kv_cache, meta.decode_block_tables,
-                                               meta.decode_context_lens, self.scale)
-        elif d:
+        if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+        return out
+
+    def _native(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Every token of the step in one native call, but for prefill chunks
+        whose context passes NATIVE_PREFILL_MAX: there torch's flash kernel,
+        which blocks keys for many queries at once, is faster (measured in
+        docs/benchmarks.md)."""
+        long = [sp for sp in meta.prefills if sp.start_pos + sp.num_tokens > NATIVE_PREFILL_MAX]
+        if not long:
+            return native.paged_attention(q, kv_cache, meta.block_tables, meta.token_rows,
+                                          meta.context_lens, self.scale)
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+        for sp in long:
+            keep[sp.token_start:sp.token_start + sp.num_tokens] = False
+        out = torch.empty_like(q)
+        idx = keep.nonzero().squeeze(1)
+        if idx.numel():
+            out[idx] = native.paged_attention(q[idx], kv_cache, meta.block_tables,
+                                              meta.token_rows[idx], meta.context_lens[idx],
+                                              self.scale)
+        for sp in long:
+            rows = slice(sp.token_start, sp.token_start + sp.num_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache[0], kv_cache[1], sp)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Native CPU kernels, built on first use with the system C compiler.
 
-- `paged_attention.c`: decode attention through the block tables.
+- `paged_attention.c`: attention of a step's tokens through the block tables.
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
   greedy sampling.
 
@@ -79,8 +79,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     lib = ctypes.CDLL(str(target))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
-        "folio_paged_decode": (ctypes.c_int, [p] * 5 + [i64] * 2 + [i32] * 4
-                               + [i64, f32, i32, i32]),
+        "folio_paged_attention": (ctypes.c_int, [p, i64, p, p, p, i64, p, p, i64] + [i32] * 4
+                                  + [i64, f32, i32, i32]),
         "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
@@ -116,22 +116,34 @@ def fuses(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and load() is not None
 
 
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float,
-                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """q: [B, H, D]; kv_cache: [2, NB, BS, Hkv, D]; -> [B, H, D]."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """Attention of every query token of a step: q [T, H, D] (rows may be
+    strided, heads and D dense), kv_cache [2, NB, BS, Hkv, D]; token t reads
+    block_tables[token_rows[t]] up to context_lens[t] keys. -> [T, H, D]."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     tables = block_tables.contiguous()
-    lens = context_lens.contiguous()
-    failed = (lib or load()).folio_paged_decode(
-        q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        q.shape[0], tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-        num_blocks, scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
+    failed = (lib or load()).folio_paged_attention(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
+        tables.shape[1], token_rows.contiguous().data_ptr(), context_lens.contiguous().data_ptr(),
+        tokens, heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+        _DTYPE_CODES[q.dtype], torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float,
+                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """One query token per sequence: q [B, H, D], block_tables [B, MB]."""
+    rows = torch.arange(q.shape[0], dtype=torch.int64)
+    return paged_attention(q, kv_cache, block_tables, rows, context_lens, scale, lib)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,

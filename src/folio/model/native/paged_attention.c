@@ -1,19 +1,28 @@
-/* Paged decode attention for the CPU: one query token per sequence, keys and
- * values read in place through the block table (no gathered copy).
+/* Paged attention for the CPU, for every query token of a step in one call:
+ * decodes (one token of a sequence) and prefill chunks (consecutive tokens of
+ * a sequence, each seeing the keys up to its own position) alike. Keys and
+ * values are read in place through the block tables (no gathered copy).
  *
- * Layout (see backend.py): kv_cache [2][num_blocks][block_size][num_kv_heads][head_dim],
- * q and out [num_seqs][num_heads][head_dim], block_tables [num_seqs][max_blocks] int64,
- * context_lens [num_seqs] int64. Scores, softmax and the weighted sum of values are
- * accumulated in fp32; dtype 0 is float32, 1 is bfloat16.
- * One task per (sequence, KV head) serves that head's whole query group (GQA).
+ * Layout (see backend.py): kv_cache [2][num_blocks][block_size][num_kv_heads][head_dim];
+ * q [tokens][num_heads][head_dim] with a row stride of q_stride elements (the
+ * fused qkv output, unsplit); out [tokens][num_heads][head_dim] contiguous;
+ * block_tables [rows][max_blocks] int64; token_rows[t] is token t's row of the
+ * tables and context_lens[t] the number of keys it sees (its position + 1).
+ * Scores, softmax and the weighted sum of values are accumulated in fp32;
+ * dtype 0 is float32, 1 is bfloat16.
  *
  * Two implementations of a task:
- * - with AVX-512 (head_dim a multiple of 16): one pass over the blocks with an
- *   online softmax (running max and sum per query), vector exp, and the next
- *   block's keys and values prefetched while this one is computed. Decode
- *   attention reads every cached key and value once and does little arithmetic
- *   on each, so it is bound by memory latency: the prefetch is what matters.
- * - portable C otherwise: scores, softmax, then values, in three passes.
+ * - with AVX-512 (head_dim a multiple of 16): a task is a tile of up to 16
+ *   consecutive tokens of one sequence and a run of KV heads. One pass over
+ *   the blocks with an online softmax (running max and sum per query); each
+ *   key and value row loaded serves every query of the tile, so a prefill
+ *   chunk reads its keys once per tile, not once per token. The next blocks
+ *   are prefetched into L2 while this one is computed: decode attention reads
+ *   every cached key and value once and does little arithmetic on each, so it
+ *   is bound by memory latency. bf16 keys meet bf16 queries in vdpbf16ps
+ *   (exact products, fp32 sums) where the CPU has AVX512-BF16.
+ * - portable C otherwise: one token and one KV head a task; scores, softmax,
+ *   then values, in three passes.
  */
 #include <float.h>
 #include <math.h>
@@ -73,8 +82,10 @@ static inline void block_scores(const void *kv, int64_t first_row, int64_t rows,
     }
 }
 
-static void one_task(const void *q, const void *kv, void *out, const int64_t *table,
-                     int64_t ctx, int64_t seq, int kvh, int num_heads, int num_kv_heads,
+/* Portable path: one query token and one KV head (its whole query group); the
+ * token's queries start at q + q_row, its output at out + out_row. */
+static void one_task(const void *q, int64_t q_row, const void *kv, void *out, int64_t out_row,
+                     const int64_t *table, int64_t ctx, int kvh, int num_heads, int num_kv_heads,
                      int head_dim, int block_size, int64_t num_blocks, float scale, int dtype,
                      float *scores, float *qbuf, float *acc, float *row) {
     const int group = num_heads / num_kv_heads;
@@ -82,7 +93,7 @@ static void one_task(const void *q, const void *kv, void *out, const int64_t *ta
     const int64_t v_offset = num_blocks * block_size * stride;
     const int64_t nblk = (ctx + block_size - 1) / block_size;
     for (int g = 0; g < group; g++)
-        load_row(q, (seq * num_heads + kvh * group + g) * head_dim, dtype, head_dim,
+        load_row(q, q_row + (int64_t)(kvh * group + g) * head_dim, dtype, head_dim,
                  qbuf + g * head_dim);
     for (int64_t b = 0; b < nblk; b++) {
         int64_t p0 = b * block_size;
@@ -115,7 +126,7 @@ static void one_task(const void *q, const void *kv, void *out, const int64_t *ta
         }
     }
     for (int g = 0; g < group; g++) {
-        int64_t o = (seq * num_heads + kvh * group + g) * head_dim;
+        int64_t o = out_row + (int64_t)(kvh * group + g) * head_dim;
         if (dtype == 0) {
             memcpy((float *)out + o, acc + g * head_dim, sizeof(float) * head_dim);
         } else {
@@ -165,16 +176,17 @@ static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, in
             __builtin_prefetch(base + r * stride * elt + off, 0, 1);   /* to L2: measured best */
 }
 
-/* A task's queries are a run of KV heads with their query groups: up to this many
- * 16-float vectors of queries (and as many of accumulators) live on its stack. */
-#define FOLIO_TASK_VECTORS 64
+/* A task's queries (a tile of tokens x a run of KV heads x their query groups)
+ * take up to this many 16-float vectors on its stack, and as many accumulators. */
+#define FOLIO_TASK_VECTORS 256
+#define FOLIO_MAX_NV 16       /* head_dim up to 256 */
 
 /* Queries q_i (i < nq, scale folded in) against `rows` keys at kfirst + r * stride. */
 static inline void block_scores16(const void *kv, int64_t kfirst, int64_t rows, int64_t stride,
                                   int dtype, int nv, int nq, const __m512 *qv, float *scores,
                                   int block_size) {
     for (int64_t r = 0; r < rows; r++) {
-        __m512 k[FOLIO_TASK_VECTORS];
+        __m512 k[FOLIO_MAX_NV];
         for (int j = 0; j < nv; j++) k[j] = load16(kv, kfirst + r * stride + 16 * j, dtype);
         for (int i = 0; i < nq; i++) {
             const __m512 *qi = qv + i * nv;
@@ -184,6 +196,56 @@ static inline void block_scores16(const void *kv, int64_t kfirst, int64_t rows, 
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+/* Lane r of the result is the sum of the 16 lanes of v[r]: a transposing tree
+ * of 45 shuffles and adds for 16 rows, against about 8 operations a row for
+ * one horizontal sum at a time. */
+static inline __m512 hsum16x16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)      /* lanes of each 128-bit part: rows 2i, 2i+1 */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {    /* each 128-bit part: rows 4i .. 4i + 3 */
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* sum the four 128-bit parts of each u, keeping rows in order */
+    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* bf16 keys and queries multiplied pairwise in bf16 with fp32 sums (vdpbf16ps,
+ * exact products), 16 rows at a time, then scaled. qb: nq queries of nv / 2
+ * vectors of 32 bf16. */
+static inline void block_scores_bf16(const void *kv, int64_t kfirst, int64_t rows,
+                                     int64_t stride, int nv, int nq, const __m512bh *qb,
+                                     float scale, float *scores, int block_size) {
+    const uint16_t *base = (const uint16_t *)kv + kfirst;
+    const int nh = nv / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        for (int i = 0; i < nq; i++) {
+            __m512 part[16];
+            for (int r = 0; r < 16; r++) {
+                part[r] = _mm512_setzero_ps();
+                if (r >= n) continue;
+                const uint16_t *k = base + (r0 + r) * stride;
+                for (int j = 0; j < nh; j++)
+                    part[r] = _mm512_dpbf16_ps(part[r], qb[i * nh + j],
+                                               (__m512bh)_mm512_loadu_si512(k + 32 * j));
+            }
+            __m512 sums = _mm512_mul_ps(hsum16x16(part), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + i * block_size + r0, (__mmask16)((1u << n) - 1), sums);
+        }
+    }
+}
+#endif
 
 /* Online softmax over one block's scores of one query: exponentiates them in
  * place against the new running max, and returns the factor that rescales
@@ -205,154 +267,243 @@ static inline float block_softmax16(float *s, int64_t rows, float *m, float *l) 
     return corr;
 }
 
+#define FOLIO_TILE 16          /* query tokens a task, at most */
+
 static inline __attribute__((always_inline)) void task_avx512(
-        const void *q, const void *kv, void *out, const int64_t *table, int64_t ctx,
-        int64_t seq, int kvh0, int kvh1, int num_heads, int num_kv_heads, const int head_dim,
-        int block_size, int64_t num_blocks, float scale, int dtype, float *scores) {
+        const void *q, int64_t q_stride, const void *kv, void *out, const int64_t *table,
+        const int64_t *ctx, int ntok, int64_t tok0, int kvh0, int kvh1, int num_heads,
+        int num_kv_heads, const int head_dim, int block_size, int64_t num_blocks, float scale,
+        int dtype, float *scores) {
     const int group = num_heads / num_kv_heads;
     const int nv = head_dim / 16;
-    const int nq = (kvh1 - kvh0) * group;          /* queries of this task */
+    const int per_head = ntok * group;             /* queries of one KV head */
+    float *vbuf = scores + (int64_t)FOLIO_TASK_VECTORS * block_size;   /* [block_size][head_dim] */
     const int elt = dtype == 0 ? 4 : 2;
     const int64_t stride = (int64_t)num_kv_heads * head_dim;
     const int64_t v_offset = num_blocks * block_size * stride;
-    const int64_t nblk = (ctx + block_size - 1) / block_size;
-    const int64_t q0 = (seq * num_heads + (int64_t)kvh0 * group) * head_dim;
-    /* the task's heads are adjacent in every cached row: one span per row */
-    const int span = (kvh1 - kvh0) * head_dim * elt;
+    const int64_t last_ctx = ctx[ntok - 1];        /* positions rise along the tile */
+    const int64_t nblk = (last_ctx + block_size - 1) / block_size;
+    const int span = (kvh1 - kvh0) * head_dim * elt;   /* the task's heads in a cached row */
+    /* query i = (head h, token t, group member g) at (h * ntok + t) * group + g */
     __m512 qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
     float m[FOLIO_TASK_VECTORS], l[FOLIO_TASK_VECTORS];
-    for (int i = 0; i < nq; i++) {
-        for (int j = 0; j < nv; j++) {
-            qv[i * nv + j] = _mm512_mul_ps(load16(q, q0 + i * head_dim + 16 * j, dtype),
-                                           _mm512_set1_ps(scale));
-            acc[i * nv + j] = _mm512_setzero_ps();
-        }
-        m[i] = -FLT_MAX;
-        l[i] = 0.f;
-    }
+#if defined(__AVX512BF16__)
+    const int dot_bf16 = dtype == 1 && nv % 2 == 0;
+    __m512bh qb[FOLIO_TASK_VECTORS / 2];
+#endif
+    for (int h = 0; h < kvh1 - kvh0; h++)
+        for (int t = 0; t < ntok; t++)
+            for (int g = 0; g < group; g++) {
+                const int i = (h * ntok + t) * group + g;
+                const int64_t src = (tok0 + t) * q_stride
+                                    + (int64_t)((kvh0 + h) * group + g) * head_dim;
+                for (int j = 0; j < nv; j++) {
+                    qv[i * nv + j] = _mm512_mul_ps(load16(q, src + 16 * j, dtype),
+                                                   _mm512_set1_ps(scale));
+                    acc[i * nv + j] = _mm512_setzero_ps();
+                }
+#if defined(__AVX512BF16__)
+                if (dot_bf16)
+                    for (int j = 0; j < nv / 2; j++)
+                        qb[i * (nv / 2) + j] = (__m512bh)_mm512_loadu_si512(
+                            (const uint16_t *)q + src + 32 * j);
+#endif
+                m[i] = -FLT_MAX;
+                l[i] = 0.f;
+            }
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t p0 = b * block_size;
-        const int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
+        const int64_t rows = last_ctx - p0 < block_size ? last_ctx - p0 : block_size;
         const int64_t base = table[b] * block_size * stride + (int64_t)kvh0 * head_dim;
         for (int64_t ahead = b + 1; ahead <= b + 2 && ahead < nblk; ahead++) {
             int64_t next = table[ahead] * block_size * stride + (int64_t)kvh0 * head_dim;
-            int64_t left = ctx - ahead * block_size;
+            int64_t left = last_ctx - ahead * block_size;
             int64_t nrows = left < block_size ? left : block_size;
             prefetch_rows(kv, next, nrows, stride, span, elt);
             prefetch_rows(kv, v_offset + next, nrows, stride, span, elt);
         }
         for (int h = 0; h < kvh1 - kvh0; h++) {
             const int64_t kfirst = base + (int64_t)h * head_dim;
-            const __m512 *qh = qv + h * group * nv;
-            __m512 *ah = acc + h * group * nv;
-            block_scores16(kv, kfirst, rows, stride, dtype, nv, group, qh, scores, block_size);
-            for (int g = 0; g < group; g++) {
-                int i = h * group + g;
-                float corr = block_softmax16(scores + g * block_size, rows, m + i, l + i);
-                if (corr != 1.f)
-                    for (int j = 0; j < nv; j++)
-                        ah[g * nv + j] = _mm512_mul_ps(ah[g * nv + j], _mm512_set1_ps(corr));
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                __m512 v[FOLIO_TASK_VECTORS];
-                for (int j = 0; j < nv; j++)
-                    v[j] = load16(kv, v_offset + kfirst + r * stride + 16 * j, dtype);
+            const int i0 = h * per_head;
+#if defined(__AVX512BF16__)
+            if (dot_bf16)
+                block_scores_bf16(kv, kfirst, rows, stride, nv, per_head,
+                                  qb + i0 * (nv / 2), scale, scores, block_size);
+            else
+#endif
+                block_scores16(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
+                               scores, block_size);
+            for (int t = 0; t < ntok; t++) {
+                /* keys this token sees in the block: causal within a prefill chunk */
+                const int64_t valid = ctx[t] - p0 < rows ? ctx[t] - p0 : rows;
                 for (int g = 0; g < group; g++) {
-                    __m512 w = _mm512_set1_ps(scores[g * block_size + r]);
-                    for (int j = 0; j < nv; j++)
-                        ah[g * nv + j] = _mm512_fmadd_ps(w, v[j], ah[g * nv + j]);
+                    const int i = i0 + t * group + g;
+                    float *si = scores + (int64_t)(t * group + g) * block_size;
+                    if (valid <= 0) {
+                        memset(si, 0, sizeof(float) * (size_t)rows);
+                        continue;
+                    }
+                    float corr = block_softmax16(si, valid, m + i, l + i);
+                    for (int64_t r = valid; r < rows; r++) si[r] = 0.f;
+                    if (corr != 1.f)
+                        for (int j = 0; j < nv; j++)
+                            acc[i * nv + j] = _mm512_mul_ps(acc[i * nv + j], _mm512_set1_ps(corr));
                 }
             }
-        }
-    }
-    for (int i = 0; i < nq; i++) {
-        __m512 inv = _mm512_set1_ps(1.f / l[i]);
-        for (int j = 0; j < nv; j++) {
-            __m512 x = _mm512_mul_ps(acc[i * nv + j], inv);
-            int64_t o = q0 + i * head_dim + 16 * j;
-            if (dtype == 0) {
-                _mm512_storeu_ps((float *)out + o, x);
-            } else {
-                float tmp[16];
-                _mm512_storeu_ps(tmp, x);
-                for (int d = 0; d < 16; d++) ((uint16_t *)out)[o + d] = float_to_bf16(tmp[d]);
+            /* values: the block's rows once as fp32, then each query's
+             * accumulator stays in registers across the rows */
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < nv; j++)
+                    _mm512_storeu_ps(vbuf + r * head_dim + 16 * j,
+                                     load16(kv, v_offset + kfirst + r * stride + 16 * j, dtype));
+            for (int k = 0; k < per_head; k++) {
+                const float *pk = scores + (int64_t)k * block_size;
+                __m512 a[FOLIO_MAX_NV];
+                for (int j = 0; j < nv; j++) a[j] = acc[(i0 + k) * nv + j];
+                for (int64_t r = 0; r < rows; r++) {
+                    __m512 w = _mm512_set1_ps(pk[r]);
+                    for (int j = 0; j < nv; j++)
+                        a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vbuf + r * head_dim + 16 * j),
+                                               a[j]);
+                }
+                for (int j = 0; j < nv; j++) acc[(i0 + k) * nv + j] = a[j];
             }
         }
     }
+    for (int h = 0; h < kvh1 - kvh0; h++)
+        for (int t = 0; t < ntok; t++)
+            for (int g = 0; g < group; g++) {
+                const int i = (h * ntok + t) * group + g;
+                const int64_t o = ((tok0 + t) * num_heads + (kvh0 + h) * group + g) * head_dim;
+                __m512 inv = _mm512_set1_ps(1.f / l[i]);
+                for (int j = 0; j < nv; j++) {
+                    __m512 x = _mm512_mul_ps(acc[i * nv + j], inv);
+                    if (dtype == 0) {
+                        _mm512_storeu_ps((float *)out + o + 16 * j, x);
+                    } else {
+                        float tmp[16];
+                        _mm512_storeu_ps(tmp, x);
+                        for (int d = 0; d < 16; d++)
+                            ((uint16_t *)out)[o + 16 * j + d] = float_to_bf16(tmp[d]);
+                    }
+                }
+            }
 }
 
-static void task_avx512_any(const void *q, const void *kv, void *out, const int64_t *table,
-                            int64_t ctx, int64_t seq, int kvh0, int kvh1, int num_heads,
-                            int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
-                            float scale, int dtype, float *scores) {
+static void task_avx512_any(const void *q, int64_t q_stride, const void *kv, void *out,
+                            const int64_t *table, const int64_t *ctx, int ntok, int64_t tok0,
+                            int kvh0, int kvh1, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, int64_t num_blocks, float scale, int dtype,
+                            float *scores) {
     /* constant head_dim for the common sizes so the loops over it unroll */
     if (head_dim == 64)
-        task_avx512(q, kv, out, table, ctx, seq, kvh0, kvh1, num_heads, num_kv_heads, 64,
-                    block_size, num_blocks, scale, dtype, scores);
+        task_avx512(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
+                    num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores);
     else if (head_dim == 128)
-        task_avx512(q, kv, out, table, ctx, seq, kvh0, kvh1, num_heads, num_kv_heads, 128,
-                    block_size, num_blocks, scale, dtype, scores);
+        task_avx512(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
+                    num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores);
     else
-        task_avx512(q, kv, out, table, ctx, seq, kvh0, kvh1, num_heads, num_kv_heads, head_dim,
-                    block_size, num_blocks, scale, dtype, scores);
+        task_avx512(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
+                    num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores);
 }
 #endif
 
-int folio_paged_decode(const void *q, const void *kv, void *out, const int64_t *block_tables,
-                       const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks,
-                       int num_heads, int num_kv_heads, int head_dim, int block_size,
-                       int64_t num_blocks, float scale, int dtype, int num_threads) {
+/* Tiles: runs of consecutive tokens on the same table row, at most `limit` long.
+ * Writes each tile's first token to starts[] (and the end after the last);
+ * returns the number of tiles. */
+static int64_t make_tiles(const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
+                          int limit, int64_t *starts) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (t == 0 || token_rows[t] != token_rows[t - 1]
+                || context_lens[t] != context_lens[t - 1] + 1 || t - starts[n - 1] >= limit)
+            starts[n++] = t;
+    }
+    starts[n] = tokens;
+    return n;
+}
+
+int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
+                          const int64_t *block_tables, int64_t max_blocks,
+                          const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          int64_t num_blocks, float scale, int dtype, int num_threads) {
     int64_t max_ctx = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
+    for (int64_t t = 0; t < tokens; t++)
+        max_ctx = context_lens[t] > max_ctx ? context_lens[t] : max_ctx;
     const int group = num_heads / num_kv_heads;
-    /* A task is a sequence and a run of `chunk` KV heads. The portable path
-     * takes one head a task; the vector one takes as many as its stack holds,
-     * and splits them only when there are too few sequences for the threads. */
-    int chunk = 1, vector = 0;
+    int chunk = 1, tile = 1, vector = 0;
 #ifdef FOLIO_HAVE_AVX512
-    vector = head_dim % 16 == 0 && group * (head_dim / 16) <= FOLIO_TASK_VECTORS;
+    const int per_head = group * (head_dim / 16);      /* vectors of one token's KV head */
+    vector = head_dim % 16 == 0 && head_dim <= 16 * FOLIO_MAX_NV && per_head <= FOLIO_TASK_VECTORS;
     if (vector) {
-        chunk = FOLIO_TASK_VECTORS / (group * (head_dim / 16));
+        tile = FOLIO_TASK_VECTORS / per_head;
+        if (tile > FOLIO_TILE) tile = FOLIO_TILE;
+    }
+#endif
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
+    if (!starts) return 1;
+    const int64_t tiles = make_tiles(token_rows, context_lens, tokens, tile, starts);
+#ifdef FOLIO_HAVE_AVX512
+    if (vector) {
+        /* As many KV heads a task as the stack holds for the longest tile, split
+         * further while there are too few tasks for the threads. */
+        int longest = 1;
+        for (int64_t i = 0; i < tiles; i++)
+            longest = starts[i + 1] - starts[i] > longest ? (int)(starts[i + 1] - starts[i]) : longest;
+        chunk = FOLIO_TASK_VECTORS / (per_head * longest);
+        if (chunk < 1) chunk = 1;
         if (chunk > num_kv_heads) chunk = num_kv_heads;
-        while (chunk > 1 && num_seqs * ((num_kv_heads + chunk - 1) / chunk) < 4 * num_threads)
+        while (chunk > 1 && tiles * ((num_kv_heads + chunk - 1) / chunk) < 4 * num_threads)
             chunk = (chunk + 1) / 2;
         if (max_ctx < block_size) max_ctx = block_size;    /* scores of one block */
     }
 #endif
-    const int64_t per_seq = (num_kv_heads + chunk - 1) / chunk;
-    const int64_t tasks = num_seqs * per_seq;
+    const int64_t per_tile = (num_kv_heads + chunk - 1) / chunk;
+    const int64_t tasks = tiles * per_tile;
+    /* scratch: the portable path keeps a whole context of scores per query; the
+     * vector path one block of scores per query of a task */
+    size_t scratch = (size_t)(group * max_ctx + 2 * group * head_dim + 4 * head_dim);
+#ifdef FOLIO_HAVE_AVX512
+    if (vector) scratch = (size_t)(FOLIO_TASK_VECTORS + head_dim) * block_size;
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_ctx + 2 * group * head_dim + 4 * head_dim));
+        float *scores = malloc(sizeof(float) * scratch);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
+        for (int64_t task = 0; task < tasks; task++) {
             if (!scores) continue;
-            int64_t seq = t / per_seq;
-            int kvh0 = (int)(t % per_seq) * chunk;
-            int kvh1 = kvh0 + chunk < num_kv_heads ? kvh0 + chunk : num_kv_heads;
+            const int64_t tl = task / per_tile;
+            const int kvh0 = (int)(task % per_tile) * chunk;
+            const int kvh1 = kvh0 + chunk < num_kv_heads ? kvh0 + chunk : num_kv_heads;
+            const int64_t t0 = starts[tl];
+            const int ntok = (int)(starts[tl + 1] - t0);
+            const int64_t *table = block_tables + token_rows[t0] * max_blocks;
 #ifdef FOLIO_HAVE_AVX512
             if (vector) {
-                task_avx512_any(q, kv, out, block_tables + seq * max_blocks, context_lens[seq],
-                                seq, kvh0, kvh1, num_heads, num_kv_heads, head_dim, block_size,
-                                num_blocks, scale, dtype, scores);
+                task_avx512_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
+                                kvh1, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                                scale, dtype, scores);
                 continue;
             }
 #endif
+            (void)ntok;
+            (void)kvh1;          /* the portable task: one token, one KV head */
             float *qbuf = scores + group * max_ctx;
             float *acc = qbuf + group * head_dim;
             float *row = acc + group * head_dim;
-            one_task(q, kv, out, block_tables + seq * max_blocks, context_lens[seq], seq, kvh0,
-                     num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, dtype,
-                     scores, qbuf, acc, row);
+            one_task(q, t0 * q_stride, kv, out, t0 * (int64_t)num_heads * head_dim, table,
+                     context_lens[t0], kvh0, num_heads, num_kv_heads, head_dim, block_size,
+                     num_blocks, scale, dtype, scores, qbuf, acc, row);
         }
         free(scores);
     }
+    free(starts);
     (void)vector;
     return failed;
 }
