@@ -30,7 +30,7 @@ logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c"]
-_HEADERS = [_DIR / "bf16.h"]
+_HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None

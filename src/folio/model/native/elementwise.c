@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #define FOLIO_PARALLEL_MIN 32768      /* elements */
 
@@ -89,8 +90,16 @@ void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in = r * 2 * d, o = r * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; i++) {
+        int64_t i = 0;
+#ifdef FOLIO_HAVE_AVX512
+        for (; i + 16 <= d; i += 16) {
+            __m512 g = load16(gate_up, in + i, dtype);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), dtype);
+            store16(out, o + i, _mm512_mul_ps(act, load16(gate_up, in + d + i, dtype)), dtype);
+        }
+#endif
+        for (; i < d; i++) {
             float g = load(gate_up, in + i, dtype);
             float act = round_to(g / (1.f + expf(-g)), dtype);
             store(out, o + i, act * load(gate_up, in + d + i, dtype), dtype);
@@ -107,14 +116,24 @@ void folio_greedy(const float *logits, int64_t *tokens, float *logprobs, int64_t
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * vocab;
-        float m = x[0];
-#pragma omp simd reduction(max:m)
-        for (int64_t i = 0; i < vocab; i++) m = x[i] > m ? x[i] : m;
+        float m = x[0], sum = 0.f;
+        int64_t i = 0;
+#ifdef FOLIO_HAVE_AVX512
+        __m512 mv = _mm512_set1_ps(x[0]);
+        for (; i + 16 <= vocab; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+        m = _mm512_reduce_max_ps(mv);
+#endif
+        for (; i < vocab; i++) m = x[i] > m ? x[i] : m;
         int64_t best = 0;
         while (x[best] != m) best++;
-        float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-        for (int64_t i = 0; i < vocab; i++) sum += expf(x[i] - m);
+        i = 0;
+#ifdef FOLIO_HAVE_AVX512
+        __m512 sv = _mm512_setzero_ps();
+        for (; i + 16 <= vocab; i += 16)
+            sv = _mm512_add_ps(sv, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m))));
+        sum = _mm512_reduce_add_ps(sv);
+#endif
+        for (; i < vocab; i++) sum += expf(x[i] - m);
         tokens[r] = best;
         logprobs[r] = -logf(sum);
     }
