@@ -223,8 +223,12 @@ static inline void block_scores_bf16(const void *kv, int64_t kfirst, int64_t row
  * place against the new running max, and returns the factor that rescales
  * what was accumulated before. */
 static inline float block_softmax16(float *s, int64_t rows, float *m, float *l) {
-    float bmax = -FLT_MAX;
-    for (int64_t r = 0; r < rows; r++) bmax = s[r] > bmax ? s[r] : bmax;
+    __m512 vmax = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t r = 0; r < rows; r += 16) {
+        __mmask16 mask = rows - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rows - r)) - 1);
+        vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + r));
+    }
+    float bmax = _mm512_reduce_max_ps(vmax);
     float mnew = bmax > *m ? bmax : *m;
     float corr = expf(*m - mnew), sum = 0.f;
     *m = mnew;
@@ -240,6 +244,40 @@ static inline float block_softmax16(float *s, int64_t rows, float *m, float *l) 
 }
 
 #define FOLIO_TILE 16          /* query tokens a task, at most */
+
+/* Values of one block for a few queries (decode: one token's query group),
+ * rows outer: each row is converted once and the nq x nv accumulators stay in
+ * registers (nq and nv are constants where this is inlined). */
+static inline __attribute__((always_inline)) void block_values_regs(
+        const void *kv, int64_t vfirst, int64_t rows, int64_t stride, int dtype,
+        const float *scores, int block_size, __m512 *acc, const int nq, const int nv) {
+    __m512 a[8 * FOLIO_MAX_NV];
+    for (int i = 0; i < nq * nv; i++) a[i] = acc[i];
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 v[FOLIO_MAX_NV];
+        for (int j = 0; j < nv; j++) v[j] = load16(kv, vfirst + r * stride + 16 * j, dtype);
+        for (int k = 0; k < nq; k++) {
+            __m512 w = _mm512_set1_ps(scores[(int64_t)k * block_size + r]);
+            for (int j = 0; j < nv; j++) a[k * nv + j] = _mm512_fmadd_ps(w, v[j], a[k * nv + j]);
+        }
+    }
+    for (int i = 0; i < nq * nv; i++) acc[i] = a[i];
+}
+
+/* The register version for the shapes it fits (0 if it took the block). */
+static inline __attribute__((always_inline)) int block_values_small(
+        const void *kv, int64_t vfirst, int64_t rows, int64_t stride, int dtype,
+        const float *scores, int block_size, __m512 *acc, int nq, const int nv) {
+#define FOLIO_PV(N) case N: block_values_regs(kv, vfirst, rows, stride, dtype, scores, \
+                                              block_size, acc, N, nv); return 0;
+    if (nv == 4) {
+        switch (nq) { FOLIO_PV(1) FOLIO_PV(2) FOLIO_PV(3) FOLIO_PV(4) FOLIO_PV(5) FOLIO_PV(6) }
+    } else if (nv == 8) {
+        switch (nq) { FOLIO_PV(1) FOLIO_PV(2) FOLIO_PV(3) }
+    }
+#undef FOLIO_PV
+    return 1;
+}
 
 static inline __attribute__((always_inline)) void task_avx512(
         const void *q, int64_t q_stride, const void *kv, void *out, const int64_t *table,
@@ -322,7 +360,10 @@ static inline __attribute__((always_inline)) void task_avx512(
                             acc[i * nv + j] = _mm512_mul_ps(acc[i * nv + j], _mm512_set1_ps(corr));
                 }
             }
-            /* values: the block's rows once as fp32, then each query's
+            if (!block_values_small(kv, v_offset + kfirst, rows, stride, dtype, scores,
+                                    block_size, acc + i0 * nv, per_head, nv))
+                continue;
+            /* more queries: the block's rows once as fp32, then each query's
              * accumulator stays in registers across the rows */
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < nv; j++)
