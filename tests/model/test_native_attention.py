@@ -91,37 +91,3 @@ def _span_keys(kv, span):
     flat_v = kv[1][span.block_table].flatten(0, 1)
     rows = slice(span.start_pos, span.start_pos + span.num_tokens)
     return flat_k[rows], flat_v[rows]
-
-
-@pytest.mark.parametrize("limit", [1024, 45, 1])
-def test_backend_routes_long_prefill_chunks_to_sdpa(monkeypatch, limit):
-    """With chunks past NATIVE_PREFILL_MAX sent to SDPA and the rest to the
-    kernel, the backend's answer is the all-torch one."""
-    import folio.model.attention.torch_backend as tb
-    g = torch.Generator().manual_seed(limit)
-    heads, kv_heads, dim, bs = 4, 2, 32, 8
-    seqs = [(1, 49), (40, 0), (23, 37)]                    # (tokens, start): contexts 50, 40, 60
-    width = max(-(-(n + s) // bs) for n, s in seqs)
-    num_blocks = len(seqs) * width + 1
-    tables = torch.randperm(num_blocks, generator=g)[:len(seqs) * width].view(len(seqs), width)
-    kv = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=g)
-    rows, lens, slots, spans, start = [], [], [], [], 0
-    for i, (n, s) in enumerate(seqs):
-        pos = torch.arange(s, s + n)
-        rows += [i] * n
-        lens += (pos + 1).tolist()
-        slots += (tables[i][pos // bs] * bs + pos % bs).tolist()
-        if n > 1:
-            spans.append(PrefillSpan(start, n, s, tables[i]))
-        start += n
-    q, k, v = (torch.randn(start, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=1,
-                             decode_block_tables=tables[:1], decode_context_lens=torch.tensor([50]),
-                             prefills=spans, block_tables=tables, token_rows=torch.tensor(rows),
-                             context_lens=torch.tensor(lens))
-    backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
-    monkeypatch.setattr(tb, "NATIVE_PREFILL_MAX", limit)
-    got = backend.forward(q, k, v, kv.clone(), meta)
-    monkeypatch.setattr(native, "supports", lambda q: False)
-    expected = backend.forward(q, k, v, kv.clone(), meta)
-    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()

@@ -20,10 +20,6 @@ from folio.model.attention.backend import AttentionBackend
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 
 
-# Longest prefill context the native kernel takes; longer chunks go to SDPA.
-NATIVE_PREFILL_MAX = 1024
-
-
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -32,7 +28,9 @@ class TorchAttentionBackend(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
         if meta.token_rows is not None and native.supports(q):
-            return self._native(q, k, v, kv_cache, meta)
+            # every token of the step, decodes and prefill chunks, in one call
+            return native.paged_attention(q, kv_cache, meta.block_tables, meta.token_rows,
+                                          meta.context_lens, self.scale)
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
@@ -40,29 +38,6 @@ class TorchAttentionBackend(AttentionBackend):
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
-        return out
-
-    def _native(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Every token of the step in one native call, but for prefill chunks
-        whose context passes NATIVE_PREFILL_MAX: there torch's flash kernel,
-        which blocks keys for many queries at once, is faster (measured in
-        docs/benchmarks.md)."""
-        long = [sp for sp in meta.prefills if sp.start_pos + sp.num_tokens > NATIVE_PREFILL_MAX]
-        if not long:
-            return native.paged_attention(q, kv_cache, meta.block_tables, meta.token_rows,
-                                          meta.context_lens, self.scale)
-        keep = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-        for sp in long:
-            keep[sp.token_start:sp.token_start + sp.num_tokens] = False
-        out = torch.empty_like(q)
-        idx = keep.nonzero().squeeze(1)
-        if idx.numel():
-            out[idx] = native.paged_attention(q[idx], kv_cache, meta.block_tables,
-                                              meta.token_rows[idx], meta.context_lens[idx],
-                                              self.scale)
-        for sp in long:
-            rows = slice(sp.token_start, sp.token_start + sp.num_tokens)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache[0], kv_cache[1], sp)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

@@ -19,8 +19,9 @@
  *   chunk reads its keys once per tile, not once per token. The next blocks
  *   are prefetched into L2 while this one is computed: decode attention reads
  *   every cached key and value once and does little arithmetic on each, so it
- *   is bound by memory latency. bf16 keys meet bf16 queries in vdpbf16ps
- *   (exact products, fp32 sums) where the CPU has AVX512-BF16.
+ *   is bound by memory latency. Where the CPU has AVX512-BF16, bf16 keys
+ *   are transposed 16 rows at a time and meet the bf16 queries in vdpbf16ps
+ *   (exact products, fp32 sums): a query's 16 scores come out as one vector.
  * - portable C otherwise: one token and one KV head a task; scores, softmax,
  *   then values, in three passes.
  */
@@ -170,53 +171,72 @@ static inline void block_scores16(const void *kv, int64_t kfirst, int64_t rows, 
 }
 
 #if defined(__AVX512BF16__)
-/* Lane r of the result is the sum of the 16 lanes of v[r]: a transposing tree
- * of 45 shuffles and adds for 16 rows, against about 8 operations a row for
- * one horizontal sum at a time. */
-static inline __m512 hsum16x16(const __m512 *v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)      /* lanes of each 128-bit part: rows 2i, 2i+1 */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {    /* each 128-bit part: rows 4i .. 4i + 3 */
-        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+/* Transpose of 16 rows of 16 32-bit elements: t[e] lane r = rows[r] element e. */
+static inline void transpose16x16(const __m512i *rows, __m512i *t) {
+    __m512i lo[8], hi[8], u[16];
+    for (int j = 0; j < 8; j++) {
+        lo[j] = _mm512_unpacklo_epi32(rows[2 * j], rows[2 * j + 1]);
+        hi[j] = _mm512_unpackhi_epi32(rows[2 * j], rows[2 * j + 1]);
     }
-    /* sum the four 128-bit parts of each u, keeping rows in order */
-    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int g = 0; g < 4; g++) {    /* u[4g + k], 128-bit lane L: element 4L + k of rows 4g.. */
+        u[4 * g + 0] = _mm512_unpacklo_epi64(lo[2 * g], lo[2 * g + 1]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(lo[2 * g], lo[2 * g + 1]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(hi[2 * g], hi[2 * g + 1]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(hi[2 * g], hi[2 * g + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512i v = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
+        __m512i w = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+        __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_i32x4(v, v2, 0x88);
+        t[8 + k] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+        t[4 + k] = _mm512_shuffle_i32x4(w, w2, 0x88);
+        t[12 + k] = _mm512_shuffle_i32x4(w, w2, 0xDD);
+    }
 }
 
-/* bf16 keys and queries multiplied pairwise in bf16 with fp32 sums (vdpbf16ps,
- * exact products), 16 rows at a time, then scaled. qb: nq queries of nv / 2
- * vectors of 32 bf16. */
-static inline void block_scores_bf16(const void *kv, int64_t kfirst, int64_t rows,
-                                     int64_t stride, int nv, int nq, const __m512bh *qb,
-                                     float scale, float *scores, int block_size) {
+/* Scores of up to 16 bf16 key rows for nq bf16 queries: the rows are
+ * transposed into vectors of one dimension pair across the 16 rows, so a
+ * query's scores come out as one vector of 32-pair dot products (vdpbf16ps
+ * with the query's pair broadcast) with no horizontal sums. qp: nq queries of
+ * head_dim / 2 pairs (32-bit). */
+static inline void block_scores_bf16_t(const void *kv, int64_t kfirst, int64_t rows,
+                                       int64_t stride, int nv, int nq, const uint32_t *qp,
+                                       float scale, float *scores, int block_size) {
     const uint16_t *base = (const uint16_t *)kv + kfirst;
-    const int nh = nv / 2;
+    const int npairs = nv * 8;                     /* head_dim / 2 */
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        __m512i t[8 * FOLIO_MAX_NV / 2];           /* npairs vectors */
+        for (int c = 0; c < npairs / 16; c++) {    /* 32 dimensions (16 pairs) at a time */
+            __m512i rw[16];
+            for (int r = 0; r < 16; r++)
+                rw[r] = r < n ? _mm512_loadu_si512(base + (r0 + r) * stride + 32 * c)
+                              : _mm512_setzero_si512();
+            transpose16x16(rw, t + 16 * c);
+        }
+        const __mmask16 mask = (__mmask16)((1u << n) - 1);
         for (int i = 0; i < nq; i++) {
-            __m512 part[16];
-            for (int r = 0; r < 16; r++) {
-                part[r] = _mm512_setzero_ps();
-                if (r >= n) continue;
-                const uint16_t *k = base + (r0 + r) * stride;
-                for (int j = 0; j < nh; j++)
-                    part[r] = _mm512_dpbf16_ps(part[r], qb[i * nh + j],
-                                               (__m512bh)_mm512_loadu_si512(k + 32 * j));
+            const uint32_t *qi = qp + (int64_t)i * npairs;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            for (int p = 0; p < npairs; p += 4) {
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32((int)qi[p]), (__m512bh)t[p]);
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32((int)qi[p + 1]),
+                                      (__m512bh)t[p + 1]);
+                a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32((int)qi[p + 2]),
+                                      (__m512bh)t[p + 2]);
+                a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32((int)qi[p + 3]),
+                                      (__m512bh)t[p + 3]);
             }
-            __m512 sums = _mm512_mul_ps(hsum16x16(part), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(scores + i * block_size + r0, (__mmask16)((1u << n) - 1), sums);
+            __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+            _mm512_mask_storeu_ps(scores + (int64_t)i * block_size + r0, mask,
+                                  _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
         }
     }
 }
+
 #endif
 
 /* Online softmax over one block's scores of one query: exponentiates them in
@@ -337,8 +357,9 @@ static inline __attribute__((always_inline)) void task_avx512(
             const int i0 = h * per_head;
 #if defined(__AVX512BF16__)
             if (dot_bf16)
-                block_scores_bf16(kv, kfirst, rows, stride, nv, per_head,
-                                  qb + i0 * (nv / 2), scale, scores, block_size);
+                block_scores_bf16_t(kv, kfirst, rows, stride, nv, per_head,
+                                    (const uint32_t *)(qb + i0 * (nv / 2)), scale, scores,
+                                    block_size);
             else
 #endif
                 block_scores16(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
