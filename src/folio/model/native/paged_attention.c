@@ -249,9 +249,12 @@ static inline float block_softmax16(float *s, int64_t rows, float *m, float *l) 
         vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + r));
     }
     float bmax = _mm512_reduce_max_ps(vmax);
-    float mnew = bmax > *m ? bmax : *m;
-    float corr = expf(*m - mnew), sum = 0.f;
-    *m = mnew;
+    float corr = 1.f, sum = 0.f;      /* once the running max settles, no rescaling */
+    if (bmax > *m) {
+        corr = expf(*m - bmax);
+        *m = bmax;
+    }
+    const float mnew = *m;
     for (int64_t r = 0; r < rows; r += 16) {
         __mmask16 mask = rows - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rows - r)) - 1);
         __m512 x = _mm512_maskz_loadu_ps(mask, s + r);
@@ -384,24 +387,20 @@ static inline __attribute__((always_inline)) void task_avx512(
             if (!block_values_small(kv, v_offset + kfirst, rows, stride, dtype, scores,
                                     block_size, acc + i0 * nv, per_head, nv))
                 continue;
-            /* more queries: the block's rows once as fp32, then each query's
-             * accumulator stays in registers across the rows */
+            /* more queries: the block's rows once as fp32, then four queries
+             * at a time with their accumulators in registers */
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < nv; j++)
                     _mm512_storeu_ps(vbuf + r * head_dim + 16 * j,
                                      load16(kv, v_offset + kfirst + r * stride + 16 * j, dtype));
-            for (int k = 0; k < per_head; k++) {
-                const float *pk = scores + (int64_t)k * block_size;
-                __m512 a[FOLIO_MAX_NV];
-                for (int j = 0; j < nv; j++) a[j] = acc[(i0 + k) * nv + j];
-                for (int64_t r = 0; r < rows; r++) {
-                    __m512 w = _mm512_set1_ps(pk[r]);
-                    for (int j = 0; j < nv; j++)
-                        a[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vbuf + r * head_dim + 16 * j),
-                                               a[j]);
-                }
-                for (int j = 0; j < nv; j++) acc[(i0 + k) * nv + j] = a[j];
-            }
+            int k = 0;
+            if (nv <= 8)
+                for (; k + 4 <= per_head; k += 4)
+                    block_values_regs(vbuf, 0, rows, head_dim, 0, scores + (int64_t)k * block_size,
+                                      block_size, acc + (i0 + k) * nv, 4, nv);
+            for (; k < per_head; k++)
+                block_values_regs(vbuf, 0, rows, head_dim, 0, scores + (int64_t)k * block_size,
+                                  block_size, acc + (i0 + k) * nv, 1, nv);
         }
     }
     for (int h = 0; h < kvh1 - kvh0; h++)
