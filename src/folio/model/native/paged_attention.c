@@ -154,23 +154,6 @@ static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, in
 #define FOLIO_TASK_VECTORS 256
 #define FOLIO_MAX_NV 16       /* head_dim up to 256 */
 
-/* Queries q_i (i < nq, scale folded in) against `rows` keys at kfirst + r * stride. */
-static inline void block_scores16(const void *kv, int64_t kfirst, int64_t rows, int64_t stride,
-                                  int dtype, int nv, int nq, const __m512 *qv, float *scores,
-                                  int block_size) {
-    for (int64_t r = 0; r < rows; r++) {
-        __m512 k[FOLIO_MAX_NV];
-        for (int j = 0; j < nv; j++) k[j] = load16(kv, kfirst + r * stride + 16 * j, dtype);
-        for (int i = 0; i < nq; i++) {
-            const __m512 *qi = qv + i * nv;
-            __m512 a = _mm512_mul_ps(qi[0], k[0]);
-            for (int j = 1; j < nv; j++) a = _mm512_fmadd_ps(qi[j], k[j], a);
-            scores[i * block_size + r] = _mm512_reduce_add_ps(a);
-        }
-    }
-}
-
-#if defined(__AVX512BF16__)
 /* Transpose of 16 rows of 16 32-bit elements: t[e] lane r = rows[r] element e. */
 static inline void transpose16x16(const __m512i *rows, __m512i *t) {
     __m512i lo[8], hi[8], u[16];
@@ -196,6 +179,41 @@ static inline void transpose16x16(const __m512i *rows, __m512i *t) {
     }
 }
 
+/* Scores of up to 16 key rows (either dtype, as fp32) for nq fp32 queries
+ * (scale folded in): 16 dimensions of the 16 rows transposed at a time, then
+ * each query's 16 scores are one chain of FMAs with its dimensions broadcast. */
+static inline void block_scores_f32_t(const void *kv, int64_t kfirst, int64_t rows,
+                                      int64_t stride, int dtype, int nv, int nq,
+                                      const __m512 *qv, float *scores, int block_size) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        __m512i t[16 * FOLIO_MAX_NV];               /* head_dim vectors */
+        for (int c = 0; c < nv; c++) {
+            __m512i rw[16];
+            for (int r = 0; r < 16; r++)
+                rw[r] = r < n ? _mm512_castps_si512(load16(kv, kfirst + (r0 + r) * stride + 16 * c,
+                                                           dtype))
+                              : _mm512_setzero_si512();
+            transpose16x16(rw, t + 16 * c);
+        }
+        const __mmask16 mask = (__mmask16)((1u << n) - 1);
+        for (int i = 0; i < nq; i++) {
+            const float *qi = (const float *)(qv + (int64_t)i * nv);
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            for (int d = 0; d < 16 * nv; d += 4) {
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d]), _mm512_castsi512_ps(t[d]), a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 1]), _mm512_castsi512_ps(t[d + 1]), a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 2]), _mm512_castsi512_ps(t[d + 2]), a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 3]), _mm512_castsi512_ps(t[d + 3]), a3);
+            }
+            _mm512_mask_storeu_ps(scores + (int64_t)i * block_size + r0, mask,
+                                  _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
 /* Scores of up to 16 bf16 key rows for nq bf16 queries: the rows are
  * transposed into vectors of one dimension pair across the 16 rows, so a
  * query's scores come out as one vector of 32-pair dot products (vdpbf16ps
@@ -365,8 +383,8 @@ static inline __attribute__((always_inline)) void task_avx512(
                                     block_size);
             else
 #endif
-                block_scores16(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
-                               scores, block_size);
+                block_scores_f32_t(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
+                                   scores, block_size);
             for (int t = 0; t < ntok; t++) {
                 /* keys this token sees in the block: causal within a prefill chunk */
                 const int64_t valid = ctx[t] - p0 < rows ? ctx[t] - p0 : rows;
