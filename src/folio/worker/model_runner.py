@@ -81,7 +81,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(unique, device=self.device)])
             if len(unique) < len(targets):
                 logits = logits[torch.tensor([index[r] for _, r in targets], device=self.device)]
-            # logits: [S, V] fp32, one row per target
+            # logits: [S, V] in the run dtype, one row per target
             if not self.is_driver:      # the logits gather is collective; sampling is not
                 return out
             seq_ids = [seq_id for seq_id, _ in targets]
@@ -124,7 +124,7 @@ class ModelRunner:
             first_row = last - len(s.token_ids) + 1
             picks = [(i, t) for i, t in enumerate(s.prompt_targets) if t is not None]
             rows = torch.tensor([first_row + i for i, _ in picks], device=self.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
             targets = torch.tensor([t for _, t in picks], device=self.device)
             chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
             k = self.states[s.seq_id].sampling.prompt_logprobs or 0

@@ -112,8 +112,9 @@ def test_greedy_rows_use_adjusted_logits_but_report_raw_logprobs():
     assert out.logprobs.item() == pytest.approx(torch.log_softmax(LOGITS, -1)[0, 1].item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native_on", [True, False])
-def test_greedy_batch_takes_the_first_maximum_and_its_raw_logprob(monkeypatch, native_on):
+def test_greedy_batch_takes_the_first_maximum_and_its_raw_logprob(monkeypatch, native_on, dtype):
     from folio.model import native
     if native_on and native.load() is None:
         pytest.skip("no C compiler here")
@@ -122,11 +123,12 @@ def test_greedy_batch_takes_the_first_maximum_and_its_raw_logprob(monkeypatch, n
     g = torch.Generator().manual_seed(0)
     logits = 4 * torch.randn(33, 5000, generator=g)
     logits[3, 17] = logits[3, 4000] = 100.0          # a tie: the first index wins
+    logits = logits.to(dtype)                        # bf16: what the LM head hands over
     rows = logits.shape[0]
     batch = SamplingBatch(temperature=torch.zeros(rows), top_k=torch.full((rows,), 5000),
                           top_p=torch.ones(rows), generators=[None] * rows, all_greedy=True,
                           needs_top_k=False, needs_top_p=False)
     out = sample(logits, batch)
     assert torch.equal(out.tokens, logits.argmax(dim=-1)) and out.tokens[3] == 17
-    expected = torch.log_softmax(logits, dim=-1).gather(-1, out.tokens[:, None]).squeeze(-1)
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, out.tokens[:, None]).squeeze(-1)
     assert torch.allclose(out.logprobs, expected, atol=1e-5)

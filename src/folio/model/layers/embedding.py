@@ -47,7 +47,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = pack_weight(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # [num_sampled, vocab] in fp32: the matmul runs in the weight dtype
-        # (converting the head to fp32 every step would cost more than the matmul).
-        local = linear(hidden, self.weight, self.packed).float()
+        """[num_sampled, vocab] in the weight dtype (the sampler casts to fp32
+        where it needs to: greedy batches read bf16 directly); fp32 across
+        tensor-parallel ranks, for the gather."""
+        local = linear(hidden, self.weight, self.packed)
+        if self.tp > 1:
+            local = local.float()
         return all_gather_last_dim(local, self.tp)[..., :self.vocab_size]

@@ -96,12 +96,14 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits: [S, V] fp32 -> chosen tokens, their raw logprobs, and the top
+    """logits: [S, V] (bf16 is cast to fp32 here, unless the native greedy pass
+    takes it as is) -> chosen tokens, their raw logprobs, and the top
     `max_logprobs` raw logprobs of each row."""
     if (batch.all_greedy and batch.adjust is None and batch.max_logprobs == 0
-            and logits.dtype == torch.float32 and native.supports(logits)):
+            and native.supports(logits)):
         # the common case in one native pass: argmax and its logprob
         return SamplerOutput(*native.greedy(logits))
+    logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     if batch.adjust is not None:
         logits = apply_adjustments(logits, batch.adjust)

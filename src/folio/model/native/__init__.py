@@ -84,7 +84,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
-        "folio_greedy": (None, [p, p, p, i64, i64, i32]),
+        "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -182,11 +182,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits [S, V] -> (argmax [S] int64, its log-softmax value [S] fp32)."""
+    """fp32 or bf16 logits [S, V] -> (argmax [S] int64, its log-softmax value [S] fp32)."""
     logits = logits.contiguous()
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
     load().folio_greedy(logits.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), rows, vocab,
-                      torch.get_num_threads())
+                        _DTYPE_CODES[logits.dtype], torch.get_num_threads())
     return tokens, logprobs

@@ -107,33 +107,35 @@ void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int
     }
 }
 
-/* Greedy sampling of fp32 logits [rows][vocab]: the first index of each row's
- * maximum, and its logprob, -log(sum(exp(x - max))), in two passes over the
- * row and no [rows][vocab] output (torch's argmax + log_softmax write one). */
-void folio_greedy(const float *logits, int64_t *tokens, float *logprobs, int64_t rows,
-                  int64_t vocab, int num_threads) {
+/* Greedy sampling of logits [rows][vocab] in the run dtype: the first index of
+ * each row's maximum, and its logprob, -log(sum(exp(x - max))) in fp32, in two
+ * passes over the row and no [rows][vocab] output (torch's argmax and
+ * log_softmax each write one, after a cast of the bf16 logits to fp32). */
+void folio_greedy(const void *logits, int64_t *tokens, float *logprobs, int64_t rows,
+                  int64_t vocab, int dtype, int num_threads) {
     int threads = rows * vocab >= 4 * FOLIO_PARALLEL_MIN ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *x = logits + r * vocab;
-        float m = x[0], sum = 0.f;
+        const int64_t x = r * vocab;
+        float m = load(logits, x, dtype), sum = 0.f;
         int64_t i = 0;
 #ifdef FOLIO_HAVE_AVX512
-        __m512 mv = _mm512_set1_ps(x[0]);
-        for (; i + 16 <= vocab; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+        __m512 mv = _mm512_set1_ps(m);
+        for (; i + 16 <= vocab; i += 16) mv = _mm512_max_ps(mv, load16(logits, x + i, dtype));
         m = _mm512_reduce_max_ps(mv);
 #endif
-        for (; i < vocab; i++) m = x[i] > m ? x[i] : m;
+        for (; i < vocab; i++) m = load(logits, x + i, dtype) > m ? load(logits, x + i, dtype) : m;
         int64_t best = 0;
-        while (x[best] != m) best++;
+        while (load(logits, x + best, dtype) != m) best++;
         i = 0;
 #ifdef FOLIO_HAVE_AVX512
         __m512 sv = _mm512_setzero_ps();
         for (; i + 16 <= vocab; i += 16)
-            sv = _mm512_add_ps(sv, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m))));
+            sv = _mm512_add_ps(sv, exp16(_mm512_sub_ps(load16(logits, x + i, dtype),
+                                                       _mm512_set1_ps(m))));
         sum = _mm512_reduce_add_ps(sv);
 #endif
-        for (; i < vocab; i++) sum += expf(x[i] - m);
+        for (; i < vocab; i++) sum += expf(load(logits, x + i, dtype) - m);
         tokens[r] = best;
         logprobs[r] = -logf(sum);
     }
