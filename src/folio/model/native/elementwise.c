@@ -125,8 +125,20 @@ void folio_greedy(const void *logits, int64_t *tokens, float *logprobs, int64_t 
         m = _mm512_reduce_max_ps(mv);
 #endif
         for (; i < vocab; i++) m = load(logits, x + i, dtype) > m ? load(logits, x + i, dtype) : m;
-        int64_t best = 0;
-        while (load(logits, x + best, dtype) != m) best++;
+        int64_t best = -1;
+        i = 0;
+#ifdef FOLIO_HAVE_AVX512
+        for (; i + 16 <= vocab; i += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(load16(logits, x + i, dtype), _mm512_set1_ps(m),
+                                               _CMP_EQ_OQ);
+            if (hit) {
+                best = i + __builtin_ctz(hit);
+                break;
+            }
+        }
+#endif
+        for (; best < 0 && i < vocab; i++)
+            if (load(logits, x + i, dtype) == m) best = i;
         i = 0;
 #ifdef FOLIO_HAVE_AVX512
         __m512 sv = _mm512_setzero_ps();
