@@ -1,4 +1,5 @@
-"""The native CPU decode kernel against the torch backend's gathered decode path."""
+"""The native CPU attention kernel against the torch backend's paths: decodes
+(gathered decode) and mixed steps with prefill chunks (SDPA), native and portable builds."""
 
 import platform
 
@@ -45,7 +46,8 @@ def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, b
     meta = AttentionMetadata(slot_mapping=None, num_decodes=batch, decode_block_tables=tables,
                              decode_context_lens=lens)
     expected = backend._decode(q, kv[0], kv[1], meta).float()
-    got = native.paged_decode(q, kv, tables, lens, dim ** -0.5, lib).float()
+    rows = torch.arange(batch)                      # one decode token a sequence
+    got = native.paged_attention(q, kv, tables, rows, lens, dim ** -0.5, lib).float()
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
 

@@ -58,7 +58,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     `extra_flags` lets the tests build the portable path too (-mno-avx512f)."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path")
+        logger.warning("no C compiler found: the torch layers run instead of the native kernels")
         return None
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
@@ -136,14 +136,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
-
-
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float,
-                 lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """One query token per sequence: q [B, H, D], block_tables [B, MB]."""
-    rows = torch.arange(q.shape[0], dtype=torch.int64)
-    return paged_attention(q, kv_cache, block_tables, rows, context_lens, scale, lib)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
