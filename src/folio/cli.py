@@ -126,18 +126,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
+def _run_bench(args: argparse.Namespace, bench, report) -> int:
+    """An in-process benchmark on a fresh engine: one JSON object, or the report."""
     import json
 
-    from folio.bench.throughput import bench_throughput, print_report
     from folio.engine.llm_engine import LLMEngine
-    engine = LLMEngine.from_args(args.model, **engine_kwargs(args))
-    result = bench_throughput(args, engine)
+    result = bench(args, LLMEngine.from_args(args.model, **engine_kwargs(args)))
     if args.json:
         print(json.dumps(result))
     else:
-        print_report(result)
+        report(result)
     return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from folio.bench.throughput import bench_throughput, print_report
+    return _run_bench(args, bench_throughput, print_report)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -172,16 +176,8 @@ def _read_template(value: str) -> str:
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
-    import json
-
     from folio.bench.memory import bench_memory, print_memory
-    from folio.engine.llm_engine import LLMEngine
-    result = bench_memory(args, LLMEngine.from_args(args.model, **engine_kwargs(args)))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_memory(result)
-    return 0
+    return _run_bench(args, bench_memory, print_memory)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
