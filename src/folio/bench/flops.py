@@ -43,17 +43,17 @@ def measure_ceiling(m: ModelConfig, dtype: torch.dtype, device: str = "cpu",
     """Median GFLOP/s of a [rows x hidden] @ [hidden x intermediate] product.
 
     Where the engine multiplies with prepacked weights (bf16 on the CPU), the
-    packed product is timed too and the faster of the two is the ceiling: the
-    fraction is never flattered by a slower reference than the engine uses."""
-    from folio.model.layers.linear import linear, pack_weight
+    packed products (oneDNN's, and the native kernel's where the CPU serves it)
+    are timed too and the fastest is the ceiling: the fraction is never
+    flattered by a slower reference than the engine uses."""
+    from folio.model.layers.linear import linear, pack_onednn, pack_weight
     a = torch.randn(rows, m.hidden_size, device=device).to(dtype)
     w = torch.randn(m.intermediate_size, m.hidden_size, device=device).to(dtype)
     b = w.t()
     flops = 2 * rows * m.hidden_size * m.intermediate_size
     products = [lambda: torch.matmul(a, b)]
-    packed = pack_weight(w)
-    if packed is not None:
-        products.append(lambda: linear(a, w, packed))
+    for packed in {id(p): p for p in (pack_weight(w), pack_onednn(w)) if p is not None}.values():
+        products.append(lambda packed=packed: linear(a, w, packed))
     return max(flops / _median_seconds(p, device, repeats) / 1e9 for p in products)
 
 

@@ -1,14 +1,32 @@
-"""Linear layers: the oneDNN-packed bf16 weights give exactly F.linear's result."""
+"""Linear layers: the oneDNN-packed bf16 weights give exactly F.linear's result;
+the native kernel gives the exact product's bf16 rounding but for a sum's last
+bit (its sums run in another order)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from folio.model import native
 from folio.model.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, linear,
-                                       pack_weight, prepack)
+                                       pack_onednn, pack_weight, prepack)
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="this torch build has no oneDNN")
+needs_native = pytest.mark.skipif(not native.packs_linear(torch.zeros(16, 16).bfloat16()),
+                                  reason="no AVX512-BF16 kernel on this machine")
+
+
+def assert_rounded_product(got, x, w, b=None):
+    """got (bf16) is x W^T + b computed exactly then rounded once to bf16, up to
+    an fp32 sum's error: within half a bf16 unit in the last place plus
+    K * 2^-24 * sum |x_i w_i| of the exact value, and equal to its rounding
+    almost everywhere."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    bound = exact.abs() * 2 ** -8 + x.shape[-1] * 2 ** -24 * F.linear(x.double().abs(),
+                                                                      w.double().abs())
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    assert float((got != exact.bfloat16()).float().mean()) < 0.01
 
 
 @needs_onednn
@@ -19,9 +37,39 @@ def test_packed_bf16_is_bit_identical(rows, with_bias):
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16() if with_bias else None
     x = torch.randn(rows, 64, generator=g).bfloat16()
-    packed = pack_weight(w)
-    assert packed is not None
+    packed = pack_onednn(w)
+    assert packed is not None and not packed.native
     assert torch.equal(linear(x, w, packed, b), F.linear(x, w, b))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 300])
+@pytest.mark.parametrize("shape", [(96, 64), (40, 576), (1000, 130)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_bf16_is_the_exact_product_rounded(rows, shape, with_bias):
+    """Against the fp32 product of the same bf16 values rounded once to bf16:
+    output sizes that are not a multiple of the 16-wide tiles, every row-block
+    remainder, and a bias added before the rounding."""
+    g = torch.Generator().manual_seed(rows * 7 + shape[0])
+    w = torch.randn(*shape, generator=g).bfloat16()
+    b = torch.randn(shape[0], generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, shape[1], generator=g).bfloat16()
+    packed = pack_weight(w)
+    assert packed is not None and packed.native
+    assert_rounded_product(linear(x, w, packed, b), x, w, b)
+
+
+@needs_native
+def test_native_bf16_reads_strided_rows_and_leading_dimensions():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 32, generator=g).bfloat16()
+    wide = torch.randn(2, 5, 96, generator=g).bfloat16()
+    x = wide[..., 16:48]                      # rows 96 apart, each row dense
+    packed = pack_weight(w)
+    got = linear(x, w, packed)
+    assert got.shape == (2, 5, 48) and got.is_contiguous()
+    assert_rounded_product(got, x, w)
+    assert linear(x[:0], w, packed).shape == (0, 5, 48)
 
 
 def test_only_bf16_on_cpu_is_packed():
@@ -43,4 +91,8 @@ def test_prepacked_layers_answer_as_before_and_drop_the_plain_weight():
     before = mlp["down"](mlp["up"](x)[:, :32])
     prepack(mlp)
     assert all(layer.packed is not None and layer.weight.numel() == 0 for layer in mlp.values())
-    assert torch.equal(mlp["down"](mlp["up"](x)[:, :32]), before)
+    after = mlp["down"](mlp["up"](x)[:, :32])
+    if mlp["down"].packed.native:     # another summation order: the last bit may move
+        assert torch.allclose(after.float(), before.float(), rtol=2 ** -7, atol=1e-2)
+    else:
+        assert torch.equal(after, before)

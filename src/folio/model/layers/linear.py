@@ -4,10 +4,14 @@ Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that
 copies its own slice of a full checkpoint tensor: tensor parallelism and the
 fused qkv / gate-up projections both fall out of this.
 
-Once loaded, bf16 weights on the CPU are repacked into oneDNN's blocked layout
-(`prepack`): a plain-layout weight is reordered inside every matmul call, which
-at decode batch sizes costs as much as the multiplication (measured in
-docs/benchmarks.md). The packed product is bit-identical to `F.linear`.
+Once loaded, bf16 weights on the CPU are repacked once (`prepack`): a
+plain-layout weight is reordered inside every matmul call, which at decode
+batch sizes costs as much as the multiplication (measured in
+docs/benchmarks.md). Where the CPU has AVX512-BF16 (and no AMX), the weight is
+packed for the native kernel (`folio.model.native.linear`), which at decode
+sizes reads the weights about twice as fast as oneDNN; its sums run in another
+order, so it matches `F.linear` to the last bf16 rounding (tested). Otherwise
+oneDNN's blocked layout, bit-identical to `F.linear`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.model import native
 from folio.worker.parallel_state import all_reduce, tp_rank, tp_size
 
 
@@ -27,23 +32,45 @@ def _divide(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+class PackedWeight:
+    """A weight repacked once for the CPU's bf16 products: `packed(x, bias)`
+    is x W^T + bias."""
+
+    def __init__(self, data: torch.Tensor, out_features: int, native_kernel: bool):
+        self.data, self.out_features, self.native = data, out_features, native_kernel
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.native:
+            return native.linear(x, self.data, self.out_features, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+def pack_onednn(weight: torch.Tensor) -> Optional[PackedWeight]:
     """The weight in oneDNN's blocked layout, or None where that does not apply
     (not the CPU, not bf16, or no oneDNN in this torch build)."""
     if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or not torch.backends.mkldnn.is_available()):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        data = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     except (RuntimeError, AttributeError):
         return None
+    return PackedWeight(data, weight.shape[0], native_kernel=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor],
+def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """The weight packed for the native kernel where it serves, else for oneDNN,
+    else None (the plain `F.linear` then)."""
+    if native.packs_linear(weight):
+        return PackedWeight(native.pack_linear(weight.detach()), weight.shape[0], True)
+    return pack_onednn(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight],
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed(x, bias)
 
 
 def prepack(model: nn.Module) -> None:
@@ -63,7 +90,7 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.packed: Optional[torch.Tensor] = None
+        self.packed: Optional[PackedWeight] = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded)

@@ -3,6 +3,7 @@
 - `paged_attention.c`: attention of a step's tokens through the block tables.
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
   greedy sampling.
+- `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16.
 
 The C sources ship with the package; they are compiled once per machine (the
 cache key includes the sources and the CPU's flags, since they are built with
@@ -29,7 +30,7 @@ import torch
 logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c"]
+_SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -85,6 +86,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
+        "folio_linear_available": (ctypes.c_int, []),
+        "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -114,6 +117,42 @@ def fuses(x: torch.Tensor) -> bool:
     """Whether the fused element-wise kernels serve this tensor: bf16 on the CPU.
     fp32 keeps the torch layers, bit-identical to the reference implementation."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and load() is not None
+
+
+def packs_linear(weight: torch.Tensor) -> bool:
+    """Whether `linear` serves this weight: bf16 [N, K] on the CPU, K even, and a
+    library built with AVX512-BF16. CPUs with AMX keep oneDNN, which uses it."""
+    lib = load() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    return (lib is not None and weight.dim() == 2 and weight.shape[1] % 2 == 0
+            and bool(lib.folio_linear_available()) and "amx_bf16" not in _cpu_flags().split())
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the layout `linear` reads: output features in tiles of 16
+    (zero-padded), each pair of input features' weights side by side:
+    [tiles, K/2, 16, 2]."""
+    n, k = weight.shape
+    tiles = -(-n // 16)
+    padded = torch.zeros(tiles * 16, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(tiles, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T (+ bias) with W packed by `pack_linear`: [..., n] bf16."""
+    k = packed.shape[1] * 2
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*lead, n, dtype=x.dtype)
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    if x2.shape[0]:
+        load().folio_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+    return out
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
