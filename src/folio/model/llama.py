@@ -20,6 +20,7 @@ from folio.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLi
                                        RowParallelLinear, prepack)
 from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.model.native.decoder import NativeDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -84,12 +85,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.native_decoder: NativeDecoder | None = None    # set once the weights are packed
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions)           # gathered once per step, used by every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        if self.native_decoder is not None and self.native_decoder.usable(hidden, meta):
+            # the same kernels as the modules below, in one call (bf16 CPU)
+            hidden, residual = self.native_decoder(hidden, rope, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         return self.norm(hidden, residual)[0]
 
 
@@ -139,3 +145,4 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
         prepack(self)
+        self.model.native_decoder = NativeDecoder.build(list(self.model.layers))

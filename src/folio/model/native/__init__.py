@@ -4,6 +4,8 @@
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
   greedy sampling.
 - `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16.
+- `decoder.c`: every decoder layer of a step in one call, from the kernels
+  above (wrapped in `decoder.py`).
 
 The C sources ship with the package; they are compiled once per machine (the
 cache key includes the sources and the CPU's flags, since they are built with
@@ -30,7 +32,8 @@ import torch
 logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c"]
+_SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c",
+            _DIR / "decoder.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -88,6 +91,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
         "folio_linear_available": (ctypes.c_int, []),
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
+        "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

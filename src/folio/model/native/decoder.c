@@ -1,0 +1,98 @@
+/* Every decoder layer of a Llama-family model for one step, in one call: the
+ * same native kernels the torch modules call one by one (residual add +
+ * RMSNorm, the bf16 linear layer, rotary, paged attention, SiLU-and-multiply),
+ * in the same order on the same buffers, so the result is bit-identical to the
+ * module path; what goes is the Python between them (module calls, tensor
+ * allocations, the KV write as two index_copy_ calls), which at decode batch
+ * sizes cost a fifth of a step (measured in docs/benchmarks.md).
+ *
+ * bf16 only, on the weights packed for folio_linear, one tensor-parallel rank.
+ * The final norm and the LM head stay in torch.
+ */
+#include <stdint.h>
+#include <string.h>
+
+void folio_add_rmsnorm(const void *x, void *residual, const void *weight, void *out,
+                       int64_t rows, int64_t hidden, float eps, int dtype, int has_residual,
+                       int num_threads);
+void folio_rotary(void *x, int64_t tokens, int64_t row_stride, int heads, int head_dim,
+                  const float *cos_table, const float *sin_table, int dtype, int num_threads);
+void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int dtype,
+                    int num_threads);
+void folio_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                  const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
+                  int num_threads);
+int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
+                          const int64_t *block_tables, int64_t max_blocks,
+                          const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          int64_t num_blocks, float scale, int dtype, int num_threads);
+
+/* One layer's weights: norms bf16 [hidden]; projections packed; the qkv bias
+ * bf16 or NULL (no other projection has one here); its KV cache
+ * [2][num_blocks][block_size][kv_heads][head_dim]. */
+typedef struct {
+    const void *input_norm, *post_norm;
+    const void *qkv, *qkv_bias, *o, *gate_up, *down;
+    void *kv_cache;
+} folio_layer;
+
+/* The model's sizes and the step: hidden [tokens][hidden] in, the last layer's
+ * output out; residual [tokens][hidden] (written; read too when has_residual);
+ * scratch buffers sized for this step's tokens. */
+typedef struct {
+    int64_t tokens, hidden, intermediate;
+    int heads, kv_heads, head_dim, block_size;
+    int64_t num_blocks;
+    float eps, scale;
+    const float *cos, *sin;                   /* [tokens][head_dim / 2] */
+    const int64_t *slots;                     /* [tokens] */
+    const int64_t *block_tables;              /* [rows][max_blocks] */
+    int64_t max_blocks;
+    const int64_t *token_rows, *context_lens; /* [tokens] */
+    uint16_t *hidden_states, *residual;
+    int has_residual;
+    uint16_t *normed, *qkv, *attn, *gate_up, *act;
+    int num_threads;
+} folio_step;
+
+int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_step *s) {
+    const int64_t t = s->tokens, h = s->hidden, inter = s->intermediate;
+    const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    const int64_t v_offset = s->num_blocks * s->block_size * kv_size;
+    const int dtype = 1, threads = s->num_threads;
+    int has_residual = s->has_residual;
+    uint16_t *x = s->hidden_states;
+    for (int i = 0; i < num_layers; i++) {
+        const folio_layer *w = layers + i;
+        folio_add_rmsnorm(x, s->residual, w->input_norm, s->normed, t, h, s->eps, dtype,
+                          has_residual, threads);
+        if (!has_residual) {        /* the first layer: its input is the residual */
+            memcpy(s->residual, x, sizeof(uint16_t) * (size_t)(t * h));
+            has_residual = 1;
+        }
+        folio_linear(s->normed, h, w->qkv, w->qkv_bias, s->qkv, t, qkv_width, h, threads);
+        folio_rotary(s->qkv, t, qkv_width, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin,
+                     dtype, threads);
+        uint16_t *cache = (uint16_t *)w->kv_cache;
+        for (int64_t j = 0; j < t; j++) {
+            const uint16_t *k = s->qkv + j * qkv_width + q_size;
+            memcpy(cache + s->slots[j] * kv_size, k, sizeof(uint16_t) * (size_t)kv_size);
+            memcpy(cache + v_offset + s->slots[j] * kv_size, k + kv_size,
+                   sizeof(uint16_t) * (size_t)kv_size);
+        }
+        if (folio_paged_attention(s->qkv, qkv_width, cache, s->attn, s->block_tables,
+                                  s->max_blocks, s->token_rows, s->context_lens, t, s->heads,
+                                  s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
+                                  s->scale, dtype, threads))
+            return 1;
+        folio_linear(s->attn, q_size, w->o, 0, x, t, h, q_size, threads);
+        folio_add_rmsnorm(x, s->residual, w->post_norm, s->normed, t, h, s->eps, dtype, 1,
+                          threads);
+        folio_linear(s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h, threads);
+        folio_silu_mul(s->gate_up, s->act, t, inter, dtype, threads);
+        folio_linear(s->act, inter, w->down, 0, x, t, h, inter, threads);
+    }
+    return 0;
+}

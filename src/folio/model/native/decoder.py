@@ -1,0 +1,122 @@
+"""Every decoder layer of a step in one native call (`decoder.c`).
+
+`NativeDecoder.build(model)` says whether a loaded Llama-family model can take
+this path: bf16 on the CPU, every projection packed for the native linear
+kernel, one tensor-parallel rank, SiLU, no bias but on qkv. The model keeps its
+torch modules either way; this path calls the same kernels in the same order,
+so the two give bit-identical hidden states (tested), and a step goes back to
+the modules whenever a kernel is switched off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from folio.model import native
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
+                                        "gate_up", "down", "kv_cache")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", _i64), ("hidden", _i64), ("intermediate", _i64),
+                ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32), ("block_size", _i32),
+                ("num_blocks", _i64), ("eps", _f32), ("scale", _f32),
+                ("cos", _p), ("sin", _p), ("slots", _p), ("block_tables", _p),
+                ("max_blocks", _i64), ("token_rows", _p), ("context_lens", _p),
+                ("hidden_states", _p), ("residual", _p), ("has_residual", _i32),
+                ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
+                ("num_threads", _i32)]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    def __init__(self, layers):
+        self.layers = layers
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = attn.o_proj.packed.out_features
+        self.intermediate = mlp.gate_up_proj.packed.out_features // 2
+        self.eps = first.input_layernorm.eps
+        self.scale = attn.attn.scale
+        self._tables: dict[tuple[int, ...], ctypes.Array] = {}
+
+    @classmethod
+    def build(cls, layers) -> Optional["NativeDecoder"]:
+        """The native path for these decoder layers, or None where it does not apply."""
+        if not layers or native.load() is None:
+            return None
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(p.packed is not None and p.packed.native for p in projections):
+                return None
+            if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
+                return None
+            if any(p.bias is not None for p in projections[2:]):
+                return None
+        return cls(layers)
+
+    def usable(self, hidden: torch.Tensor, meta) -> bool:
+        """Checked every step: the kernels may be switched off (tests do)."""
+        return (native.fuses(hidden) and native.supports(hidden)
+                and meta.token_rows is not None and hidden.dim() == 2)
+
+    def _layer_table(self, kv_caches) -> ctypes.Array:
+        key = tuple(c.data_ptr() for c in kv_caches)
+        table = self._tables.get(key)
+        if table is None:
+            table = (_Layer * len(self.layers))()
+            for entry, layer, cache in zip(table, self.layers, kv_caches):
+                attn, mlp = layer.self_attn, layer.mlp
+                entry.input_norm = layer.input_layernorm.weight.data_ptr()
+                entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+                entry.qkv = attn.qkv_proj.packed.data.data_ptr()
+                entry.qkv_bias = _ptr(attn.qkv_proj.bias)
+                entry.o = attn.o_proj.packed.data.data_ptr()
+                entry.gate_up = mlp.gate_up_proj.packed.data.data_ptr()
+                entry.down = mlp.down_proj.packed.data.data_ptr()
+                entry.kv_cache = cache.data_ptr()
+            self._tables = {key: table}          # one cache set at a time
+        return table
+
+    def __call__(self, hidden: torch.Tensor, rope, kv_caches, meta
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] (overwritten) -> (last layer's output, residual)."""
+        t = hidden.shape[0]
+        hidden = hidden.contiguous()
+        new = lambda *shape: torch.empty(*shape, dtype=hidden.dtype)
+        residual, normed = new(t, self.hidden), new(t, self.hidden)
+        qkv = new(t, (self.heads + 2 * self.kv_heads) * self.head_dim)
+        attn = new(t, self.heads * self.head_dim)
+        gate_up, act = new(t, 2 * self.intermediate), new(t, self.intermediate)
+        cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
+        tables = meta.block_tables.contiguous()
+        rows, lens = meta.token_rows.contiguous(), meta.context_lens.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        cache = kv_caches[0]
+        step = _Step(
+            tokens=t, hidden=self.hidden, intermediate=self.intermediate, heads=self.heads,
+            kv_heads=self.kv_heads, head_dim=self.head_dim, block_size=cache.shape[2],
+            num_blocks=cache.shape[1], eps=self.eps, scale=self.scale,
+            cos=cos.data_ptr(), sin=sin.data_ptr(), slots=slots.data_ptr(),
+            block_tables=tables.data_ptr(), max_blocks=tables.shape[1],
+            token_rows=rows.data_ptr(), context_lens=lens.data_ptr(),
+            hidden_states=hidden.data_ptr(), residual=residual.data_ptr(), has_residual=0,
+            normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
+            gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads())
+        table = self._layer_table(kv_caches)
+        if native.load().folio_decoder_layers(table, len(self.layers), ctypes.byref(step)):
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+        return hidden, residual

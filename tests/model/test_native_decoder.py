@@ -1,0 +1,82 @@
+"""All decoder layers in one native call against the torch modules calling the
+same kernels one by one: bit-identical hidden states and KV caches on every
+step of a run that mixes decodes with chunked prefills."""
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.model import llama, native
+from folio.model.layers import linear as linear_mod
+from tests.utils import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not native.packs_linear(torch.zeros(16, 16).bfloat16()),
+                                reason="no AVX512-BF16 kernels on this machine")
+
+
+def _record_both_paths(monkeypatch):
+    """Every forward runs the native call, then the modules on the same inputs
+    and caches; the comparisons are recorded and the native result returned."""
+    records = []
+    forward = llama.LlamaModel.forward
+
+    def both(self, input_ids, positions, kv_caches, meta):
+        decoder = self.native_decoder
+        assert decoder is not None and decoder.usable(self.embed_tokens(input_ids), meta)
+        before = [c.clone() for c in kv_caches]
+        fast = forward(self, input_ids, positions, kv_caches, meta)
+        fast_caches = [c.clone() for c in kv_caches]
+        for cache, saved in zip(kv_caches, before):
+            cache.copy_(saved)
+        self.native_decoder = None
+        try:
+            slow = forward(self, input_ids, positions, kv_caches, meta)
+        finally:
+            self.native_decoder = decoder
+        records.append((input_ids.shape[0], meta.num_decodes, torch.equal(fast, slow),
+                        all(torch.equal(a, b) for a, b in zip(fast_caches, kv_caches))))
+        return fast
+
+    monkeypatch.setattr(llama.LlamaModel, "forward", both)
+    return records
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])      # qwen2: a bias on qkv
+def test_one_call_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, arch):
+    llm = LLM(make_tiny_model(tmp_path, arch=arch), dtype="bfloat16", num_kv_blocks=64,
+              max_num_batched_tokens=48)
+    assert llm.engine.executor.runner.model.model.native_decoder is not None
+    records = _record_both_paths(monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert any(decodes and tokens > decodes for tokens, decodes, _, _ in records), \
+        "no step mixed decodes with a prefill chunk"
+    assert all(same_hidden and same_cache for _, _, same_hidden, same_cache in records), records
+
+
+def test_default_model_takes_it_and_answers_as_the_modules(monkeypatch):
+    llm = LLM(dtype="bfloat16", num_kv_blocks=128)
+    records = _record_both_paths(monkeypatch)
+    llm.generate(["The capital of France is", "def fibonacci(n):"],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert records and all(r[2] and r[3] for r in records), records
+
+
+def test_only_where_every_kernel_serves(tmp_path, monkeypatch):
+    folder = make_tiny_model(tmp_path)
+    llm = LLM(folder, dtype="float32", num_kv_blocks=32)
+    assert llm.engine.executor.runner.model.model.native_decoder is None      # fp32: modules
+    monkeypatch.setattr(linear_mod, "pack_weight", linear_mod.pack_onednn)
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=32)
+    assert llm.engine.executor.runner.model.model.native_decoder is None      # oneDNN weights
+    monkeypatch.undo()
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=32)
+    model = llm.engine.executor.runner.model.model
+    assert model.native_decoder is not None
+    calls = []
+    monkeypatch.setattr(type(model.native_decoder), "__call__",
+                        lambda *a: calls.append(1) or pytest.fail("native path taken"))
+    monkeypatch.setattr(native, "fuses", lambda x: False)       # kernels switched off: modules
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3 and not calls
