@@ -1,6 +1,6 @@
 """Tensor-parallel rank and collectives.
 
-At world size 1 (the only size until tensor parallelism lands) every collective
+At world size 1 every collective
 is the identity, so layers are written once, as the parallel ones.
 """
 
