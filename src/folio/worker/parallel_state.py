@@ -1,7 +1,7 @@
 """Tensor-parallel rank and collectives.
 
-At world size 1 every collective
-is the identity, so layers are written once, as the parallel ones.
+At world size 1 every collective is the identity, so layers are written once,
+as the parallel ones.
 """
 
 from __future__ import annotations
