@@ -23,3 +23,18 @@ def test_bench_serve_run_and_sweep(server, tiny_model, tmp_path, capsys):
                           "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert capsys.readouterr().out.count("rate ") == 2
+
+
+def test_each_rate_of_a_sweep_draws_its_own_prompts(server, tiny_model, capsys):
+    """Otherwise every rate after the first would find its prompts in the
+    server's prefix cache and report prefill-free first tokens."""
+    from tests.server.test_lifecycle import metrics
+    common = ["bench", "serve", "--base-url", server.url, "--tokenizer", tiny_model,
+              "--num-prompts", "4", "--input-len", "24:32", "--output-len", "2:3",
+              "--seed", "500"]
+    before = metrics(server)["folio:prefix_cache_hits_total"]
+    assert main(common + ["--sweep-rates", "inf,inf,inf", "--plot", "/dev/null"]) == 0
+    assert metrics(server)["folio:prefix_cache_hits_total"] == before
+    assert main(common + ["--request-rate", "inf"]) == 0      # seed 500 again: cached
+    assert metrics(server)["folio:prefix_cache_hits_total"] >= before + 4 * 16
+    capsys.readouterr()

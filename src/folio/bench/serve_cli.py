@@ -20,7 +20,7 @@ def _served_model(args) -> str:
         return json.load(r)["data"][0]["id"]
 
 
-def _workload(args, model: str):
+def _workload(args, model: str, seed: int):
     from folio.model.loader import load_model_config
     from folio.tokenizer import get_tokenizer
     source: Optional[str] = args.tokenizer or args.model
@@ -31,7 +31,7 @@ def _workload(args, model: str):
     if args.dataset == "random":
         requests = random_requests(args.num_prompts, parse_range(args.input_len),
                                    parse_range(args.output_len), tokenizer.vocab_size,
-                                   tokenizer.all_special_ids, args.seed)
+                                   tokenizer.all_special_ids, seed)
     else:
         requests = jsonl_requests(args.dataset, tokenizer)[:args.num_prompts]
     chat = args.endpoint == "/v1/chat/completions"
@@ -80,12 +80,14 @@ def plot_sweep(summaries: list[dict], path: str, title: str) -> None:
 
 def cmd_bench_serve(args) -> int:
     model = _served_model(args)
-    requests, texts = _workload(args, model)
     slo = parse_slo(args.slo)
     rates = ([float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates
              else [args.request_rate])
     summaries = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        # Each rate of a sweep draws its own random prompts: with the same ones
+        # every later rate would find them in the server's prefix cache.
+        requests, texts = _workload(args, model, args.seed + i)
         results, seconds = asyncio.run(_drive(args, model, requests, texts, rate))
         summary = summarize(results, seconds, slo, rate)
         summaries.append(summary)
