@@ -4,7 +4,7 @@
  * in the same order on the same buffers, so the result is bit-identical to the
  * module path; what goes is the Python between them (module calls, tensor
  * allocations, the KV write as two index_copy_ calls), which at decode batch
- * sizes cost a fifth of a step (measured in docs/benchmarks.md).
+ * sizes cost about a quarter of a step (measured in docs/benchmarks.md).
  *
  * bf16 only, on the weights packed for folio_linear, one tensor-parallel rank.
  * The final norm and the LM head stay in torch.
@@ -37,9 +37,9 @@ typedef struct {
     void *kv_cache;
 } folio_layer;
 
-/* The model's sizes and the step: hidden [tokens][hidden] in, the last layer's
- * output out; residual [tokens][hidden] (written; read too when has_residual);
- * scratch buffers sized for this step's tokens. */
+/* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
+ * the last layer's output out; residual [tokens][hidden] written; scratch
+ * buffers sized for this step's tokens. */
 typedef struct {
     int64_t tokens, hidden, intermediate;
     int heads, kv_heads, head_dim, block_size;
@@ -51,7 +51,6 @@ typedef struct {
     int64_t max_blocks;
     const int64_t *token_rows, *context_lens; /* [tokens] */
     uint16_t *hidden_states, *residual;
-    int has_residual;
     uint16_t *normed, *qkv, *attn, *gate_up, *act;
     int num_threads;
 } folio_step;
@@ -62,16 +61,13 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
     const int64_t qkv_width = q_size + 2 * kv_size;
     const int64_t v_offset = s->num_blocks * s->block_size * kv_size;
     const int dtype = 1, threads = s->num_threads;
-    int has_residual = s->has_residual;
     uint16_t *x = s->hidden_states;
     for (int i = 0; i < num_layers; i++) {
         const folio_layer *w = layers + i;
-        folio_add_rmsnorm(x, s->residual, w->input_norm, s->normed, t, h, s->eps, dtype,
-                          has_residual, threads);
-        if (!has_residual) {        /* the first layer: its input is the residual */
+        folio_add_rmsnorm(x, s->residual, w->input_norm, s->normed, t, h, s->eps, dtype, i > 0,
+                          threads);
+        if (i == 0)                 /* the first layer: its input is the residual */
             memcpy(s->residual, x, sizeof(uint16_t) * (size_t)(t * h));
-            has_residual = 1;
-        }
         folio_linear(s->normed, h, w->qkv, w->qkv_bias, s->qkv, t, qkv_width, h, threads);
         folio_rotary(s->qkv, t, qkv_width, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin,
                      dtype, threads);

@@ -1,8 +1,9 @@
 """Every decoder layer of a step in one native call (`decoder.c`).
 
-`NativeDecoder.build(model)` says whether a loaded Llama-family model can take
-this path: bf16 on the CPU, every projection packed for the native linear
-kernel, one tensor-parallel rank, SiLU, no bias but on qkv. The model keeps its
+`NativeDecoder.build(layers)` says whether the decoder layers of a loaded
+Llama-family model can take this path: bf16 on the CPU, every projection
+packed for the native linear kernel, one tensor-parallel rank, no bias but on
+qkv. The model keeps its
 torch modules either way; this path calls the same kernels in the same order,
 so the two give bit-identical hidden states (tested), and a step goes back to
 the modules whenever a kernel is switched off.
@@ -31,7 +32,7 @@ class _Step(ctypes.Structure):
                 ("num_blocks", _i64), ("eps", _f32), ("scale", _f32),
                 ("cos", _p), ("sin", _p), ("slots", _p), ("block_tables", _p),
                 ("max_blocks", _i64), ("token_rows", _p), ("context_lens", _p),
-                ("hidden_states", _p), ("residual", _p), ("has_residual", _i32),
+                ("hidden_states", _p), ("residual", _p),
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
                 ("num_threads", _i32)]
 
@@ -113,7 +114,7 @@ class NativeDecoder:
             cos=cos.data_ptr(), sin=sin.data_ptr(), slots=slots.data_ptr(),
             block_tables=tables.data_ptr(), max_blocks=tables.shape[1],
             token_rows=rows.data_ptr(), context_lens=lens.data_ptr(),
-            hidden_states=hidden.data_ptr(), residual=residual.data_ptr(), has_residual=0,
+            hidden_states=hidden.data_ptr(), residual=residual.data_ptr(),
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads())
         table = self._layer_table(kv_caches)
