@@ -80,3 +80,30 @@ def test_only_where_every_kernel_serves(tmp_path, monkeypatch):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3 and not calls
+
+
+def test_same_answers_under_preemption_sharing_and_sampling(tmp_path):
+    """Through the engine: a pool small enough to preempt, a shared prefix,
+    seeded n=2 sampling with logprobs. Bit-identical forwards must give the
+    same tokens and logprobs with the one call as with the modules."""
+    llm = LLM(make_tiny_model(tmp_path, max_position_embeddings=512), dtype="bfloat16",
+              num_kv_blocks=24, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+    model = llm.engine.executor.runner.model.model
+    prefix = list(range(10, 42))
+    prompts = [{"prompt_token_ids": prefix + [50 + i] * (5 + 7 * i)} for i in range(8)]
+    params = SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=24, ignore_eos=True,
+                            logprobs=2)
+
+    def run():
+        assert llm.reset_prefix_cache()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in o.outputs]
+                for o in outs]
+
+    fast = run()
+    preempted = llm.engine.scheduler.num_preemptions
+    decoder, model.native_decoder = model.native_decoder, None
+    slow = run()
+    assert preempted > 0 and fast == slow
+    assert llm.engine.scheduler.kv.num_free_blocks == 24
+    model.native_decoder = decoder
