@@ -2,6 +2,8 @@
 the native kernel gives the exact product's bf16 rounding but for a sum's last
 bit (its sums run in another order)."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,3 +98,12 @@ def test_prepacked_layers_answer_as_before_and_drop_the_plain_weight():
         assert torch.allclose(after.float(), before.float(), rtol=2 ** -7, atol=1e-2)
     else:
         assert torch.equal(after, before)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or native.load() is None,
+                    reason="the portable build flag is x86-specific; needs a C compiler")
+def test_a_build_without_avx512_compiles_and_offers_no_linear_kernel():
+    """Every source, the one-call decoder's too, builds for CPUs without
+    AVX-512; such a library declines the linear layer (oneDNN or torch then)."""
+    lib = native._build(("-mno-avx512f",))
+    assert lib is not None and lib.folio_linear_available() == 0
