@@ -16,6 +16,7 @@ ctypes, which releases the GIL. Without a compiler the torch layers are used.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -41,6 +42,7 @@ _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
