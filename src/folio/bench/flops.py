@@ -46,13 +46,15 @@ def measure_ceiling(m: ModelConfig, dtype: torch.dtype, device: str = "cpu",
     packed products (oneDNN's, and the native kernel's where the CPU serves it)
     are timed too and the fastest is the ceiling: the fraction is never
     flattered by a slower reference than the engine uses."""
+    from folio.model import native
     from folio.model.layers.linear import linear, pack_onednn, pack_weight
     a = torch.randn(rows, m.hidden_size, device=device).to(dtype)
     w = torch.randn(m.intermediate_size, m.hidden_size, device=device).to(dtype)
     b = w.t()
     flops = 2 * rows * m.hidden_size * m.intermediate_size
     products = [lambda: torch.matmul(a, b)]
-    for packed in {id(p): p for p in (pack_weight(w), pack_onednn(w)) if p is not None}.values():
+    packs = [pack_onednn(w), pack_weight(w) if native.packs_linear(w) else None]
+    for packed in filter(None, packs):
         products.append(lambda packed=packed: linear(a, w, packed))
     return max(flops / _median_seconds(p, device, repeats) / 1e9 for p in products)
 

@@ -3,10 +3,10 @@
 `NativeDecoder.build(layers)` says whether the decoder layers of a loaded
 Llama-family model can take this path: bf16 on the CPU, every projection
 packed for the native linear kernel, one tensor-parallel rank, no bias but on
-qkv. The model keeps its
-torch modules either way; this path calls the same kernels in the same order,
-so the two give bit-identical hidden states (tested), and a step goes back to
-the modules whenever a kernel is switched off.
+qkv. The model keeps its torch modules either way; this path calls the same
+kernels in the same order, so the two give bit-identical hidden states
+(tested), and a step goes back to the modules whenever a kernel is switched
+off.
 """
 
 from __future__ import annotations
