@@ -6,10 +6,16 @@ Every check raises a ValueError naming the field, before any block is taken.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
+# Seeds and top-k reach torch as int64: a larger value would fail inside the
+# engine step instead of here.
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p")
 
 
 @dataclass
@@ -49,11 +55,19 @@ class SamplingParams:
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not INT64_MIN <= self.seed <= INT64_MAX - self.n + 1):
+            raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX - self.n + 1}] "
+                             f"(sample i of n uses seed + i), got {self.seed!r}")
         if self.temperature is None or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_p is None or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
@@ -81,6 +95,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
                              f"({self.max_tokens})")
+        # (NaN fails the comparison too)
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
 

@@ -57,6 +57,10 @@ class InputProcessor:
             if outside:
                 raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary "
                                  f"(0..{self.vocab_size - 1})")
+        outside = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
