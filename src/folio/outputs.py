@@ -12,7 +12,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: Optional[float]
-    finish_reason: Optional[str] = None    # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (failed in the engine) | None while running
+    finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     # With SamplingParams.logprobs: per token, {token id: logprob} holding the
     # chosen token and the top-k ones (raw model distribution).
@@ -49,3 +50,4 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     num_preemptions: int = 0
     num_cached_tokens: Optional[int] = None     # prompt tokens served from the prefix cache
+    error: Optional[str] = None     # why the engine failed this request (finish_reason "error")

@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6          # failed inside an engine step; the engine went on
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

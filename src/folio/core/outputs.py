@@ -86,6 +86,9 @@ class ModelRunnerOutput:
     top_logprobs: list[Optional[TopLogprobs]] = field(default_factory=list)
     # seq_id -> (logprob of the target, top logprobs) for each prompt target of the chunk.
     prompt_logprobs: dict[int, list[tuple[float, TopLogprobs]]] = field(default_factory=dict)
+    # seq_id -> error, for sequences whose inputs could not be prepared or
+    # sampled this step: their requests fail alone, the engine goes on.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,3 +104,4 @@ class EngineCoreOutput:
     new_top_logprobs: Optional[list[TopLogprobs]] = None
     prompt_logprobs: Optional[list[tuple[float, TopLogprobs]]] = None
     beams: Optional[list] = None      # beam search, when it ends: core.beam.Hypothesis, best first
+    error: Optional[str] = None       # the request failed in the step (finish_reason "error")

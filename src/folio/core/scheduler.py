@@ -217,6 +217,8 @@ class Scheduler:
         outputs = [EngineCoreOutput(r.request_id, s.index, [], [], s.finish_reason)
                    for r in self.finished_by_capacity for s in r.seqs]
         self.finished_by_capacity = []
+        # First, so that a failed sequence's uncomputed blocks are never cached.
+        outputs += self._fail_requests(runner_out.failed)
         self._cache_computed_blocks(sched_out)
         self._fork_new_children(runner_out)
         by_seq: dict[int, EngineCoreOutput] = {}
@@ -260,6 +262,19 @@ class Scheduler:
         return outputs + list(by_seq.values())
 
     # ---- helpers -------------------------------------------------------------
+    def _fail_requests(self, failed: dict[int, str]) -> list[EngineCoreOutput]:
+        """End the requests whose sequences failed in the runner; the rest of
+        the batch goes on."""
+        outputs = []
+        for seq_id, error in failed.items():
+            entry = self._seqs.get(seq_id)
+            if entry is None or entry[0].request_id not in self.requests:
+                continue
+            req = entry[0]
+            self._end_request(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(req.request_id, 0, [], [], "error", error=error))
+        return outputs
+
     def _beam_step(self, req: Request, tops: dict[int, list]) -> list[EngineCoreOutput]:
         def fork(parent: Sequence, token: int, score: float) -> Sequence:
             child = Sequence(next_seq_id(), len(req.seqs), req.prompt_token_ids, parent.seed)

@@ -29,6 +29,13 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an internal error; the server must report 503."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside an engine step (its inputs could not be prepared
+    or sampled); it was aborted and its blocks freed, and the engine goes on
+    serving the others. Not the client's fault as far as validation could tell,
+    so the server answers 500 for that request alone."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -41,9 +48,11 @@ class _Add:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine,
-                 on_step: Optional[Callable[[LLMEngine, list[RequestOutput]], None]] = None):
+                 on_step: Optional[Callable[[LLMEngine, list[RequestOutput]], None]] = None,
+                 on_dead: Optional[Callable[[BaseException], None]] = None):
         self.engine = engine
         self.on_step = on_step            # called in the engine thread after every step
+        self.on_dead = on_dead            # called in the engine thread if the loop dies
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -85,6 +94,8 @@ class AsyncLLMEngine:
                     finished = True             # the engine already dropped it
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(f"the request failed in the engine: {item.error}")
                 yield item
                 if finished:
                     return
@@ -126,6 +137,8 @@ class AsyncLLMEngine:
             logger.exception("the engine loop failed")
             self.error = e
             self._fail_all(EngineDeadError(f"the engine stopped: {e!r}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
         finally:
             self._abort_everything()
             try:

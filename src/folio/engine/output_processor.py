@@ -149,6 +149,7 @@ class _RequestState:
         self.request_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.error: Optional[str] = None
         p = request.params
         self.stop = p.stop
         self.include_stop = p.include_stop_str_in_output
@@ -177,6 +178,13 @@ class _RequestState:
             seq.score = h.score
             self.seqs.append(seq)
 
+    def fail(self, error: str) -> None:
+        """The request failed inside a step: every unfinished sequence ends."""
+        self.error = error
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+
     def add_prompt_logprobs(self, scored) -> None:
         for logprob, top in scored:
             token = self.prompt_token_ids[len(self.prompt_logprobs)]
@@ -195,7 +203,8 @@ class _RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished=finished, prompt_logprobs=self.prompt_logprobs,
                              metrics=m, num_preemptions=self.request.num_preemptions,
-                             num_cached_tokens=self.request.num_cached_tokens)
+                             num_cached_tokens=self.request.num_cached_tokens,
+                             error=self.error)
 
 
 class OutputProcessor:
@@ -223,6 +232,10 @@ class OutputProcessor:
                 continue
             if co.beams is not None:
                 state.set_beams(co.beams, self.tokenizer)
+                touched[co.request_id] = state
+                continue
+            if co.error is not None:
+                state.fail(co.error)
                 touched[co.request_id] = state
                 continue
             if co.prompt_logprobs and state.prompt_logprobs is not None:

@@ -8,7 +8,7 @@ scheduler sends only what changed each step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -49,14 +49,42 @@ class ModelRunner:
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
 
-    @torch.inference_mode()
+    # Test-only fault injection: called as fault_hook(stage, seq) with stage
+    # "prepare" (seq: the ScheduledSeq) or "sample" (seq: its id); whatever it
+    # raises is a fault of that one sequence. None in normal use.
+    fault_hook: Optional[Callable[[str, object], None]] = None
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        failed = self.prepare(so)
+        out = self.run(so)
+        out.failed.update(failed)
+        return out
+
+    @torch.inference_mode()
+    def prepare(self, so: SchedulerOutput) -> dict[int, str]:
+        """Take in the step's new sequences and table changes, one sequence at a
+        time. A sequence that cannot be prepared is dropped from `so` (in place,
+        so that every tensor-parallel rank then runs the same batch) and
+        returned, {seq_id: error}, for the scheduler to fail its request alone."""
         for seq_id in so.finished_seq_ids:
             self.states.pop(seq_id, None)
+        failed: dict[int, str] = {}
         for s in so.seqs:
-            self._update_state(s)
+            try:
+                if self.fault_hook is not None and self.is_driver:
+                    self.fault_hook("prepare", s)
+                self._update_state(s)
+            except Exception as e:      # noqa: BLE001 - one request's fault, not the engine's
+                failed[s.seq_id] = _describe(e)
+        if failed:
+            so.seqs = [s for s in so.seqs if s.seq_id not in failed]
         if so.blocks_to_copy:
             self._copy_blocks(so.blocks_to_copy)
+        return failed
+
+    @torch.inference_mode()
+    def run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward and sampling of a prepared step."""
         if so.is_empty:
             return ModelRunnerOutput()
         # Decodes (one query token) first, batched; then prefill chunks.
@@ -69,7 +97,7 @@ class ModelRunner:
         self._score_prompts(hidden, ordered, last_rows, out)
         targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
         for s, row in zip(ordered, last_rows):
-            if s.sample:
+            if s.sample and s.seq_id not in out.failed:
                 targets.append((s.seq_id, row))
                 for child_id, info in s.fork_children or ():
                     self._start_child(child_id, info, s.seq_id)
@@ -84,13 +112,35 @@ class ModelRunner:
             # logits: [S, V] in the run dtype, one row per target
             if not self.is_driver:      # the logits gather is collective; sampling is not
                 return out
-            seq_ids = [seq_id for seq_id, _ in targets]
-            result = sample(logits, self._sampling_batch(seq_ids))
-            out.seq_ids = seq_ids
-            out.token_ids = result.tokens.tolist()
-            out.logprobs = result.logprobs.tolist()
-            out.top_logprobs = self._top_lists(seq_ids, result)
+            self._sample_into(out, logits, [seq_id for seq_id, _ in targets])
         return out
+
+    def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
+                     seq_ids: list[int]) -> None:
+        """Sample the whole batch at once; if that raises, row by row, so that
+        only the rows that fail on their own are failed."""
+        try:
+            self._check_fault(seq_ids)
+            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids)))]
+        except Exception:               # noqa: BLE001 - find the row at fault below
+            rows = []
+            for i, seq_id in enumerate(seq_ids):
+                try:
+                    self._check_fault([seq_id])
+                    rows.append(([seq_id], sample(logits[i:i + 1],
+                                                  self._sampling_batch([seq_id]))))
+                except Exception as e:  # noqa: BLE001 - this sequence's fault
+                    out.failed[seq_id] = _describe(e)
+        for ids, result in rows:
+            out.seq_ids.extend(ids)
+            out.token_ids.extend(result.tokens.tolist())
+            out.logprobs.extend(result.logprobs.tolist())
+            out.top_logprobs.extend(self._top_lists(ids, result))
+
+    def _check_fault(self, seq_ids: list[int]) -> None:
+        if self.fault_hook is not None:
+            for seq_id in seq_ids:
+                self.fault_hook("sample", seq_id)
 
     def _start_child(self, child_id: int, info: SamplingInfo, parent_id: int) -> None:
         """A forked sample: its own generator, and the parent's block table (the
@@ -119,21 +169,26 @@ class ModelRunner:
     def _score_prompts(self, hidden, ordered, last_rows, out: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens for sequences that asked (echo, scoring)."""
         for s, last in zip(ordered, last_rows):
-            if not s.prompt_targets:
-                continue
-            first_row = last - len(s.token_ids) + 1
-            picks = [(i, t) for i, t in enumerate(s.prompt_targets) if t is not None]
-            rows = torch.tensor([first_row + i for i, _ in picks], device=self.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-            targets = torch.tensor([t for _, t in picks], device=self.device)
-            chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
-            k = self.states[s.seq_id].sampling.prompt_logprobs or 0
-            if k:
-                top_lps, top_ids = logprobs.topk(k, dim=-1)
-                tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lps.tolist())]
-            else:
-                tops = [[] for _ in picks]
-            out.prompt_logprobs[s.seq_id] = list(zip(chosen, tops))
+            if s.prompt_targets:
+                try:
+                    out.prompt_logprobs[s.seq_id] = self._score_prompt(hidden, s, last)
+                except Exception as e:      # noqa: BLE001 - this sequence's fault
+                    out.failed[s.seq_id] = _describe(e)
+
+    def _score_prompt(self, hidden, s: ScheduledSeq, last: int):
+        first_row = last - len(s.token_ids) + 1
+        picks = [(i, t) for i, t in enumerate(s.prompt_targets) if t is not None]
+        rows = torch.tensor([first_row + i for i, _ in picks], device=self.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+        targets = torch.tensor([t for _, t in picks], device=self.device)
+        chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+        k = self.states[s.seq_id].sampling.prompt_logprobs or 0
+        if k:
+            top_lps, top_ids = logprobs.topk(k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lps.tolist())]
+        else:
+            tops = [[] for _ in picks]
+        return list(zip(chosen, tops))
 
     def _update_state(self, s: ScheduledSeq) -> None:
         state = self.states.get(s.seq_id)
@@ -199,7 +254,7 @@ class ModelRunner:
     def _sampling_batch(self, seq_ids: list[int]) -> SamplingBatch:
         infos = [self.states[seq_id].sampling for seq_id in seq_ids]
         vocab = self.model.config.vocab_size
-        top_k = [i.top_k if i.top_k > 0 else vocab for i in infos]
+        top_k = [min(i.top_k, vocab) if i.top_k > 0 else vocab for i in infos]
         f32 = dict(dtype=torch.float32, device=self.device)
         return SamplingBatch(
             temperature=torch.tensor([i.temperature for i in infos], **f32),
@@ -244,3 +299,7 @@ class ModelRunner:
             frequency=torch.tensor([i.frequency_penalty for i in infos], **f32),
             repetition=torch.tensor([i.repetition_penalty for i in infos], **f32),
             output_counts=counts, seen=seen, bias=bias, banned=banned)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"

@@ -62,10 +62,12 @@ class RayExecutor:
         logger.info("tensor parallel: %d ranks, workers placed by Ray", tp)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        failed = self.runner.prepare(so)    # first: the workers get the same batch
         try:
             pending = [a.execute.remote(so) for a in self.actors]
-            out = self.runner.execute(so)
+            out = self.runner.run(so)
             self.ray.get(pending)
+            out.failed.update(failed)
             return out
         except Exception as e:
             raise RuntimeError(f"tensor-parallel step failed (a Ray worker died?): {e}") from e
