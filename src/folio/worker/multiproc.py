@@ -11,11 +11,14 @@ engine is gone) exits.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.machinery
 import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 from typing import Optional
 
 from folio.config import FolioConfig, cpu_count
@@ -40,6 +43,31 @@ def check_tensor_parallel(config: FolioConfig) -> None:
     if m.intermediate_size % tp:
         raise ValueError(f"the model's intermediate size {m.intermediate_size} is not divisible "
                          f"by tensor_parallel_size={tp}")
+
+
+@contextlib.contextmanager
+def _main_not_rerun():
+    """Start spawned workers without running the user's script again.
+
+    A spawned child re-imports the parent's __main__ (as __mp_main__), so that
+    objects defined there can be unpickled. A script that calls LLM(...) at
+    module level, without an `if __name__ == "__main__":` guard (most quick
+    scripts), would build the engine again in every worker; that engine tries
+    to start workers of its own, fails, and the parent waits for ranks that
+    never join. Nothing a worker receives lives in __main__, so while a worker
+    starts, __main__ is described as a package's __main__ module, which
+    multiprocessing never re-runs.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = getattr(main, "__spec__", None)
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        main.__spec__ = saved
 
 
 def _free_port() -> int:
@@ -96,7 +124,8 @@ class MultiprocExecutor:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, args=(config, rank, port, child),
                                    daemon=True, name=f"folio-tp{rank}")
-                proc.start()
+                with _main_not_rerun():
+                    proc.start()
                 child.close()
                 self.workers.append(proc)
                 self.pipes.append(parent)
@@ -122,10 +151,13 @@ class MultiprocExecutor:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.check_workers()
+        failed = self.runner.prepare(so)    # first: the workers get the same batch
         try:
             for pipe in self.pipes:
                 pipe.send(so)
-            return self.runner.execute(so)
+            out = self.runner.run(so)
+            out.failed.update(failed)
+            return out
         except Exception as e:
             self.check_workers()
             raise RuntimeError(f"tensor-parallel step failed: {e}") from e
