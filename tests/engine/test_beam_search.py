@@ -105,3 +105,5 @@ def test_invalid_beam_params():
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="early_stopping"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))

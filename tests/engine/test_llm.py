@@ -61,6 +61,15 @@ def test_max_model_len_ends_a_request(llm):
     ("hi", {"top_k": -3}, "top_k"),
     ("hi", {"logprobs": 21}, "more than max_logprobs"),
     ("hi", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    # Values that used to pass here and fail inside the engine step:
+    ("hi", {"seed": 2 ** 70}, "seed must be"),
+    ("hi", {"seed": 2 ** 63 - 1, "n": 2}, "seed must be"),
+    ("hi", {"top_k": 2 ** 70}, "top_k"),
+    ("hi", {"stop_token_ids": [2 ** 63]}, "stop_token_ids"),
+    ("hi", {"temperature": float("nan")}, "temperature must be a finite"),
+    ("hi", {"repetition_penalty": float("inf")}, "repetition_penalty must be a finite"),
+    ("hi", {"top_p": float("nan")}, "top_p"),
+    ("hi", {"logit_bias": {3: float("nan")}}, "logit_bias"),
 ])
 def test_bad_input_is_a_clear_error_and_harms_nothing(llm, prompt, params, message):
     good = {"prompt_token_ids": [1, 20, 30]}
