@@ -27,7 +27,8 @@ def load_hf_model(m: ModelConfig, dtype: torch.dtype):
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:    # pragma: no cover - depends on the install
-        raise ValueError("the transformers baselines need `pip install folio-llm[dev]`") from e
+        raise ValueError("the transformers baselines need transformers: pip install -e "
+                         "'.[bench]' in the Folio checkout") from e
     if m.format == "gguf":
         from folio.model.loader import iter_weights
         config = AutoConfig.from_pretrained(os.path.dirname(m.path),

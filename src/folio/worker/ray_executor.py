@@ -34,7 +34,8 @@ def _import_ray():
     try:
         import ray
     except ImportError as e:
-        raise ValueError("the ray backend needs Ray: pip install folio-llm[ray]") from e
+        raise ValueError("the ray backend needs Ray: pip install -e '.[ray]' in the Folio "
+                         "checkout") from e
     return ray
 
 
