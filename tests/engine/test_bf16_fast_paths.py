@@ -10,6 +10,7 @@ parity elsewhere in the suite.
 """
 
 import pytest
+import torch
 
 from folio import LLM, SamplingParams
 from folio.model import native
@@ -34,7 +35,10 @@ def _errors(scores, reference):
 @pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 def test_fast_paths_are_as_close_to_fp32_as_the_plain_layers(monkeypatch):
     fast = LLM(dtype="bfloat16", num_kv_blocks=128)
-    assert fast.engine.executor.runner.model.model.layers[0].mlp.down_proj.packed is not None
+    down = fast.engine.executor.runner.model.model.layers[0].mlp.down_proj
+    # Packed where this CPU packs bf16 weights (AVX-512); AVX2-only CPUs keep F.linear.
+    assert (down.packed is not None) == (linear_mod.pack_weight(torch.zeros(16, 16).bfloat16())
+                                         is not None)
     texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in fast.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     got = _scores(fast, texts)
