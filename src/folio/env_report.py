@@ -1,0 +1,111 @@
+"""`folio env`: what this machine is and which kernel each layer will use.
+
+Every answer is asked of the same function the engine asks (the dtype choice,
+`native.supports` / `fuses` / `packs_linear`, `pack_onednn`), on small probe
+tensors, so the report cannot disagree with what a run does. Imports torch:
+call it from commands, not at import time of the CLI.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from typing import Optional
+
+FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                     "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _cpu() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = value.split()
+    except OSError:
+        pass
+    return model, flags
+
+
+def _compiler() -> Optional[str]:
+    import os
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return cc
+    return out.stdout.splitlines()[0] if out.stdout else cc
+
+
+def kernel_choices(dtype: str) -> dict[str, str]:
+    """Per layer, the kernel a CPU run in `dtype` uses, and why."""
+    import torch
+
+    from folio.model import native
+    from folio.model.layers.linear import pack_onednn
+
+    t = torch.zeros(16, 16, dtype=getattr(torch, dtype))
+    lib = native.load()
+    why_no_lib = "no native library (no C compiler, or its build failed)"
+    attention = ("native paged attention" if native.supports(t)
+                 else f"torch (gather + SDPA): {why_no_lib if lib is None else dtype}")
+    fused = (f"native fused kernels ({dtype})" if native.fuses(t) else
+             "torch ops (fp32 stays bit-exact with the reference)" if lib is not None
+             else f"torch ops: {why_no_lib}")
+    if native.packs_linear(t):
+        linear = "native bf16 kernel (AVX512-BF16)"
+    elif pack_onednn(t) is not None:
+        linear = "oneDNN packed weights" + (" (AMX)" if "amx_bf16" in _cpu()[1] else "")
+    elif dtype == "bfloat16":
+        linear = "F.linear on plain weights (oneDNN packs no bf16 weight on this CPU)"
+    else:
+        linear = f"F.linear (MKL, {dtype})"
+    decoder = ("one native call for all layers (tensor-parallel size 1)"
+               if native.packs_linear(t) and native.fuses(t)
+               else "one torch module per layer (needs the native bf16 linear kernel)")
+    greedy = "native argmax pass" if native.supports(t) else "torch argmax + log_softmax"
+    return {"attention": attention, "element-wise (norm, rotary, SiLU)": fused,
+            "linear": linear, "decoder layers": decoder, "greedy sampling": greedy}
+
+
+def collect() -> dict:
+    import torch
+
+    from folio import __version__
+    from folio.worker.device import cpu_has_native_bf16, resolve_device, resolve_dtype
+    model, flags = _cpu()
+    device = resolve_device(None)
+    auto = resolve_dtype("auto", device)
+    report = {
+        "folio": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "compiler": _compiler(), "cpu": model, "cores": _cores(),
+        "cpu flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+        "native bf16": cpu_has_native_bf16(), "device": device, "dtype auto": auto,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "kernels": {d: kernel_choices(d) for d in ("float32", "bfloat16")},
+    }
+    return report
+
+
+def _cores() -> int:
+    from folio.config import cpu_count
+    return cpu_count()
+
+
+def format_report(report: dict, dtype: Optional[str] = None) -> str:
+    """Readable lines; `dtype` limits the kernel table to one dtype."""
+    lines = [f"{k}: {', '.join(v) if isinstance(v, list) else v}"
+             for k, v in report.items() if k != "kernels"]
+    for d, choices in report["kernels"].items():
+        if dtype is None or d == dtype:
+            lines.append(f"kernels for {d}:")
+            lines.extend(f"  {layer}: {kernel}" for layer, kernel in choices.items())
+    return "\n".join(lines)
