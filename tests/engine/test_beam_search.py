@@ -6,7 +6,8 @@ import itertools
 import pytest
 import torch
 
-from folio import LLM, BeamSearchParams
+from folio import LLM, BeamSearchParams, SamplingParams
+from folio.engine.llm_engine import LLMEngine
 from tests.utils import load_reference_model, make_tiny_model
 
 PROMPTS = [[1, 30, 31, 32, 33], [1, 200, 17, 9], [1] + list(range(50, 70)), [1, 5]]
@@ -107,3 +108,39 @@ def test_invalid_beam_params():
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
     with pytest.raises(ValueError, match="length_penalty"):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=1e308)
+
+
+def test_a_failing_beam_step_fails_that_request_alone(tiny, monkeypatch):
+    """The scheduler's beam bookkeeping is one request's too: if it raises,
+    that request ends with an error and the others finish."""
+    import folio.core.scheduler as scheduler_mod
+    engine = LLMEngine.from_args(tiny[0], dtype="float32", num_kv_blocks=40, block_size=4)
+    real = scheduler_mod.step_beams
+
+    def step(state, *args):
+        if state.params.beam_width == 3:
+            raise ZeroDivisionError("injected")
+        return real(state, *args)
+
+    monkeypatch.setattr(scheduler_mod, "step_beams", step)
+    engine.add_beam_request("bad", None, [1, 20, 30], BeamSearchParams(beam_width=3, max_tokens=4))
+    engine.add_beam_request("good", None, [1, 20, 30], BeamSearchParams(beam_width=2, max_tokens=4))
+    engine.add_tokenized_request("plain", None, [1, 40, 50],
+                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "injected" in done["bad"].error
+    assert done["good"].error is None and len(done["good"].outputs) == 2
+    assert len(done["plain"].outputs[0].token_ids) == 4
+    assert engine.scheduler.kv.num_free_blocks == 40
+
+
+def test_a_beam_wider_than_max_logprobs_allows_is_a_clear_error(tiny):
+    engine = LLMEngine.from_args(tiny[0], dtype="float32", num_kv_blocks=40, max_logprobs=20)
+    with pytest.raises(ValueError, match=r"beam_width 11 ranks the top 22 .* max_logprobs \(20"):
+        engine.add_beam_request("wide", None, [1, 20], BeamSearchParams(beam_width=11,
+                                                                         max_tokens=2))
+    assert not engine.has_unfinished_requests()

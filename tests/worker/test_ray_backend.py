@@ -13,7 +13,7 @@ from tests.utils import make_tiny_model
 def test_asking_for_ray_without_it_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)          # as if not installed
     path = make_tiny_model(tmp_path / "m")
-    with pytest.raises(ValueError, match=r"pip install folio-llm\[ray\]"):
+    with pytest.raises(ValueError, match=r"pip install -e .\.\[ray\]. in the Folio checkout"):
         LLM(path, dtype="float32", num_kv_blocks=16, tensor_parallel_size=2,
             distributed_executor_backend="ray")
 

@@ -14,9 +14,11 @@ rules included (early_stopping True, False or "never"), so the results match.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Union
+
+
+MAX_LENGTH_PENALTY = 10.0       # (2**20 tokens) ** 10 is still far inside a float's range
 
 
 @dataclass
@@ -32,9 +34,11 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # length ** penalty must stay a finite, non-zero float for any length.
         if not isinstance(self.length_penalty, (int, float)) or \
-                not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+                not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                             f"{MAX_LENGTH_PENALTY}], got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError("early_stopping must be True, False or 'never'")
 

@@ -253,7 +253,10 @@ class Scheduler:
                 out.new_top_logprobs = [top]
             touched[req.request_id] = req
         for rid, beam in beam_tops.items():
-            outputs.extend(self._beam_step(self.requests[rid], beam))
+            try:
+                outputs.extend(self._beam_step(self.requests[rid], beam))
+            except Exception as e:      # noqa: BLE001 - this request's fault, not the engine's
+                outputs.append(self._fail(self.requests[rid], f"{type(e).__name__}: {e}"))
         for req in touched.values():
             if not req.live_seqs:
                 self._end_request(req, RequestStatus.FINISHED_STOPPED)
@@ -268,12 +271,13 @@ class Scheduler:
         outputs = []
         for seq_id, error in failed.items():
             entry = self._seqs.get(seq_id)
-            if entry is None or entry[0].request_id not in self.requests:
-                continue
-            req = entry[0]
-            self._end_request(req, RequestStatus.FINISHED_ERROR)
-            outputs.append(EngineCoreOutput(req.request_id, 0, [], [], "error", error=error))
+            if entry is not None and entry[0].request_id in self.requests:
+                outputs.append(self._fail(entry[0], error))
         return outputs
+
+    def _fail(self, req: Request, error: str) -> EngineCoreOutput:
+        self._end_request(req, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(req.request_id, 0, [], [], "error", error=error)
 
     def _beam_step(self, req: Request, tops: dict[int, list]) -> list[EngineCoreOutput]:
         def fork(parent: Sequence, token: int, score: float) -> Sequence:

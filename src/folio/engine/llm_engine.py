@@ -59,6 +59,10 @@ class LLMEngine:
                          prompt_ids: list[int], params: BeamSearchParams,
                          arrival_time: Optional[float] = None, priority: int = 0) -> Request:
         """A beam search: greedy steps that report each beam's top 2W logprobs."""
+        if 2 * params.beam_width > self.config.max_logprobs:
+            raise ValueError(f"beam_width {params.beam_width} ranks the top {2 * params.beam_width}"
+                             f" tokens of every beam, more than max_logprobs "
+                             f"({self.config.max_logprobs}; --max-logprobs raises it)")
         sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens,
                                   logprobs=2 * params.beam_width, ignore_eos=params.ignore_eos)
         request = self.input_processor.make_request(request_id, prompt_ids, sampling,
