@@ -199,3 +199,35 @@ def test_missing_template_error_says_how_to_pass_one(tmp_path):
         tok.apply_chat_template(USER_ONLY)
     assert "chat_template=" in str(err.value)
     assert tok.apply_chat_template(USER_ONLY, chat_template="{{ messages[0].content }}") == "Hello!"
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 'x' * 10**9 }}", "repetition"),
+    ("{{ [0] * 10**8 }}", "repetition"),
+    ("{{ 10 ** (10 ** 6) }}", "power"),
+    ("{{ 'x'.center(10**9) }}", "argument"),
+    ("{{ 'x'|center(10**9) }}", "argument"),
+    ("{{ 'x'|indent(10**9) }}", "argument"),
+    ("{{ '%1000000000d' % 1 }}", "format width"),
+    ("{{ '%*d' % (10**9, 1) }}", "argument"),
+    ("{{ '{:>1000000000}'.format(1) }}", "format width"),
+    ("{{ '{:{w}}'.format(1, w=10**9) }}", "argument"),
+    ("{{ lipsum(10**6) }}", "lipsum"),
+    ("{% for i in range(100000) %}{% for j in range(10) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+     "longer than"),
+    ("{{ 1 / 0 }}", "division"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
+    ("{{ ''.__class__.__mro__ }}", "unsafe"),
+])
+def test_a_template_cannot_build_unbounded_values(template, needle):
+    """Untrusted templates: what would take gigabytes or forever, or any Python
+    error inside, is a ValueError (a 400 on the server) before it runs away."""
+    with pytest.raises(ValueError, match="the chat template failed to render") as err:
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert needle in str(err.value)
+
+
+def test_bounded_operators_still_work_at_ordinary_sizes():
+    template = ("{{ '-' * 3 }}{{ 2 ** 10 }}{{ '%03d' % 7 }}{{ '{}!'.format('ok') }}"
+                "{{ 'ab'|center(6) }}{% for m in messages %}{{ m.content * 2 }}{% endfor %}")
+    assert render_chat(template, [{"role": "user", "content": "hi"}]) == "---1024007ok!  ab  hihi"

@@ -24,14 +24,16 @@ write them back with `| tojson`).
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 # Appended to the final message for `continue_final_message`; the rendered text
 # is cut where it reappears. The trailing space tells whether the template
@@ -57,11 +59,92 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# What one render may build: Jinja's sandbox stops unsafe attribute access and
+# caps range() at 100,000 items, but not the size of what `*`, `**` or a
+# padding method makes ('x' * 10**9 is a gigabyte, 10 ** 10 ** 10 never ends).
+MAX_ITEMS = 1_000_000           # characters or items of one value, one padding width
+MAX_INT_BITS = 4096             # of an integer computed by **
+MAX_RENDER_CHARS = 8_000_000    # of the rendered prompt: far beyond any context
+
+
+def _size(value: Any) -> Optional[int]:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+def _check_int_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_ITEMS:
+            raise SecurityError(f"an argument of {value} is larger than a chat template may use")
+
+
+def _check_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """A width or precision written in the format (7 digits or more), or passed in."""
+    if re.search(r"\d{7,}", fmt):
+        raise SecurityError("a format width larger than a chat template may use")
+    _check_int_args(args, kwargs)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with the size of `*` and `**` results and of
+    integer arguments to methods and filters bounded before they run."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "%":
+            if isinstance(left, str):       # printf-style: '%1000000000d' % 1
+                _check_format(left, right if isinstance(right, tuple) else (right,), {})
+        elif operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if _size(seq) is not None and isinstance(times, int) and \
+                        _size(seq) * times > MAX_ITEMS:
+                    raise SecurityError("a repetition larger than a chat template may build")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+                right * abs(left).bit_length() > MAX_INT_BITS:
+            raise SecurityError("a power larger than a chat template may compute")
+        return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value: Any):
+        wrapped = super().wrap_str_format(value)    # '{:>1000000000}'.format(1)
+        if wrapped is None:
+            return None
+
+        def checked(*args, **kwargs):
+            _check_format(value.__self__, args, kwargs)
+            return wrapped(*args, **kwargs)
+        return checked
+
+    def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 - Jinja's signature
+        _check_int_args(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _bounded_filter(fn):
+    @functools.wraps(fn)        # keeps Jinja's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        _check_int_args(args[1:], kwargs)
+        return fn(*args, **kwargs)
+    return bounded
+
+
+def _render_bounded(template: jinja2.Template, variables: dict) -> str:
+    parts, size = [], 0
+    for chunk in template.generate(**variables):
+        size += len(chunk)
+        if size > MAX_RENDER_CHARS:
+            raise SecurityError(f"the rendered prompt is longer than {MAX_RENDER_CHARS} "
+                                "characters")
+        parts.append(chunk)
+    return "".join(parts)
+
+
 @lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per distinct template text (rendering is the hot path)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters = {name: _bounded_filter(fn) for name, fn in env.filters.items()}
+    del env.globals["lipsum"]       # lorem ipsum generator: no template needs it
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -147,12 +230,15 @@ def render_chat(template: str, messages: Sequence[Any], *, add_generation_prompt
     variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     variables.update(kwargs)
     try:
-        text = compile_template(template).render(
-            messages=chat, add_generation_prompt=add_generation_prompt,
-            tools=tools, documents=documents, **variables)
-    except (jinja2.TemplateError, TypeError) as e:
-        # e.g. an undefined variable, or `'text' + 3` on a message field the
-        # template did not expect: a bad request, not a server fault.
+        text = _render_bounded(compile_template(template), dict(
+            variables, messages=chat, add_generation_prompt=add_generation_prompt,
+            tools=tools, documents=documents))
+    except ChatTemplateError:
+        raise
+    except (Exception, RecursionError) as e:    # noqa: BLE001 - the template is untrusted code
+        # e.g. an undefined variable, `'text' + 3` on a message field the
+        # template did not expect, 1 / 0, a size past the bounds above: a bad
+        # request (or template), not a server fault.
         raise ValueError(f"the chat template failed to render: {e}") from e
     if continue_final_message:
         text = _cut_after_final_message(text, final)

@@ -110,7 +110,10 @@ class Tokenizer:
             raise ValueError(
                 f"no tokenizer.json in {path!r}: Folio needs the fast (Rust) tokenizer file; "
                 "save one with transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(...)`")
-        backend = _RustTokenizer.from_file(tok_file)
+        try:
+            backend = _RustTokenizer.from_file(tok_file)
+        except Exception as e:      # noqa: BLE001 - the Rust library raises a bare Exception
+            raise ValueError(f"cannot read the tokenizer {tok_file}: {e}") from e
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         specials = {k: _token_content(config.get(k)) for k in _NAMED_SPECIALS}
         _register_added_tokens(backend, config, specials)
