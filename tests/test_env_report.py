@@ -31,3 +31,14 @@ def test_the_report_names_the_cpu_flags_and_the_auto_dtype():
     assert report["dtype auto"] in ("float32", "bfloat16")
     assert ("avx512_bf16" in report["cpu flags"]) <= report["native bf16"]
     assert "kernels for bfloat16:" in text and "kernels for float32:" in text
+
+
+def test_folio_env_prints_the_report(capsys):
+    import json
+
+    from folio.cli import main
+    assert main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["kernels"]) == {"float32", "bfloat16"}
+    assert main(["env"]) == 0
+    assert "kernels for bfloat16:" in capsys.readouterr().out

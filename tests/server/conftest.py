@@ -71,16 +71,30 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("served"), max_position_embeddings=256)
 
 
+def tiny_server_args(model: str) -> list[str]:
+    """`folio serve` arguments of the module's shared server."""
+    return ["--model", model, "--dtype", "float32", "--num-kv-blocks", "96", "--block-size", "8",
+            "--served-model-name", "tiny", "--max-num-batched-tokens", "128",
+            "--uvicorn-log-level", "warning", "--trust-request-chat-template"]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, request):
-    srv = ServerProcess(["--model", tiny_model, "--dtype", "float32", "--num-kv-blocks", "96",
-                         "--block-size", "8", "--served-model-name", "tiny",
-                         "--max-num-batched-tokens", "128", "--uvicorn-log-level", "warning"])
+    srv = ServerProcess(tiny_server_args(tiny_model))
     yield srv
     failed = request.session.testsfailed
     srv.stop()
     if failed:
         print(f"---- server log ----\n{srv.output()}")
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def http(method: str, url: str, body=None, headers: dict | None = None, raw: bytes | None = None):

@@ -4,12 +4,11 @@ import json
 import signal
 import socket
 import threading
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import ServerProcess, http
+from tests.server.conftest import ServerProcess, http, wait_for
 
 
 def metrics(server) -> dict[str, float]:
@@ -21,15 +20,6 @@ def metrics(server) -> dict[str, float]:
                             if "finished_reason" in s.labels else "")
             out[key] = out.get(key, 0.0) + s.value
     return out
-
-
-def wait_for(predicate, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_routes_and_request_id(server):
@@ -140,30 +130,3 @@ def test_sigterm_under_load_exits_cleanly(tiny_model):
 
 def srv_name(srv) -> str:
     return http("GET", srv.url + "/v1/models")[2]["data"][0]["id"]
-
-
-def test_health_is_503_when_the_model_cannot_load(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.server.conftest import free_port
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", str(tmp_path / "nope"),
-                             "--port", str(port), "--uvicorn-log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        def answered():
-            try:
-                return http("GET", f"http://127.0.0.1:{port}/health")
-            except OSError:
-                return None
-        assert wait_for(lambda: (answered() or (None,))[0] == 503 and
-                        "failed to load" in answered()[2]["error"]["message"], 60)
-        status, _, err = http("POST", f"http://127.0.0.1:{port}/v1/completions",
-                              {"prompt": "hi"})
-        assert status == 503 and "nope" in err["error"]["message"]
-    finally:
-        import os
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP server: routes, errors, auth, /metrics, /health.
 
 The model loads in a thread after the server starts listening, so /health
-answers 503 until it is ready (and again if the engine dies). Bad input is
-always a 400 in OpenAI's error shape; 500 is kept for real internal faults,
-since clients retry 5xx.
+answers 503 until it is ready. A failed load, or an engine loop that dies
+later, is fatal: ServerState reports it once through `on_fatal`, and the CLI
+ends the process with a non-zero status (an orchestrator then sees the failure
+instead of an unhealthy process). Bad input is always a 400 in OpenAI's error
+shape; 500 is kept for real internal faults (a request the engine failed
+alone), since clients retry 5xx.
 """
 
 from __future__ import annotations
@@ -21,19 +24,33 @@ from typing import Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 
 from folio import __version__
-from folio.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from folio.server.chat import create_chat_completion
+from folio.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from folio.server import openapi
+from folio.server.chat import create_chat_completion, render_chat_ids
 from folio.server.completions import create_completion
 from folio.server.metrics import ServerMetrics
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, error_body, now)
+from folio.server.responses import (ChatCompletionResponse, ChatCompletionStreamResponse,
+                                    CompletionResponse, CompletionStreamResponse,
+                                    DetokenizeResponse, ModelList, TokenizeResponse,
+                                    VersionResponse)
 from folio.server.serving import HTTPError, ServedModel
 
 logger = logging.getLogger("folio")
 OPEN_PATHS = ("/health", "/metrics")
+# Load failures a user causes (a bad path or file): one line says it all, with
+# no traceback. Exception itself is what Rust extensions (tokenizers,
+# safetensors) raise for a file they cannot parse.
+_EXPECTED_LOAD_ERRORS = (ValueError, OSError)
+
+
+def _expected(error: BaseException) -> bool:
+    return isinstance(error, _EXPECTED_LOAD_ERRORS) or type(error) is Exception
 
 
 @dataclass
@@ -42,28 +59,51 @@ class ServerConfig:
     api_key: Optional[str] = None
     allowed_origins: list[str] = field(default_factory=list)
     drain_timeout: float = 30.0
+    trust_request_chat_template: bool = False
 
 
 class ServerState:
-    """The engine, once loaded; the metrics registry from the start."""
+    """The engine, once loaded; the metrics registry from the start; and `fatal`, why
+    the server must stop (a failed load, a dead engine), told once to `on_fatal`."""
 
-    def __init__(self, config: ServerConfig, load_engine: Callable):
+    def __init__(self, config: ServerConfig, load_engine: Callable,
+                 on_fatal: Optional[Callable[[str], None]] = None):
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name)
         self.served: Optional[ServedModel] = None
         self.load_error: Optional[BaseException] = None
+        self.fatal: Optional[str] = None          # why the server must stop, once it must
         self._load_engine = load_engine
+        self._on_fatal = on_fatal or (lambda message: logger.error("%s", message))
 
     def load(self) -> None:
         try:
             llm_engine = self._load_engine()
-            engine = AsyncLLMEngine(llm_engine, on_step=self.metrics.on_step)
+            try:
+                check_kv_cache(llm_engine)
+            except ValueError:
+                llm_engine.shutdown()               # tensor-parallel workers go too
+                raise
+            engine = AsyncLLMEngine(llm_engine, on_step=self.metrics.on_step,
+                                    on_dead=self._engine_died)
             self.served = ServedModel(engine, self.config.served_model_name,
-                                      llm_engine.config.max_model_len)
+                                      llm_engine.config.max_model_len,
+                                      self.config.trust_request_chat_template)
             logger.info("serving %s", self.config.served_model_name)
-        except BaseException as e:       # noqa: BLE001 - /health reports it
-            logger.exception("loading the model failed")
+        except BaseException as e:       # noqa: BLE001 - every failure ends the process
             self.load_error = e
+            if not _expected(e):
+                logger.error("loading the model failed", exc_info=e)
+            self._fail(f"the model failed to load: {e}")
+
+    def _engine_died(self, error: BaseException) -> None:
+        # Called in the engine thread, after every waiting client was told (503).
+        self._fail(f"the engine stopped: {error!r}")
+
+    def _fail(self, message: str) -> None:
+        if self.fatal is None:
+            self.fatal = message
+            self._on_fatal(message)
 
     def ready(self) -> ServedModel:
         if self.served is None:
@@ -74,12 +114,39 @@ class ServerState:
         return self.served
 
 
+def check_kv_cache(llm_engine) -> None:
+    """The KV cache must hold one sequence of max_model_len tokens: a smaller one would
+    refuse the longest requests forever, so it fails the start, as in vLLM."""
+    from folio.worker.kv_cache import bytes_per_block
+    config = llm_engine.config
+    size, have, limit = config.cache.block_size, llm_engine.num_blocks, config.max_model_len
+    need = -(-limit // size)
+    if have >= need:
+        return
+    heads = max(1, config.model.num_key_value_heads // config.parallel.tensor_parallel_size)
+    need_bytes = need * bytes_per_block(config, heads)
+    raise ValueError(
+        f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
+        f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "
+        f"({need_bytes} bytes): give --num-kv-blocks {need} or --kv-cache-memory-bytes "
+        f"{need_bytes} or more, or a smaller --max-model-len")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    cause = (first.get("ctx") or {}).get("error")
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {cause} (at character {loc[0]})", None
+    if not loc and first.get("type") == "missing":
+        return "the request body is empty: send a JSON object", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object", None
+    if isinstance(cause, ValueError):       # one of the request models' own checks
+        return str(cause), getattr(cause, "param", None) or (".".join(loc) or None)
     field_name = ".".join(loc) or None
     return (f"{field_name}: {first.get('msg')}" if field_name else str(first.get("msg"))), field_name
 
@@ -100,6 +167,7 @@ def build_app(state: ServerState) -> FastAPI:
     _add_middleware(app, state)
     _add_error_handlers(app)
     _add_routes(app, state)
+    openapi.install(app)
     return app
 
 
@@ -119,11 +187,15 @@ def _add_middleware(app: FastAPI, state: ServerState) -> None:
         return response
 
 
+def _error(message: str, status: int, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation(_: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, 400, param), 400)
+        return _error(message, 400, param)
 
     @app.exception_handler(HTTPError)
     async def http_error(_: Request, exc: HTTPError):
@@ -131,23 +203,49 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(_: Request, exc: ValueError):
-        return JSONResponse(error_body(str(exc), 400), 400)
+        return _error(str(exc), 400, getattr(exc, "param", None))
 
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError):
-        return JSONResponse(error_body(str(exc), 503), 503)
+        return _error(str(exc), 503)
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, _exc):
-        return JSONResponse(error_body(f"no route {request.url.path}", 404), 404)
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, exc: RequestFailedError):
+        return _error(str(exc), 500)
 
-    @app.exception_handler(405)
-    async def bad_method(request: Request, _exc):
-        return JSONResponse(error_body(f"{request.method} is not allowed here", 405), 405)
+    @app.exception_handler(HTTPException)
+    async def starlette_error(request: Request, exc: HTTPException):
+        return _error(_http_exception_message(request, exc), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception):
+        # A fault of ours, in OpenAI's shape; Starlette still logs the traceback.
+        return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+def _http_exception_message(request: Request, exc: HTTPException) -> str:
+    if exc.status_code == 404:
+        return f"no route {request.url.path}"
+    if exc.status_code == 405:
+        return f"{request.method} is not allowed on {request.url.path}"
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's "There was an error parsing the body": e.g. nesting too deep,
+        # an integer of more than 4300 digits, bytes that are not UTF-8.
+        cause = exc.__cause__
+        return f"the request body could not be parsed: {type(cause).__name__}: {cause}"
+    return str(exc.detail)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_token_routes(app, state)
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The model is loaded and the engine runs (empty body)."},
+        **openapi.errors(503)})
     async def health():
         try:
             state.ready()
@@ -155,45 +253,57 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return e.response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format."}})
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse, responses=openapi.errors(401))
     async def version():
-        return {"version": __version__}
+        return JSONResponse({"version": __version__})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401, 503))
     async def models():
         served = state.ready()
         root = served.engine.engine.config.model.path
-        return {"object": "list", "data": [{
+        return JSONResponse({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": now(), "owned_by": "folio",
-            "root": root, "parent": None, "max_model_len": served.max_model_len}]}
+            "root": root, "parent": None, "max_model_len": served.max_model_len}]})
 
-    @app.post("/v1/completions")
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    errors = openapi.errors(400, 401, 404, 500, 503)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**openapi.streamed(CompletionStreamResponse), **errors})
     async def completions(req: CompletionRequest, raw: Request):
         return await create_completion(state.ready(), req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**openapi.streamed(ChatCompletionStreamResponse), **errors})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(state.ready(), req, raw)
 
-    @app.post("/tokenize")
+
+def _add_token_routes(app: FastAPI, state: ServerState) -> None:
+    errors = openapi.errors(400, 401, 404, 503)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
     async def tokenize(req: TokenizeRequest):
         served = state.ready()
         served.check_model(req.model)
-        tok = served.tokenizer
         if req.messages is not None:
-            ids = await asyncio.to_thread(tok.encode_chat, req.messages,
-                                          add_generation_prompt=req.add_generation_prompt)
+            ids = await asyncio.to_thread(render_chat_ids, served, req.messages,
+                                          req.template_kwargs())
         elif req.prompt is not None:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+            ids = await asyncio.to_thread(served.tokenizer.encode, req.prompt,
+                                          req.add_special_tokens)
         else:
             raise HTTPError(400, "give 'prompt' or 'messages'", "prompt")
-        return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
+        return JSONResponse({"count": len(ids), "max_model_len": served.max_model_len,
+                             "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
     async def detokenize(req: DetokenizeRequest):
         served = state.ready()
         served.check_model(req.model)
@@ -201,7 +311,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise HTTPError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
-        return {"prompt": served.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return JSONResponse({"prompt": served.tokenizer.decode(req.tokens,
+                                                               skip_special_tokens=False)})
 
 
 def served_name_for(model: Optional[str]) -> str:

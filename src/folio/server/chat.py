@@ -1,34 +1,56 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions, and the chat rendering /tokenize shares.
+
+Chat templates are untrusted programs (a request may send its own), so
+whatever goes wrong while one renders is the request's fault: a 400 that names
+the template, never a 500.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from folio.chat_template import ChatTemplateError
 from folio.outputs import CompletionOutput, RequestOutput
-from folio.server.protocol import ChatCompletionRequest, now, random_id
-from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, collect, holdback,
-                                  merged, sse, sse_error, token_text, usage)
+from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, random_id
+from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, choice_usage, collect,
+                                  holdback, merged, sse, sse_error, token_text, usage)
+
+_TEMPLATE_FAULT = "the chat template"     # how chat_template.py's messages name the template
 
 
-def _render(served: ServedModel, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    kwargs = dict(add_generation_prompt=req.add_generation_prompt,
-                  continue_final_message=req.continue_final_message,
-                  chat_template=req.chat_template, **(req.chat_template_kwargs or {}))
-    tok = served.tokenizer
-    return tok.apply_chat_template(req.messages, **kwargs), tok.encode_chat(req.messages, **kwargs)
+def render_chat_ids(served: ServedModel, messages: list, kwargs: dict[str, Any]) -> list[int]:
+    """The conversation's prompt token ids; blocking (run it off the event loop)."""
+    chosen = kwargs.get("chat_template")
+    own = chosen is not None and chosen not in served.tokenizer.chat_templates
+    if own and not served.trust_request_chat_template:
+        # A template is a program; bounded as it is (chat_template.py), its loops
+        # can still hold a thread for hours. vLLM refuses them the same way.
+        raise InvalidRequest("the request's chat_template is refused: this server runs only "
+                             "the model's templates (start it with "
+                             "--trust-request-chat-template to allow request templates)",
+                             "chat_template")
+    try:
+        return served.tokenizer.encode_chat(messages, **kwargs)
+    except ValueError as e:
+        if not (isinstance(e, ChatTemplateError) or str(e).startswith(_TEMPLATE_FAULT)):
+            raise InvalidRequest(str(e), "messages") from e    # about the messages themselves
+        message = str(e).removeprefix(_TEMPLATE_FAULT)
+    except Exception as e:      # noqa: BLE001 - e.g. the sandbox's "Range too big", RecursionError
+        message = f" failed to render: {type(e).__name__}: {e}"
+    which = ("the request's chat_template" if own else
+             f"the model's {chosen!r} chat template" if chosen else "the model's chat template")
+    raise InvalidRequest(which + message, "chat_template" if own else "messages")
 
 
-def _call(served: ServedModel, req: ChatCompletionRequest, text: str, ids: list[int]) -> EngineCall:
+def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int]) -> EngineCall:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = served.max_tokens_for(len(ids), asked)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return EngineCall(random_id("chatcmpl"), text, ids,
+    return EngineCall(random_id("chatcmpl"), None, ids,
                       req.sampling_params(max_tokens, logprobs), req.priority)
 
 
@@ -64,11 +86,14 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
     done: set[int] = set()
     keep, last = holdback(call.params), None
 
-    def chunk(index: int, delta: dict, logprobs, finish: Optional[str]) -> str:
-        return sse({"id": call.request_id, "object": "chat.completion.chunk",
-                    "created": created, "model": served.name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish}]})
+    def chunk(index: int, delta: dict, logprobs, finish: Optional[str], so_far: dict) -> str:
+        body = {"id": call.request_id, "object": "chat.completion.chunk",
+                "created": created, "model": served.name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish}]}
+        if req.continuous_usage:
+            body["usage"] = so_far
+        return sse(body)
     try:
         async for _, out in merged(served, [call]):
             last = out
@@ -84,7 +109,7 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
                 delta["content"] = c.text[chars:upto]
                 lp = (_logprobs(served.tokenizer, c, toks, req.top_logprobs or 0)
                       if req.logprobs else None)
-                yield chunk(c.index, delta, lp, c.finish_reason)
+                yield chunk(c.index, delta, lp, c.finish_reason, choice_usage(out, c))
                 sent[c.index] = (upto, len(c.token_ids))
                 if c.finished:
                     done.add(c.index)
@@ -99,8 +124,9 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
 
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
     served.check_model(req.model)
-    text, ids = await asyncio.to_thread(_render, served, req)
-    call = _call(served, req, text, ids)
+    served.check_priority(req.priority)
+    ids = await asyncio.to_thread(render_chat_ids, served, req.messages, req.template_kwargs())
+    call = _call(served, req, ids)
     served.engine.engine.input_processor.validate(call.prompt_ids, call.params)
     if req.stream:
         return StreamingResponse(_stream(served, req, call, now()),

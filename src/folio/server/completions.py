@@ -1,8 +1,15 @@
-"""POST /v1/completions."""
+"""POST /v1/completions.
+
+`max_tokens: 0` with `echo: true` scores a prompt without generating (as vLLM
+allows): the engine runs with one token to generate, and that token is
+dropped from the answer, which holds the prompt, its logprobs when asked, and
+usage with no completion tokens.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -11,8 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from folio.core.beam import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import CompletionRequest, now, random_id
-from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, collect, holdback,
-                                  merged, sse, sse_error, token_text, usage)
+from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, choice_usage,
+                                  collect, holdback, merged, sse, sse_error, token_text, usage)
 
 
 async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
@@ -39,14 +46,7 @@ async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], lis
 
 def _beam_params(req: CompletionRequest, max_tokens: int) -> BeamSearchParams:
     """use_beam_search: best_of (or n) beams are searched, the n best returned."""
-    if req.stream or req.logprobs is not None or req.echo:
-        raise HTTPError(400, "use_beam_search works without stream, logprobs and echo",
-                        "use_beam_search")
-    width = req.best_of or req.n
-    if width < req.n:
-        raise HTTPError(400, "best_of must be at least n", "best_of")
-    req.refuse_missing_features()
-    return BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+    return BeamSearchParams(beam_width=req.best_of or req.n, max_tokens=max_tokens,
                             length_penalty=req.length_penalty, ignore_eos=req.ignore_eos,
                             early_stopping=req.early_stopping)
 
@@ -54,8 +54,9 @@ def _beam_params(req: CompletionRequest, max_tokens: int) -> BeamSearchParams:
 def _calls(served: ServedModel, req: CompletionRequest, prompts) -> list[EngineCall]:
     base = random_id("cmpl")
     calls = []
+    asked = 1 if req.scores_prompt_only else req.max_tokens
     for i, (text, ids) in enumerate(prompts):
-        max_tokens = served.max_tokens_for(len(ids), req.max_tokens)
+        max_tokens = served.max_tokens_for(len(ids), asked)
         if req.use_beam_search:
             calls.append(EngineCall(f"{base}-{i}", text, ids, _beam_params(req, max_tokens),
                                     req.priority))
@@ -100,7 +101,26 @@ def _choice_logprobs(tokenizer, out: RequestOutput, c: CompletionOutput, echo: b
     return lp.body()
 
 
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """A scoring answer: the one generated token dropped, each choice ending at the prompt."""
+    outs = [dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                logprobs=None if c.logprobs is None else [],
+                                finish_reason="length", stop_reason=None)
+            for c in out.outputs]
+    return dataclasses.replace(out, outputs=outs)
+
+
+async def _prompts_scored(outputs: AsyncIterator[tuple[int, RequestOutput]]
+                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """A scoring stream: each prompt's answer comes whole, once its request finished."""
+    async for i, out in outputs:
+        if out.finished:
+            yield i, _prompt_only(out)
+
+
 def _final(served: ServedModel, req: CompletionRequest, outputs: list[RequestOutput]) -> dict:
+    if req.scores_prompt_only:
+        outputs = [_prompt_only(out) for out in outputs]
     choices = []
     for i, out in enumerate(outputs):
         prefix = (out.prompt or served.tokenizer.decode(out.prompt_token_ids,
@@ -124,13 +144,19 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
     finals: dict[int, RequestOutput] = {}
     keep = holdback(calls[0].params)
 
-    def chunk(index: int, text: str, logprobs, finish: Optional[str]) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created,
-                    "model": served.name, "choices": [{"index": index, "text": text,
-                                                       "logprobs": logprobs,
-                                                       "finish_reason": finish}]})
+    def chunk(index: int, text: str, logprobs, finish: Optional[str], so_far: dict) -> str:
+        body = {"id": rid, "object": "text_completion", "created": created,
+                "model": served.name, "choices": [{"index": index, "text": text,
+                                                   "logprobs": logprobs,
+                                                   "finish_reason": finish}]}
+        if req.continuous_usage:
+            body["usage"] = so_far
+        return sse(body)
+    outputs = merged(served, calls)
+    if req.scores_prompt_only:
+        outputs = _prompts_scored(outputs)
     try:
-        async for i, out in merged(served, calls):
+        async for i, out in outputs:
             finals[i] = out
             for c in out.outputs:
                 index = i * req.n + c.index
@@ -156,7 +182,8 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
                     for token, entry in zip(c.token_ids[toks:], (c.logprobs or [])[toks:]):
                         lp.add(token, entry)
                     lp = lp.body()
-                yield chunk(index, prefix + c.text[chars:upto], lp, c.finish_reason)
+                yield chunk(index, prefix + c.text[chars:upto], lp, c.finish_reason,
+                            choice_usage(out, c))
                 sent[index] = (-1, 0) if c.finished else (upto, len(c.token_ids))
         if req.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created,
@@ -169,6 +196,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
     served.check_model(req.model)
+    served.check_priority(req.priority)
     calls = _calls(served, req, await _prompts(served, req.prompt))
     for c in calls:    # every prompt checked before any runs
         if not req.use_beam_search:

@@ -1,75 +1,157 @@
-"""OpenAI-shaped request models (vLLM's are the reference) and error bodies.
+"""OpenAI-shaped request and response models (vLLM's are the reference) and error bodies.
 
-Unknown extra fields are accepted, as clients send many; but a field naming a
-feature Folio does not have yet is refused with a 400 naming it, never ignored.
+A request is checked whole when it is parsed, so a bad one is a 400 naming the
+field before anything runs:
+- floats must be finite (Python's JSON parser accepts NaN and Infinity), and
+  integers that reach torch or C code (seeds, counts, top_k, priority) must fit
+  in an int64; the value ranges themselves are SamplingParams' to check;
+- nothing is accepted only to be ignored: a field naming a feature Folio does
+  not have yet is refused by name, and so is a field the request's mode does
+  not read (beam search ignores the sampling knobs, length_penalty needs beam
+  search, stream_options needs stream).
+Unknown extra fields are accepted, as clients send many, and listed in one
+warning line.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from folio.sampling_params import SamplingParams
 
-# field -> the value that means "not used"
-_NOT_YET = {
-    "response_format": None, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "suffix": None, "guided_json": None,
-    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+logger = logging.getLogger("folio")
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+MAX_N = 16                      # sequences (or beams) one request may ask for
+
+
+class InvalidRequest(ValueError):
+    """A 400 that names the field at fault (the error body's `param`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+_NONE, _NONE_OR_EMPTY = (None,), (None, [])
+# OpenAI and vLLM fields Folio does not have -> the values that mean "not used".
+_NOT_YET: dict[str, tuple] = {
+    **dict.fromkeys(("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs", "structural_tag",
+                     "truncate_prompt_tokens", "prompt_logprobs", "mm_processor_kwargs",
+                     "kv_transfer_params", "cache_salt", "vllm_xargs", "request_id"), _NONE),
+    **dict.fromkeys(("tools", "functions", "allowed_token_ids", "bad_words",
+                     "logits_processors"), _NONE_OR_EMPTY),
+    "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
 }
+_NOT_YET_COMPLETION = {**_NOT_YET, "suffix": (None, ""), "prompt_embeds": _NONE,
+                       "add_special_tokens": (None, True)}
+_NOT_YET_CHAT = {**_NOT_YET, "documents": _NONE_OR_EMPTY, "reasoning_effort": _NONE,
+                 "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE,
+                 "web_search_options": _NONE, "add_special_tokens": (None, False)}
+
+# Sampling fields a beam search does not read: its steps rank the raw
+# log-probabilities of every beam, with no sampling, penalties or stop strings.
+_BEAM_IGNORES = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias", "stop",
+                 "stop_token_ids", "seed", "min_tokens", "include_stop_str_in_output",
+                 "skip_special_tokens")
+_BEAM_ONLY = ("length_penalty", "early_stopping")
+
+
+def _refuse_not_yet(extra: dict, not_yet: dict[str, tuple]) -> None:
+    for name, unused in not_yet.items():
+        if name in extra and extra[name] not in unused:
+            raise InvalidRequest(f"'{name}' is not supported by Folio yet", name)
+    unknown = sorted(set(extra) - set(not_yet))
+    if unknown:
+        logger.warning("the request has fields Folio does not know, ignored: %s",
+                       ", ".join(unknown))
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET
+
+    @model_validator(mode="after")
+    def _check_whole(self):
+        _refuse_not_yet(self.model_extra or {}, self._not_yet)
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        """Checks across fields; subclasses extend it."""
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False     # usage (so far) in every chunk too
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class _Sampling(_Request):
     model: Optional[str] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    n: int = 1
-    best_of: Optional[int] = None
+    top_k: Optional[Annotated[int, Field(ge=-1, le=INT64_MAX)]] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
+    stop_token_ids: Optional[list[Int64]] = None
+    seed: Optional[Int64] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    user: Optional[str] = None
-    priority: int = 0
+    user: Optional[str] = None              # informational, as at OpenAI
+    priority: Int64 = 0                     # lower runs first (--scheduling-policy priority)
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: Union[bool, str] = False
+    early_stopping: Union[bool, Literal["never"]] = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     include_stop_str_in_output: bool = False
 
-    def refuse_missing_features(self) -> None:
-        extra = self.model_extra or {}
-        for name, unused in _NOT_YET.items():
-            if extra.get(name, unused) not in (unused, None):
-                raise ValueError(f"'{name}' is not supported by Folio yet")
-        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
-            raise ValueError("'best_of' different from 'n' is not supported by Folio yet "
-                             "(except with use_beam_search)")
-        if not 1 <= self.n <= 16:
-            raise ValueError(f"n must be between 1 and 16, got {self.n}")
+    def _check(self) -> None:
+        super()._check()
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options needs stream: true", "stream_options")
+        if self.use_beam_search:
+            self._check_beam()
+            return
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("'best_of' different from 'n' is not supported by Folio yet "
+                                 "(except with use_beam_search)", "best_of")
+        for name in _BEAM_ONLY:
+            if getattr(self, name) != _default(self, name):
+                raise InvalidRequest(f"'{name}' only applies with use_beam_search: true", name)
+
+    def _check_beam(self) -> None:
+        if (self.best_of or self.n) < self.n:
+            raise InvalidRequest("best_of must be at least n", "best_of")
+        if self.stream:
+            raise InvalidRequest("use_beam_search works without stream", "use_beam_search")
+        for name in _BEAM_IGNORES:
+            value = getattr(self, name)
+            if value != _default(self, name) and value not in (None, [], {}):
+                raise InvalidRequest(f"'{name}' is not used by beam search: leave it out "
+                                     "with use_beam_search", name)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        self.refuse_missing_features()
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -86,47 +168,147 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _default(model: BaseModel, name: str) -> Any:
+    return type(model).model_fields[name].default
+
+
+PromptIds = list[StrictInt]     # any size: the engine names ids outside the vocabulary
+
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET_COMPLETION
+    prompt: Union[str, list[str], PromptIds, list[PromptIds]]
+    max_tokens: Optional[Count] = 16        # 0 with echo: score the prompt, generate nothing
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Count] = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError:     # one message, not one per member of the union
+            raise InvalidRequest("prompt must be a string, a list of strings, a list of token "
+                                 "ids or a list of token-id lists", "prompt") from None
+
+    def _check(self) -> None:
+        super()._check()
+        if self.scores_prompt_only and self.min_tokens:
+            raise InvalidRequest("min_tokens must be 0 when max_tokens is 0", "min_tokens")
+
+    def _check_beam(self) -> None:
+        super()._check_beam()
+        if self.logprobs is not None or self.echo:
+            raise InvalidRequest("use_beam_search works without logprobs and echo",
+                                 "use_beam_search")
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    chat_template: Optional[str] = None
+class _Templated(_Request):
+    """The fields that pick and drive the chat template."""
+    chat_template: Optional[str] = None     # template text, or the name of one of the model's
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    def _check(self) -> None:
+        super()._check()
+        self.template_kwargs()
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for Tokenizer.apply_chat_template. chat_template_kwargs may
+        repeat a request field (vLLM lets it), but not contradict one the request set."""
+        own = {"add_generation_prompt": self.add_generation_prompt,
+               "continue_final_message": self.continue_final_message,
+               "chat_template": self.chat_template}
+        extra = dict(self.chat_template_kwargs or {})
+        for name in ("messages", "template", "special_tokens", "tools"):
+            if name in extra:
+                raise InvalidRequest(f"chat_template_kwargs may not set '{name}'",
+                                     "chat_template_kwargs")
+        for name in own:
+            if name in extra:
+                own[name] = self._merged_kwarg(name, extra.pop(name))
+        return {**extra, **own}
+
+    def _merged_kwarg(self, name: str, given: Any) -> Any:
+        kind = str if name == "chat_template" else bool
+        if not isinstance(given, kind) and not (kind is str and given is None):
+            raise InvalidRequest(f"chat_template_kwargs.{name} must be a {kind.__name__}, got "
+                                 f"{given!r}", "chat_template_kwargs")
+        if name in self.model_fields_set and given != getattr(self, name):
+            raise InvalidRequest(f"chat_template_kwargs.{name}={given!r} contradicts the "
+                                 f"request's {name}={getattr(self, name)!r}",
+                                 "chat_template_kwargs")
+        return given
+
+
+class ChatCompletionRequest(_Sampling, _Templated):
+    _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET_CHAT
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: Optional[Count] = None
+    max_completion_tokens: Optional[Count] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Count] = None
     echo: bool = False
 
+    def _check(self) -> None:
+        if self.use_beam_search:
+            raise InvalidRequest("use_beam_search is not supported on /v1/chat/completions "
+                                 "(it is on /v1/completions)", "use_beam_search")
+        if self.echo:
+            raise InvalidRequest("echo is not supported on /v1/chat/completions", "echo")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        super()._check()
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+
+class TokenizeRequest(_Templated):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool = True         # for a prompt; a chat's template decides
+
+    def _check(self) -> None:
+        super()._check()
+        if self.messages is None:
+            return
+        if self.prompt is not None:
+            raise InvalidRequest("give 'prompt' or 'messages', not both", "prompt")
+        if "add_special_tokens" in self.model_fields_set:
+            raise InvalidRequest("add_special_tokens applies to a prompt: with messages, the "
+                                 "chat template decides", "add_special_tokens")
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeRequest(_Request):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[StrictInt]
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+                429: "rate_limit_error", 500: "internal_server_error",
+                503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "internal_server_error"
 
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
-    kinds = {400: "invalid_request_error", 401: "authentication_error",
-             404: "not_found_error", 503: "service_unavailable"}
-    return {"error": {"message": message, "type": kinds.get(status, "internal_server_error"),
-                      "param": param, "code": status}}
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": status}}
 
 
 def random_id(prefix: str) -> str:

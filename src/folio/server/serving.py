@@ -1,6 +1,12 @@
 """What the completion and chat handlers share: the served model's state,
 running several engine requests for one HTTP request, streaming them as
-server-sent events, and aborting everything when the client goes away."""
+server-sent events, and aborting everything when the client goes away.
+
+An error keeps its status on both paths: before a stream starts it is the
+response's status; after, it is an error event (then [DONE]). A request the
+engine failed alone (RequestFailedError) is a 500 for that request only; a
+stopped engine (EngineDeadError) is a 503.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +18,8 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from folio.engine.async_engine import AsyncLLMEngine
-from folio.outputs import RequestOutput
+from folio.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.server.protocol import error_body
 
@@ -32,6 +38,7 @@ class ServedModel:
     engine: AsyncLLMEngine
     name: str
     max_model_len: int
+    trust_request_chat_template: bool = False   # run templates that requests send
 
     @property
     def tokenizer(self):
@@ -40,6 +47,12 @@ class ServedModel:
     def check_model(self, requested: Optional[str]) -> None:
         if requested is not None and requested != self.name:
             raise HTTPError(404, f"The model `{requested}` does not exist.", "model")
+
+    def check_priority(self, priority: int) -> None:
+        """Under fcfs the scheduler never reads a priority: refuse one rather than ignore it."""
+        if priority != 0 and self.engine.engine.config.scheduler.scheduling_policy != "priority":
+            raise HTTPError(400, "priority needs a server started with --scheduling-policy "
+                                 "priority", "priority")
 
     def max_tokens_for(self, prompt_len: int, asked: Optional[int]) -> int:
         """The completion budget: asked for, or what the context has left."""
@@ -51,7 +64,9 @@ class ServedModel:
         if asked is None:
             return room
         if asked < 1:
-            raise HTTPError(400, f"max_tokens must be at least 1, got {asked}", "max_tokens")
+            raise HTTPError(400, f"max_tokens must be at least 1 (0 only on /v1/completions "
+                                 f"with echo: true, to score the prompt), got {asked}",
+                            "max_tokens")
         if prompt_len + asked > self.max_model_len:
             raise HTTPError(400, f"This model's maximum context length is {self.max_model_len} "
                                  f"tokens. However, you requested {prompt_len + asked} tokens "
@@ -136,9 +151,16 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def error_status(e: BaseException) -> int:
+    if isinstance(e, HTTPError):
+        return e.status
+    if isinstance(e, EngineDeadError):
+        return 503
+    return 400 if isinstance(e, ValueError) else 500
+
+
 def sse_error(e: BaseException) -> str:
-    status = e.status if isinstance(e, HTTPError) else 400 if isinstance(e, ValueError) else 500
-    return sse(error_body(str(e), status))
+    return sse(error_body(str(e), error_status(e), getattr(e, "param", None)))
 
 
 def holdback(params: SamplingParams) -> int:
@@ -153,6 +175,13 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice_usage(out: RequestOutput, c: CompletionOutput) -> dict:
+    """One choice's usage so far (stream_options.continuous_usage_stats, as vLLM counts it)."""
+    prompt, completion = len(out.prompt_token_ids), len(c.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def token_text(tokenizer, token_id: int) -> str:

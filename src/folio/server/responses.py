@@ -1,0 +1,165 @@
+"""OpenAI-shaped response models: they document the API in /openapi.json.
+
+The handlers build plain dicts of the same shape (cheaper than models on the
+streaming path); tests/server/test_openapi.py validates real responses against
+these models, and `extra="forbid"` makes a field missing here a test failure.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionStreamResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    # The last chunk's with include_usage; every chunk's with continuous_usage_stats.
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[Usage] = None           # as in CompletionStreamResponse
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: Optional[str] = None
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
