@@ -1,7 +1,9 @@
-"""`folio bench memory --json` on a tiny model: the promised fields, and sharing shows."""
+"""`folio bench memory --json` on a tiny model: the promised fields, sharing
+shows, progress on stderr only, and the report says what its figures compare."""
 
 import json
 
+from folio.bench.memory import print_memory
 from folio.cli import main
 from folio.core.kv_cache_manager import cdiv
 from tests.utils import make_tiny_model
@@ -14,7 +16,13 @@ def test_bench_memory_json(tmp_path, capsys):
                  "--prefix-len", "64", "--suffix-len", "8", "--num-shared", "6",
                  "--waste-requests", "6", "--waste-input-len", "5:40", "--waste-output-len", "3:20",
                  "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
+    assert len(out) == 1                    # stdout is the JSON object alone
+    result = json.loads(out[0])
+    progress = [line for line in captured.err.splitlines() if "folio bench memory: [" in line]
+    assert len(progress) == 10 and progress[0].startswith("folio bench memory: [1/10] parallel-n1")
+    assert "[10/10] waste workload, 6 requests" in progress[-1]
     assert result["block_size"] == 8 and result["num_blocks"] == 256
     cases = {c["name"]: c for c in result["cases"]}
     assert list(cases) == ["parallel-n1", "parallel-n2", "parallel-n4", "parallel-n8",
@@ -35,3 +43,14 @@ def test_bench_memory_json(tmp_path, capsys):
     assert 0 < waste["contiguous_max_model_len"]["tokens_fraction"] < \
         waste["contiguous_prompt_plus_max_tokens"]["tokens_fraction"] <= 1
     assert waste["contiguous_max_model_len"]["requests_at_once"] == 256 * 8 // 512
+    assert waste["kv_slots"] == 256 * 8 and waste["max_model_len"] == 512
+    assert waste["paged_tokens_fraction"] == 1 - waste["average_waste"]
+    # on this workload the oracle holds tokens in less of its memory than paging: it
+    # reserves each whole length from the first step
+    assert waste["contiguous_prompt_plus_max_tokens"]["tokens_fraction"] < \
+        waste["paged_tokens_fraction"]
+    print_memory(result)
+    report = capsys.readouterr().out
+    assert "contiguous oracle, prompt + exact output length reserved" in report
+    assert "oracle knows every output length before the request runs" in report
+    assert "fit *" in report and "max_model_len (512)" in report

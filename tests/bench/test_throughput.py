@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from folio.bench.datasets import parse_range
 from folio.cli import main
 from tests.utils import make_tiny_model
 
@@ -55,12 +54,6 @@ def test_both_batchings_in_one_engine(tiny, capsys):
                                "--batching", "both", "--batch-size", "2", "--json"])
     assert result["continuous_over_static"] == pytest.approx(
         result["output_tokens_per_s"] / result["static_output_tokens_per_s"])
-
-
-def test_parse_range():
-    assert parse_range("32:384") == (32, 384) and parse_range("7") == (7, 7)
-    with pytest.raises(ValueError):
-        parse_range("9:3")
 
 
 def test_each_timed_run_starts_with_an_empty_prefix_cache(tiny):

@@ -15,15 +15,6 @@ class BenchRequest:
     prompt: Optional[str] = None
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    """'32:384' -> (32, 384); '128' -> (128, 128)."""
-    lo, _, hi = str(text).partition(":")
-    lo_i, hi_i = int(lo), int(hi or lo)
-    if not 1 <= lo_i <= hi_i:
-        raise ValueError(f"a length range must be 1 <= A <= B, got {text!r}")
-    return lo_i, hi_i
-
-
 def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
                     vocab_size: int, special_ids, seed: int = 0) -> list[BenchRequest]:
     """Uniform lengths and random token ids that avoid special tokens."""

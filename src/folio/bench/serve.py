@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from folio.bench.args import (checked, dataset, existing_file, http_url, output_path,
+                              request_rate, request_rates)
 from folio.bench.datasets import BenchRequest
+from folio.cli_types import length_range, positive_int
 
 
 @dataclass
@@ -38,32 +41,51 @@ class Result:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", type=http_url, metavar="URL", default="http://127.0.0.1:8000",
+                   help="the server to drive; checked to answer before the run starts")
     p.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions"])
-    p.add_argument("--model", default=None, help="served model name (default: the server's)")
-    p.add_argument("--tokenizer", default=None,
-                   help="model whose tokenizer builds the workload (default: --model, else the "
-                        "default model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--dataset", default="random")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", default="32:384")
-    p.add_argument("--output-len", default="32:192")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--slo", default=None, help="goodput targets, e.g. ttft_ms=500,tpot_ms=50")
-    p.add_argument("--save-result", default=None, help="write the result JSON here")
-    p.add_argument("--sweep-rates", default=None,
-                   help="comma-separated rates: run each and plot latency and throughput")
-    p.add_argument("--plot", default="bench-serve-sweep.png", help="PNG for --sweep-rates")
-    p.add_argument("--json", action="store_true")
+                   choices=["/v1/completions", "/v1/chat/completions"],
+                   help="the API every request goes to (chat sends the prompt as one user message)")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="served model name to request; without it, the server's first model")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="model whose tokenizer builds the workload; without it, --model's, "
+                        "else the default model's")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--request-rate", type=request_rate, metavar="RATE", default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends them all at once")
+    p.add_argument("--max-concurrency", type=positive_int, metavar="N", default=None,
+                   help="most requests in flight at once; unset, no cap")
+    p.add_argument("--dataset", type=dataset, metavar="random|FILE", default="random",
+                   help="'random' (uniform lengths, random token ids) or a JSONL file of requests")
+    p.add_argument("--num-prompts", type=positive_int, metavar="N", default=32,
+                   help="requests per run (per rate of a sweep)")
+    p.add_argument("--input-len", type=length_range, metavar="A:B", default="32:384",
+                   help="prompt tokens of the random dataset: A:B drawn uniformly, or N")
+    p.add_argument("--output-len", type=length_range, metavar="A:B", default="32:192",
+                   help="output tokens (max_tokens) of the random dataset: A:B drawn uniformly, "
+                        "or N")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the arrival times and the random prompts (rate i of a sweep "
+                        "draws its prompts with seed + i)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask the server to generate each request's full max_tokens")
+    p.add_argument("--slo", type=slo_targets, metavar="NAME=MS,...", default=None,
+                   help="goodput targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also e2e_ms)")
+    p.add_argument("--save-result", type=output_path, metavar="FILE", default=None,
+                   help="write the result JSON (every run's summary) to this file")
+    p.add_argument("--sweep-rates", type=request_rates, metavar="RATES", default=None,
+                   help="comma-separated rates, e.g. 1,2,4,inf: run each and plot to --plot")
+    p.add_argument("--plot", type=output_path, metavar="FILE", default="bench-serve-sweep.png",
+                   help="PNG of the sweep: throughput, TTFT, TPOT/ITL and E2E against the rate")
+    p.add_argument("--from-result", type=existing_file, metavar="FILE", default=None,
+                   help="re-plot a sweep saved with --save-result to --plot, sending no request")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:
+    """'ttft_ms=500,tpot_ms=50' -> {'ttft_ms': 500.0, 'tpot_ms': 50.0}."""
     if not text:
         return {}
     out = {}
@@ -71,8 +93,16 @@ def parse_slo(text: Optional[str]) -> dict[str, float]:
         key, _, value = part.partition("=")
         if key.strip() not in ("ttft_ms", "tpot_ms", "e2e_ms"):
             raise ValueError(f"unknown SLO {key!r}: use ttft_ms, tpot_ms, e2e_ms")
-        out[key.strip()] = float(value)
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"an SLO is NAME=MILLISECONDS, got {part!r}") from None
+        if not out[key.strip()] > 0:
+            raise ValueError(f"an SLO target must be > 0 ms, got {part!r}")
     return out
+
+
+slo_targets = checked(parse_slo, "SLO")
 
 
 def _payload(args, model: str, req: BenchRequest, text: Optional[str]) -> dict:

@@ -4,20 +4,53 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 from typing import Optional
 
-from folio.bench.datasets import jsonl_requests, parse_range, random_requests
-from folio.bench.serve import _drive, parse_slo, summarize
+from folio.bench.args import format_range
+from folio.bench.datasets import jsonl_requests, random_requests
+from folio.bench.serve import _drive, summarize
+
+
+def _get_json(args, path: str):
+    """GET a JSON document from the server; a server that is down, refuses the
+    key or answers something else is one clear error, not a traceback."""
+    url = args.base_url + path
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=30) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        hint = " (check --api-key)" if e.code in (401, 403) else ""
+        raise ValueError(f"{url} answered HTTP {e.code} {e.reason}{hint}") from None
+    except urllib.error.URLError as e:
+        raise ValueError(f"cannot reach {args.base_url}: {_reason(e.reason)}") from None
+    except OSError as e:             # a timeout or reset while the answer was read
+        raise ValueError(f"cannot reach {args.base_url}: {_reason(e)}") from None
+    except json.JSONDecodeError:
+        raise ValueError(f"{url} did not answer JSON: is {args.base_url} a Folio "
+                         f"(OpenAI-compatible) server?") from None
+
+
+def _reason(reason) -> str:
+    if isinstance(reason, TimeoutError):
+        return "timed out"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror[0].lower() + reason.strerror[1:]
+    return str(reason)
 
 
 def _served_model(args) -> str:
+    """--model, else the server's first model; asked of the server either way,
+    so that a server that is down fails here, before any work."""
+    models = _get_json(args, "/v1/models").get("data") or []
     if args.model:
         return args.model
-    req = urllib.request.Request(args.base_url + "/v1/models", headers=(
-        {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}))
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)["data"][0]["id"]
+    if not models:
+        raise ValueError(f"{args.base_url}/v1/models lists no model: pass --model")
+    return models[0]["id"]
 
 
 def _workload(args, model: str, seed: int):
@@ -29,9 +62,8 @@ def _workload(args, model: str, seed: int):
     except ValueError:
         tokenizer = get_tokenizer(load_model_config(None))
     if args.dataset == "random":
-        requests = random_requests(args.num_prompts, parse_range(args.input_len),
-                                   parse_range(args.output_len), tokenizer.vocab_size,
-                                   tokenizer.all_special_ids, seed)
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len,
+                                   tokenizer.vocab_size, tokenizer.all_special_ids, seed)
     else:
         requests = jsonl_requests(args.dataset, tokenizer)[:args.num_prompts]
     chat = args.endpoint == "/v1/chat/completions"
@@ -53,51 +85,65 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-def plot_sweep(summaries: list[dict], path: str, title: str) -> None:
+def _need_matplotlib() -> None:
+    # Checked before a sweep starts: it must not fail after minutes of runs.
     try:
-        import matplotlib
-    except ImportError as e:
-        raise ValueError("--sweep-rates plots with matplotlib: pip install folio-llm[bench]") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rates = [s["request_rate"] for s in summaries]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for key, ax in (("ttft_ms", axes[0]), ("tpot_ms", axes[1])):
-        for stat, style in (("median", "o-"), ("p99", "s--")):
-            ax.plot(rates, [s[key][stat] for s in summaries], style, label=stat)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(key.replace("_ms", " (ms)").upper())
-        ax.legend()
-        ax.grid(alpha=0.3)
-    axes[2].plot(rates, [s["output_throughput"] for s in summaries], "o-")
-    axes[2].set_xlabel("request rate (req/s)")
-    axes[2].set_ylabel("output tokens/s")
-    axes[2].grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("the sweep plot needs matplotlib: pip install matplotlib (in the "
+                         "checkout: pip install -e '.[bench]')") from None
+
+
+def _title(result: dict) -> str:
+    """What was run, from the saved result (older results lack the lengths)."""
+    if result.get("dataset", "random") != "random":
+        work = result["dataset"]
+    elif "input_len" in result:
+        work = f"prompt {result['input_len']} / output {result['output_len']} tokens"
+    else:
+        work = "random prompts"
+    return (f"folio bench serve {result.get('endpoint', '')}: {result.get('model', '?')}, "
+            f"{result.get('num_prompts', '?')} requests per rate, {work}")
+
+
+def _replot(args) -> int:
+    from folio.bench.sweep_plot import check_plottable, plot_sweep
+    try:
+        with open(args.from_result) as f:
+            result = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{args.from_result} is not JSON: {e}") from None
+    runs = check_plottable(result)
+    _need_matplotlib()
+    plot_sweep(runs, args.plot, _title(result))
+    print(f"wrote {args.plot} from {len(runs)} runs of {args.from_result}")
+    return 0
 
 
 def cmd_bench_serve(args) -> int:
+    if args.from_result:
+        return _replot(args)
+    if args.sweep_rates:
+        _need_matplotlib()
     model = _served_model(args)
-    slo = parse_slo(args.slo)
-    rates = ([float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates
-             else [args.request_rate])
+    slo = args.slo or {}
     summaries = []
-    for i, rate in enumerate(rates):
+    for i, rate in enumerate(args.sweep_rates or [args.request_rate]):
         # Each rate of a sweep draws its own random prompts: with the same ones
         # every later rate would find them in the server's prefix cache.
         requests, texts = _workload(args, model, args.seed + i)
         results, seconds = asyncio.run(_drive(args, model, requests, texts, rate))
-        summary = summarize(results, seconds, slo, rate)
-        summaries.append(summary)
+        summaries.append(summarize(results, seconds, slo, rate))
         if not args.json:
-            print(_line(summary), flush=True)
+            print(_line(summaries[-1]), flush=True)
     result = {"model": model, "endpoint": args.endpoint, "num_prompts": len(requests),
-              "max_concurrency": args.max_concurrency, "runs": summaries}
+              "max_concurrency": args.max_concurrency, "dataset": args.dataset,
+              "input_len": format_range(args.input_len),
+              "output_len": format_range(args.output_len), "seed": args.seed,
+              "runs": summaries}
     if args.sweep_rates:
-        plot_sweep(summaries, args.plot, f"folio bench serve: {model}, {len(requests)} "
-                                         f"requests, {args.input_len} in / {args.output_len} out")
+        from folio.bench.sweep_plot import plot_sweep
+        plot_sweep(summaries, args.plot, _title(result))
         result["plot"] = args.plot
     if args.save_result:
         with open(args.save_result, "w") as f:

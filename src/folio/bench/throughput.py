@@ -4,31 +4,40 @@ transformers baselines and the machine's matmul ceiling, in one run."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 
-import torch
+from folio.bench.args import dataset
+from folio.bench.datasets import BenchRequest, jsonl_requests, random_requests
+from folio.cli_types import length_range, positive_int
 
-from folio.bench.datasets import BenchRequest, jsonl_requests, parse_range, random_requests
-from folio.bench.flops import measure_ceiling, workload_flops
+# torch is imported inside the functions that run the benchmark: building the
+# parser (and rejecting a bad flag) must not wait seconds for it.
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", default="random", help="'random' or a JSONL file of requests")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", default="32:384", help="A:B, uniform (random dataset)")
-    p.add_argument("--output-len", default="32:192", help="A:B, uniform (random dataset)")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dataset", type=dataset, metavar="random|FILE", default="random",
+                   help="'random' (uniform lengths, random token ids) or a JSONL file of "
+                        "requests, one {\"prompt\" or \"prompt_token_ids\", \"max_tokens\"} a line")
+    p.add_argument("--num-prompts", type=positive_int, metavar="N", default=32,
+                   help="number of requests (a JSONL dataset is cut to its first N)")
+    p.add_argument("--input-len", type=length_range, metavar="A:B", default="32:384",
+                   help="prompt tokens of the random dataset: A:B drawn uniformly, or N")
+    p.add_argument("--output-len", type=length_range, metavar="A:B", default="32:192",
+                   help="output tokens of the random dataset: A:B drawn uniformly, or N")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate each request's full output length even past an EOS token")
     p.add_argument("--batching", choices=["continuous", "static", "both"], default="continuous",
                    help="static: fixed batches, the next admitted when the whole previous one "
                         "finished; both: continuous, then static on the same engine")
-    p.add_argument("--batch-size", type=int, default=8, help="with --batching static|both")
+    p.add_argument("--batch-size", type=positive_int, metavar="N", default=8,
+                   help="requests per batch of --batching static|both")
     p.add_argument("--baseline", action="append", choices=["hf-seq", "hf-static"], default=[],
                    help="transformers baseline(s) in the same run (repeatable)")
-    p.add_argument("--baseline-batch", type=int, default=8, help="batch size of hf-static")
-    p.add_argument("--baseline-limit", type=int, default=None,
+    p.add_argument("--baseline-batch", type=positive_int, metavar="N", default=8,
+                   help="batch size of the hf-static baseline")
+    p.add_argument("--baseline-limit", type=positive_int, metavar="K", default=None,
                    help="run the baselines on the first K requests only (rates are compared)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -36,9 +45,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 def build_requests(args, engine) -> list[BenchRequest]:
     if args.dataset == "random":
         tok = engine.tokenizer
-        return random_requests(args.num_prompts, parse_range(args.input_len),
-                               parse_range(args.output_len), engine.config.model.vocab_size,
-                               tok.all_special_ids, args.seed)
+        return random_requests(args.num_prompts, args.input_len, args.output_len,
+                               engine.config.model.vocab_size, tok.all_special_ids, args.seed)
     return jsonl_requests(args.dataset, engine.tokenizer)[:args.num_prompts]
 
 
@@ -83,6 +91,8 @@ def _bar(total: int, desc: str, enabled: bool):
 
 
 def run_baselines(args, engine, requests) -> list[dict]:
+    import torch
+
     from folio.bench.baselines import load_hf_model, run_hf_seq, run_hf_static
     if not args.baseline:
         return []
@@ -115,6 +125,9 @@ def _timed_run(args, engine, requests, mode: str):
 
 
 def bench_throughput(args, engine) -> dict:
+    import torch
+
+    from folio.bench.flops import measure_ceiling, workload_flops
     requests = build_requests(args, engine)
     m, dtype = engine.config.model, getattr(torch, engine.config.dtype)
     ceiling = measure_ceiling(m, dtype, engine.config.device)
