@@ -4,6 +4,8 @@
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
   greedy sampling.
 - `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16.
+- `linear_avx2.c`: an fp32 linear layer whose weights are stored as bf16, on
+  CPUs with AVX2 and FMA (half the bytes of fp32 weights per step).
 - `decoder.c`: every decoder layer of a step in one call, from the kernels
   above (wrapped in `decoder.py`).
 
@@ -34,7 +36,7 @@ logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c",
-            _DIR / "decoder.c"]
+            _DIR / "linear_avx2.c", _DIR / "decoder.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -93,6 +95,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
         "folio_linear_available": (ctypes.c_int, []),
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
+        "folio_linear_bf16w_available": (ctypes.c_int, []),
+        "folio_linear_bf16w": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
         "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
     }
     for name, (restype, argtypes) in signatures.items():
@@ -158,6 +162,41 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
         load().folio_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
                             None if bias is None else bias.data_ptr(),
                             out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+    return out
+
+
+def packs_linear_bf16w(weight: torch.Tensor) -> bool:
+    """Whether `linear_bf16w` serves this weight: [N, K] on the CPU and a library
+    built with AVX2 and FMA."""
+    lib = load() if weight.device.type == "cpu" and weight.dim() == 2 else None
+    return lib is not None and bool(lib.folio_linear_bf16w_available())
+
+
+def pack_linear_bf16w(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (any float dtype) -> bf16 (rounded to nearest even, as torch rounds) in
+    the layout `linear_bf16w` reads: output features in tiles of 8 (zero-padded),
+    each input feature's 8 weights side by side: [tiles, K, 8]."""
+    n, k = weight.shape
+    tiles = -(-n // 8)
+    padded = torch.zeros(tiles * 8, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach().to(torch.bfloat16)
+    return padded.view(tiles, 8, k).transpose(1, 2).contiguous()
+
+
+def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] fp32 @ W^T (+ bias) with W packed by `pack_linear_bf16w`: [..., n] fp32."""
+    k = packed.shape[1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*lead, n, dtype=torch.float32)
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    if x2.shape[0]:
+        load().folio_linear_bf16w(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                                  None if bias is None else bias.data_ptr(),
+                                  out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
     return out
 
 
