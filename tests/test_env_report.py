@@ -18,6 +18,8 @@ def test_the_report_matches_the_layers_an_engine_builds(tmp_path, dtype):
         choices["decoder layers"].startswith("one native call")
     if down.packed is None:
         assert choices["linear"].startswith("F.linear")
+    elif down.packed.bf16_weights:
+        assert choices["linear"].startswith("AVX2 kernel: fp32 arithmetic on bfloat16")
     elif down.packed.native:
         assert choices["linear"].startswith("native bf16 kernel")
     else:
@@ -29,7 +31,8 @@ def test_the_report_names_the_cpu_flags_and_the_auto_dtype():
     text = format_report(report)
     assert report["cpu"] and f"dtype auto: {report['dtype auto']}" in text
     assert report["dtype auto"] in ("float32", "bfloat16")
-    assert ("avx512_bf16" in report["cpu flags"]) <= report["native bf16"]
+    assert report["native bf16"] <= ("avx512_bf16" in report["cpu flags"]
+                                     or "amx_bf16" in report["cpu flags"])
     assert "kernels for bfloat16:" in text and "kernels for float32:" in text
 
 

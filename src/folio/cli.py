@@ -32,7 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto",
                    help="what weights and activations compute in: auto, float32, bfloat16, "
                         "float16 (CUDA only) or float64; auto is bfloat16 on CUDA and on CPUs "
-                        "that multiply bf16 natively (AVX512-BF16 or AMX), else float32")
+                        "that multiply bf16 natively (AVX512-BF16 or AMX), else float32; "
+                        "bfloat16 on other CPUs runs float32 arithmetic on bf16-stored "
+                        "weights")
     g.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when a CUDA device is visible, "
                         "else cpu)")

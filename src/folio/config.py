@@ -98,6 +98,10 @@ class FolioConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dtype: str = "float32"          # run dtype: float32 | bfloat16 | float16 | float64
+    # Linear weights stored narrower than the run dtype, widened in registers:
+    # "bfloat16" on CPUs without native bf16, where bfloat16 runs as fp32
+    # arithmetic on bf16 weights (worker/device.py). None: stored in `dtype`.
+    weight_dtype: Optional[str] = None
     device: str = "cpu"
     seed: int = 0
     max_logprobs: int = 20          # the most top logprobs a request may ask for
@@ -117,11 +121,11 @@ class FolioConfig:
               scheduling_policy: str = "fcfs",
               distributed_executor_backend: str = "mp") -> "FolioConfig":
         from folio.model.loader import load_model_config
-        from folio.worker.device import resolve_device, resolve_dtype
+        from folio.worker.device import resolve_device, resolve_dtype, split_cpu_bf16
 
         model_config = load_model_config(model)
         device = resolve_device(device)
-        run_dtype = resolve_dtype(dtype, device)
+        run_dtype, weight_dtype = split_cpu_bf16(resolve_dtype(dtype, device), device)
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -165,7 +169,8 @@ class FolioConfig:
                 scheduling_policy=scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend),
-            dtype=run_dtype, device=device, seed=seed, max_logprobs=max_logprobs)
+            dtype=run_dtype, weight_dtype=weight_dtype, device=device, seed=seed,
+            max_logprobs=max_logprobs)
 
 
 def cpu_count() -> int:

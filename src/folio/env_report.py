@@ -51,7 +51,9 @@ def kernel_choices(dtype: str) -> dict[str, str]:
 
     from folio.model import native
     from folio.model.layers.linear import pack_onednn
+    from folio.worker.device import split_cpu_bf16
 
+    asked, (dtype, store) = dtype, split_cpu_bf16(dtype, "cpu")
     t = torch.zeros(16, 16, dtype=getattr(torch, dtype))
     lib = native.load()
     why_no_lib = "no native library (no C compiler, or its build failed)"
@@ -60,7 +62,10 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     fused = (f"native fused kernels ({dtype})" if native.fuses(t) else
              "torch ops (fp32 stays bit-exact with the reference)" if lib is not None
              else f"torch ops: {why_no_lib}")
-    if native.packs_linear(t):
+    if store is not None and native.packs_linear_bf16w(t):
+        linear = (f"AVX2 kernel: fp32 arithmetic on {store}-stored weights ({asked} on a CPU "
+                  "without native bf16)")
+    elif native.packs_linear(t):
         linear = "native bf16 kernel (AVX512-BF16)"
     elif pack_onednn(t) is not None:
         linear = "oneDNN packed weights" + (" (AMX)" if "amx_bf16" in _cpu()[1] else "")

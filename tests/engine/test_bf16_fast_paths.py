@@ -15,6 +15,7 @@ import torch
 from folio import LLM, SamplingParams
 from folio.model import native
 from folio.model.layers import linear as linear_mod
+from folio.worker import device
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "List three colours of the rainbow:", "1, 2, 3, 5, 8,"]
@@ -34,6 +35,9 @@ def _errors(scores, reference):
 
 @pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 def test_fast_paths_are_as_close_to_fp32_as_the_plain_layers(monkeypatch):
+    # bf16 arithmetic throughout, even where the CPU would run bfloat16 as fp32
+    # arithmetic on bf16 weights (test_bf16_weights.py tests that path)
+    monkeypatch.setattr(device, "split_cpu_bf16", lambda dtype, dev: (dtype, None))
     fast = LLM(dtype="bfloat16", num_kv_blocks=128)
     down = fast.engine.executor.runner.model.model.layers[0].mlp.down_proj
     # Packed where this CPU packs bf16 weights (AVX-512); AVX2-only CPUs keep F.linear.
@@ -48,7 +52,7 @@ def test_fast_paths_are_as_close_to_fp32_as_the_plain_layers(monkeypatch):
     reference.shutdown()
     monkeypatch.setattr(native, "fuses", lambda x: False)
     monkeypatch.setattr(native, "supports", lambda q: False)
-    monkeypatch.setattr(linear_mod, "pack_weight", lambda w: None)
+    monkeypatch.setattr(linear_mod, "pack_weight", lambda w, store=None: None)
     plain = LLM(dtype="bfloat16", num_kv_blocks=128)
     assert plain.engine.executor.runner.model.model.layers[0].mlp.down_proj.packed is None
     expected = _scores(plain, texts)

@@ -66,7 +66,7 @@ def test_only_where_every_kernel_serves(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path)
     llm = LLM(folder, dtype="float32", num_kv_blocks=32)
     assert llm.engine.executor.runner.model.model.native_decoder is None      # fp32: modules
-    monkeypatch.setattr(linear_mod, "pack_weight", linear_mod.pack_onednn)
+    monkeypatch.setattr(linear_mod, "pack_weight", lambda w, store=None: linear_mod.pack_onednn(w))
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=32)
     assert llm.engine.executor.runner.model.model.native_decoder is None      # oneDNN weights
     monkeypatch.undo()

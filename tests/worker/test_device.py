@@ -1,5 +1,5 @@
-"""dtype choice: auto follows the CPU; an explicit bfloat16 where the CPU only
-emulates it runs, with one warning that says so and what is faster."""
+"""dtype choice: auto follows the CPU; bfloat16 where the CPU only emulates
+bf16 arithmetic runs as fp32 arithmetic on bf16-stored weights."""
 
 import logging
 
@@ -11,27 +11,33 @@ from folio.worker import device
 @pytest.fixture
 def cpu_without_bf16(monkeypatch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
-    device._warn_emulated_bf16.cache_clear()
+    device._say_split_bf16.cache_clear()
     yield
-    device._warn_emulated_bf16.cache_clear()
+    device._say_split_bf16.cache_clear()
 
 
-def test_auto_is_float32_and_bfloat16_warns_once(cpu_without_bf16, caplog):
-    with caplog.at_level(logging.WARNING, logger="folio"):
+def test_auto_is_float32_and_bfloat16_splits_once(cpu_without_bf16, caplog):
+    with caplog.at_level(logging.INFO, logger="folio"):
         assert device.resolve_dtype("auto", "cpu") == "float32"
+        assert device.split_cpu_bf16("float32", "cpu") == ("float32", None)
         assert not caplog.records
-        assert device.resolve_dtype("bfloat16", "cpu") == "bfloat16"
-        assert device.resolve_dtype("bf16", "cpu") == "bfloat16"
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "emulated" in warnings[0] and "float32" in warnings[0]
+        assert device.split_cpu_bf16(device.resolve_dtype("bf16", "cpu"), "cpu") == \
+            ("float32", "bfloat16")
+        assert device.split_cpu_bf16("bfloat16", "cpu") == ("float32", "bfloat16")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "no native bf16" in said[0] and "float32 arithmetic" in said[0]
 
 
-def test_native_bf16_cpu_picks_bfloat16_without_a_warning(monkeypatch, caplog):
+def test_native_bf16_cpu_keeps_bfloat16(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="folio"):
+    with caplog.at_level(logging.INFO, logger="folio"):
         assert device.resolve_dtype("auto", "cpu") == "bfloat16"
-        assert device.resolve_dtype("bfloat16", "cpu") == "bfloat16"
+        assert device.split_cpu_bf16("bfloat16", "cpu") == ("bfloat16", None)
     assert not caplog.records
+
+
+def test_cuda_keeps_bfloat16(cpu_without_bf16):
+    assert device.split_cpu_bf16("bfloat16", "cuda") == ("bfloat16", None)
 
 
 def test_float16_on_the_cpu_is_refused():

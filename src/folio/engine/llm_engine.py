@@ -36,6 +36,9 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), dtype %s on %s",
                     self.num_blocks, config.cache.block_size,
                     self.num_blocks * config.cache.block_size, config.dtype, config.device)
+        if config.weight_dtype is not None:
+            logger.info("linear weights stored as %s where the kernel serves",
+                        config.weight_dtype)
 
     @classmethod
     def from_args(cls, model: Optional[str] = None, **kwargs) -> "LLMEngine":

@@ -6,7 +6,7 @@ The model runs one flat batch of tokens per step: input_ids and positions are
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -110,6 +110,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str):
         super().__init__()
         self.config = cfg
+        self.weight_dtype: Optional[str] = None    # set before load_weights: see FolioConfig
         self.model = LlamaModel(cfg, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
@@ -144,5 +145,5 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
-        prepack(self)
+        prepack(self, self.weight_dtype)
         self.model.native_decoder = NativeDecoder.build(list(self.model.layers))

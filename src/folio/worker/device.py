@@ -47,16 +47,25 @@ def resolve_dtype(dtype: str, device: str) -> str:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
     if name == "float16" and device == "cpu":
         raise ValueError("float16 runs on CUDA only; on the CPU use bfloat16 or float32")
-    if name == "bfloat16" and device == "cpu" and not cpu_has_native_bf16():
-        _warn_emulated_bf16()
     return name
 
 
+def split_cpu_bf16(dtype: str, device: str) -> tuple[str, Optional[str]]:
+    """(run dtype, weight dtype). On a CPU that only emulates bf16 arithmetic
+    (measured 3x slower than fp32 on an AVX2-only AMD EPYC), bfloat16 runs as
+    fp32 arithmetic on linear weights stored as bf16 (the AVX2 kernel widens
+    them in registers): bf16's memory for weights, fp32's speed and accuracy
+    for the rest."""
+    if dtype == "bfloat16" and device == "cpu" and not cpu_has_native_bf16():
+        _say_split_bf16()
+        return "float32", "bfloat16"
+    return dtype, None
+
+
 @lru_cache(maxsize=1)
-def _warn_emulated_bf16() -> None:
-    logger.warning("bfloat16 is emulated on this CPU (no AVX512-BF16 or AMX): measured 3x "
-                   "slower than float32 on an AVX2-only AMD EPYC); --dtype "
-                   "float32 (what auto picks here) is faster")
+def _say_split_bf16() -> None:
+    logger.info("this CPU has no native bf16 (AVX512-BF16 or AMX): bfloat16 runs as float32 "
+                "arithmetic on bf16-stored linear weights")
 
 
 def torch_dtype(name: str) -> torch.dtype:

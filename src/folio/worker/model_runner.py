@@ -41,6 +41,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.model = build_model(config.model, self.dtype, config.device)
+        self.model.weight_dtype = config.weight_dtype
         self.model.load_weights(iter_weights(config.model))
         num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = num_kv_blocks(config, num_kv_heads)

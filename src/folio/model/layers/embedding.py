@@ -42,9 +42,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def prepack(self) -> None:
+    def prepack(self, store=None) -> None:
         # a packed copy: the plain weight stays, the embedding may share it
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, store)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, vocab] in the weight dtype (the sampler casts to fp32

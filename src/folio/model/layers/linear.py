@@ -36,10 +36,14 @@ class PackedWeight:
     """A weight repacked once for the CPU's bf16 products: `packed(x, bias)`
     is x W^T + bias."""
 
-    def __init__(self, data: torch.Tensor, out_features: int, native_kernel: bool):
+    def __init__(self, data: torch.Tensor, out_features: int, native_kernel: bool,
+                 bf16_weights: bool = False):
         self.data, self.out_features, self.native = data, out_features, native_kernel
+        self.bf16_weights = bf16_weights       # fp32 x, bf16-stored W (the AVX2 kernel)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.bf16_weights:
+            return native.linear_bf16w(x, self.data, self.out_features, bias)
         if self.native:
             return native.linear(x, self.data, self.out_features, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
@@ -58,9 +62,13 @@ def pack_onednn(weight: torch.Tensor) -> Optional[PackedWeight]:
     return PackedWeight(data, weight.shape[0], native_kernel=False)
 
 
-def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
+def pack_weight(weight: torch.Tensor, store: Optional[str] = None) -> Optional[PackedWeight]:
     """The weight packed for the native kernel where it serves, else for oneDNN,
-    else None (the plain `F.linear` then)."""
+    else None (the plain `F.linear` then). `store="bfloat16"`: an fp32 weight is
+    kept as bf16 for the AVX2 kernel, where that kernel serves."""
+    if store == "bfloat16" and weight.dtype == torch.float32 and \
+            native.packs_linear_bf16w(weight):
+        return PackedWeight(native.pack_linear_bf16w(weight), weight.shape[0], False, True)
     if native.packs_linear(weight):
         return PackedWeight(native.pack_linear(weight.detach()), weight.shape[0], True)
     return pack_onednn(weight)
@@ -73,11 +81,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight]
     return packed(x, bias)
 
 
-def prepack(model: nn.Module) -> None:
-    """Repack every layer that can, once its weights are final."""
+def prepack(model: nn.Module, store: Optional[str] = None) -> None:
+    """Repack every layer that can, once its weights are final (`store`: see
+    pack_weight)."""
     for module in model.modules():
         if hasattr(module, "prepack"):
-            module.prepack()
+            module.prepack(store)
 
 
 class LinearBase(nn.Module):
@@ -95,10 +104,10 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded)
 
-    def prepack(self) -> None:
+    def prepack(self, store: Optional[str] = None) -> None:
         """Keep only the packed weight when there is one (the plain one would
         double the memory); the parameter stays, empty, for its name."""
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(self.weight, store)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
