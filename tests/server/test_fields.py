@@ -54,6 +54,20 @@ def test_unused_values_of_those_fields_are_accepted(server):
         body = {**base, "tools": [], "tool_choice": "none", "response_format": None,
                 "spaces_between_special_tokens": True}
         assert http("POST", server.url + path, body)[0] == 200
+        assert http("POST", server.url + path,
+                    {**base, "response_format": {"type": "text"}})[0] == 200
+
+
+def test_an_explicit_null_is_the_default(server):
+    """Clients generated from OpenAI's spec send nullable fields as null."""
+    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "min_p", "ignore_eos", "seed", "stop",
+                           "temperature", "top_p", "user"))
+    for path, base, extra in (("/v1/completions", CMPL, {"echo": None}),
+                              ("/v1/chat/completions", CHAT, {"logprobs": None})):
+        status, _, out = http("POST", server.url + path, {**base, **nulls, **extra})
+        assert status == 200, out
+        assert len(out["choices"]) == 1
 
 
 @pytest.mark.parametrize("path,body,param,needle", [

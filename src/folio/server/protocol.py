@@ -44,7 +44,8 @@ class InvalidRequest(ValueError):
 _NONE, _NONE_OR_EMPTY = (None,), (None, [])
 # OpenAI and vLLM fields Folio does not have -> the values that mean "not used".
 _NOT_YET: dict[str, tuple] = {
-    **dict.fromkeys(("response_format", "guided_json", "guided_regex", "guided_choice",
+    "response_format": (None, {"type": "text"}),      # plain text: what Folio gives
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice",
                      "guided_grammar", "structured_outputs", "structural_tag",
                      "truncate_prompt_tokens", "prompt_logprobs", "mm_processor_kwargs",
                      "kv_transfer_params", "cache_salt", "vllm_xargs", "request_id"), _NONE),
@@ -82,6 +83,17 @@ def _refuse_not_yet(extra: dict, not_yet: dict[str, tuple]) -> None:
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null is the field's default (OpenAI marks most fields nullable,
+        and clients generated from its spec send `"n": null`)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields
+                or cls.model_fields[k].default is None}
 
     @model_validator(mode="after")
     def _check_whole(self):

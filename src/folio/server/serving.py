@@ -86,7 +86,8 @@ class EngineCall:
 
 async def collect(served: ServedModel, calls: list[EngineCall],
                   raw: Request) -> list[RequestOutput]:
-    """Run the calls to completion; a client that disconnects aborts them all."""
+    """Run the calls to completion. A client that disconnects, or one call that
+    fails, aborts them all (cancelling a call's task aborts its engine request)."""
     async def one(call: EngineCall) -> RequestOutput:
         last = None
         async for last in served.engine.generate(call.request_id, call.prompt, call.prompt_ids,
@@ -94,21 +95,22 @@ async def collect(served: ServedModel, calls: list[EngineCall],
             pass
         return last
 
-    task = asyncio.ensure_future(asyncio.gather(*(one(c) for c in calls)))
+    tasks = [asyncio.ensure_future(one(c)) for c in calls]
     try:
-        while True:
-            done, _ = await asyncio.wait([task], timeout=0.25)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=0.25,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            if pending and await raw.is_disconnected():
                 raise asyncio.CancelledError("client disconnected")
+        return [t.result() for t in tasks]
     finally:
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:      # noqa: BLE001 - the abort is what matters here
-                pass
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def merged(served: ServedModel, calls: list[EngineCall]
