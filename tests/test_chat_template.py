@@ -218,6 +218,12 @@ def test_missing_template_error_says_how_to_pass_one(tmp_path):
     ("{{ 1 / 0 }}", "division"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
     ("{{ ''.__class__.__mro__ }}", "unsafe"),
+    ("{{ ('x' * 1000000)|replace('x', 'y' * 91) }}", "replace"),
+    ("{{ ('x' * 1000000).replace('x', 'y' * 91) }}", "replace"),
+    ("{% set s = 'x' * 1000000 %}{{ ([s] * 64)|join }}", "join"),
+    ("{% set s = 'x' * 1000000 %}{{ ''.join([s] * 64) }}", "join"),
+    ("{% set s = 'x' * 1000000 %}{{ ([s] * 5)|join + ([s] * 5)|join }}", "concatenation"),
+    ("{{ '{:>{}}'.format('a', '5000000') }}", "nested format width"),
 ])
 def test_a_template_cannot_build_unbounded_values(template, needle):
     """Untrusted templates: what would take gigabytes or forever, or any Python
@@ -229,5 +235,7 @@ def test_a_template_cannot_build_unbounded_values(template, needle):
 
 def test_bounded_operators_still_work_at_ordinary_sizes():
     template = ("{{ '-' * 3 }}{{ 2 ** 10 }}{{ '%03d' % 7 }}{{ '{}!'.format('ok') }}"
-                "{{ 'ab'|center(6) }}{% for m in messages %}{{ m.content * 2 }}{% endfor %}")
-    assert render_chat(template, [{"role": "user", "content": "hi"}]) == "---1024007ok!  ab  hihi"
+                "{{ 'ab'|center(6) }}{% for m in messages %}{{ m.content * 2 }}{% endfor %}"
+                "{{ 'a b'|replace(' ', '-') }}{{ ['x', 'y']|join(',') }}{{ [1] + [2] }}")
+    assert render_chat(template, [{"role": "user", "content": "hi"}]) == \
+        "---1024007ok!  ab  hihia-bx,y[1, 2]"

@@ -77,10 +77,25 @@ def _check_int_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
             raise SecurityError(f"an argument of {value} is larger than a chat template may use")
 
 
+def _check_growth(name: str, target: Any, args: Sequence[Any]) -> None:
+    """replace and join, as filters or methods: refuse what would build more than
+    the rendered prompt may hold, before it is built."""
+    if name == "replace" and isinstance(target, str) and len(args) >= 2 and \
+            isinstance(args[0], str) and isinstance(args[1], str):
+        count = target.count(args[0]) if args[0] else len(target) + 1
+        if count * len(args[1]) > MAX_RENDER_CHARS:
+            raise SecurityError("a replace() larger than a chat template may build")
+    elif name == "join" and isinstance(target, (list, tuple)):
+        if sum(len(x) for x in target if isinstance(x, str)) > MAX_RENDER_CHARS:
+            raise SecurityError("a join() larger than a chat template may build")
+
+
 def _check_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """A width or precision written in the format (7 digits or more), or passed in."""
     if re.search(r"\d{7,}", fmt):
         raise SecurityError("a format width larger than a chat template may use")
+    if re.search(r"\{[^{}]*:[^{}]*\{", fmt):      # '{:>{}}': the width is an argument
+        raise SecurityError("a nested format width is more than a chat template may use")
     _check_int_args(args, kwargs)
 
 
@@ -88,10 +103,14 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, with the size of `*` and `**` results and of
     integer arguments to methods and filters bounded before they run."""
 
-    intercepted_binops = frozenset(["*", "**", "%"])
+    intercepted_binops = frozenset(["*", "**", "%", "+"])
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "%":
+        if operator == "+":
+            if _size(left) is not None and _size(right) is not None and \
+                    _size(left) + _size(right) > MAX_RENDER_CHARS:
+                raise SecurityError("a concatenation larger than a chat template may build")
+        elif operator == "%":
             if isinstance(left, str):       # printf-style: '%1000000000d' % 1
                 _check_format(left, right if isinstance(right, tuple) else (right,), {})
         elif operator == "*":
@@ -116,6 +135,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 - Jinja's signature
         _check_int_args(args, kwargs)
+        name = getattr(__obj, "__name__", "")
+        if name == "replace":
+            _check_growth(name, getattr(__obj, "__self__", None), args)
+        elif name == "join" and args:       # sep.join(items)
+            _check_growth(name, list(args[0]) if isinstance(args[0], (list, tuple)) else (),
+                          ())
         return super().call(__context, __obj, *args, **kwargs)
 
 
@@ -123,6 +148,10 @@ def _bounded_filter(fn):
     @functools.wraps(fn)        # keeps Jinja's pass_context / pass_environment marks
     def bounded(*args, **kwargs):
         _check_int_args(args[1:], kwargs)
+        values = [a for a in args if not isinstance(a, (jinja2.Environment, jinja2.runtime.Context,
+                                                        jinja2.nodes.EvalContext))]
+        if values and fn.__name__ in ("do_replace", "do_join"):
+            _check_growth(fn.__name__.rsplit("_", 1)[-1], values[0], values[1:])
         return fn(*args, **kwargs)
     return bounded
 
