@@ -61,3 +61,27 @@ def _linear_weight_bytes(llm) -> int:
                 w = m.packed.data if m.packed is not None else m.weight
                 total += w.numel() * w.element_size()
     return total
+
+
+@needs_kernel
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_models_split_give_the_rounded_weights_answers(tmp_path, monkeypatch, tied):
+    """On a tiny model whose weights are rounded to bf16 first, the split and plain
+    fp32 compute the same products (in another summation order): the same greedy
+    tokens. An untied LM head keeps only its bf16 copy; a tied one keeps the
+    plain table that the embedding reads."""
+    from tests.utils import make_tiny_model
+    from safetensors.torch import load_file, save_file
+    path = make_tiny_model(tmp_path / "m", tie_word_embeddings=tied)
+    weights = load_file(f"{path}/model.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in weights.items()}, f"{path}/model.safetensors",
+              metadata={"format": "pt"})
+    prompts = [{"prompt_token_ids": [1, 20 + i, 30, 40, 50]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(path, dtype="float32", num_kv_blocks=64).generate(prompts, params)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64)
+    head = llm.engine.executor.runner.model.lm_head
+    assert head.packed.bf16_weights and (head.weight.numel() > 0) == tied
+    split = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in plain]

@@ -11,6 +11,7 @@ from folio.worker import device
 @pytest.fixture
 def cpu_without_bf16(monkeypatch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(device, "_bf16_weight_kernel", lambda: True)
     device._say_split_bf16.cache_clear()
     yield
     device._say_split_bf16.cache_clear()
@@ -34,6 +35,11 @@ def test_native_bf16_cpu_keeps_bfloat16(monkeypatch, caplog):
         assert device.resolve_dtype("auto", "cpu") == "bfloat16"
         assert device.split_cpu_bf16("bfloat16", "cpu") == ("bfloat16", None)
     assert not caplog.records
+
+
+def test_without_the_kernel_bfloat16_stays(cpu_without_bf16, monkeypatch):
+    monkeypatch.setattr(device, "_bf16_weight_kernel", lambda: False)
+    assert device.split_cpu_bf16("bfloat16", "cpu") == ("bfloat16", None)
 
 
 def test_cuda_keeps_bfloat16(cpu_without_bf16):

@@ -56,10 +56,18 @@ def split_cpu_bf16(dtype: str, device: str) -> tuple[str, Optional[str]]:
     fp32 arithmetic on linear weights stored as bf16 (the AVX2 kernel widens
     them in registers): bf16's memory for weights, fp32's speed and accuracy
     for the rest."""
-    if dtype == "bfloat16" and device == "cpu" and not cpu_has_native_bf16():
+    if dtype == "bfloat16" and device == "cpu" and not cpu_has_native_bf16() and \
+            _bf16_weight_kernel():
         _say_split_bf16()
         return "float32", "bfloat16"
     return dtype, None
+
+
+def _bf16_weight_kernel() -> bool:
+    """Whether the AVX2 kernel is there (no compiler, another architecture: no);
+    without it bfloat16 stays bfloat16, emulated or not."""
+    from folio.model import native
+    return native.packs_linear_bf16w(torch.zeros(8, 8))
 
 
 @lru_cache(maxsize=1)

@@ -119,7 +119,11 @@ class ModelRunner:
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
                      seq_ids: list[int]) -> None:
         """Sample the whole batch at once; if that raises, row by row, so that
-        only the rows that fail on their own are failed."""
+        only the rows that fail on their own are failed. (The failed attempt may
+        have drawn from the other rows' generators already: their tokens are
+        still samples of their distributions, but a seeded row's stream moves
+        on. Saving every generator's state each step would cost more than this
+        exceptional path is worth.)"""
         try:
             self._check_fault(seq_ids)
             rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids)))]
@@ -168,13 +172,19 @@ class ModelRunner:
         return tops
 
     def _score_prompts(self, hidden, ordered, last_rows, out: ModelRunnerOutput) -> None:
-        """Logprobs of prompt tokens for sequences that asked (echo, scoring)."""
+        """Logprobs of prompt tokens for sequences that asked (echo, scoring). Under
+        tensor parallelism the LM head is collective: a fault there could strike
+        one rank only, and the ranks would part ways, so it stays the engine's."""
         for s, last in zip(ordered, last_rows):
-            if s.prompt_targets:
-                try:
-                    out.prompt_logprobs[s.seq_id] = self._score_prompt(hidden, s, last)
-                except Exception as e:      # noqa: BLE001 - this sequence's fault
-                    out.failed[s.seq_id] = _describe(e)
+            if not s.prompt_targets:
+                continue
+            if self.config.parallel.tensor_parallel_size > 1:
+                out.prompt_logprobs[s.seq_id] = self._score_prompt(hidden, s, last)
+                continue
+            try:
+                out.prompt_logprobs[s.seq_id] = self._score_prompt(hidden, s, last)
+            except Exception as e:      # noqa: BLE001 - this sequence's fault
+                out.failed[s.seq_id] = _describe(e)
 
     def _score_prompt(self, hidden, s: ScheduledSeq, last: int):
         first_row = last - len(s.token_ids) + 1

@@ -39,12 +39,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed = None
 
+    tied = False
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
+        self.weight, self.tied = embedding.weight, True
 
     def prepack(self, store=None) -> None:
-        # a packed copy: the plain weight stays, the embedding may share it
+        # A tied head's plain weight stays (the embedding reads it); an untied
+        # one keeps only the packed copy, as the linear layers do.
         self.packed = pack_weight(self.weight, store)
+        if self.packed is not None and not self.tied:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, vocab] in the weight dtype (the sampler casts to fp32

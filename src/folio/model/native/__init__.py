@@ -187,6 +187,9 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] fp32 @ W^T (+ bias) with W packed by `pack_linear_bf16w`: [..., n] fp32."""
     k = packed.shape[1]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"linear_bf16w takes fp32 [..., {k}] on the CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
