@@ -20,6 +20,7 @@ from folio.cli_chat import CHAT_USAGE, Chat, print_stream, read_message, stream_
 from folio.cli_types import (AppendCommaSeparated, FolioArgumentParser, fraction, memory_size,
                              non_negative_float, non_negative_int, port, positive_float,
                              positive_int, power_of_two, probability, seed, top_k)
+from folio.errors import is_expected_error
 from folio.generation_config import CHAT_DEFAULTS, chat_defaults
 
 
@@ -358,12 +359,6 @@ def cmd_env(args: argparse.Namespace) -> int:
     report = collect()
     print(json.dumps(report) if args.json else format_report(report))
     return 0
-
-
-def is_expected_error(err: BaseException) -> bool:
-    """A failure the user can fix (a bad value, path or checkpoint): one line, no traceback."""
-    # safetensors reports a corrupt file with its own exception type, not an OSError.
-    return isinstance(err, (ValueError, OSError)) or type(err).__name__ == "SafetensorError"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

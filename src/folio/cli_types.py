@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1   # seeds reach torch as int64
+from folio.sampling_params import INT64_MAX, INT64_MIN   # seeds reach torch as int64
 
 
 def _int(text: str) -> int:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from folio import __version__
 from folio.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from folio.errors import is_expected_error
 from folio.server import openapi
 from folio.server.chat import create_chat_completion, render_chat_ids
 from folio.server.completions import create_completion
@@ -43,16 +44,6 @@ from folio.server.serving import HTTPError, ServedModel
 
 logger = logging.getLogger("folio")
 OPEN_PATHS = ("/health", "/metrics")
-# Load failures a user causes (a bad path or file): one line says it all, with
-# no traceback. Exception itself is what Rust extensions (tokenizers,
-# safetensors) raise for a file they cannot parse.
-_EXPECTED_LOAD_ERRORS = (ValueError, OSError)
-
-
-def _expected(error: BaseException) -> bool:
-    return isinstance(error, _EXPECTED_LOAD_ERRORS) or type(error) is Exception
-
-
 @dataclass
 class ServerConfig:
     served_model_name: str
@@ -92,7 +83,7 @@ class ServerState:
             logger.info("serving %s", self.config.served_model_name)
         except BaseException as e:       # noqa: BLE001 - every failure ends the process
             self.load_error = e
-            if not _expected(e):
+            if not is_expected_error(e):
                 logger.error("loading the model failed", exc_info=e)
             self._fail(f"the model failed to load: {e}")
 

@@ -23,11 +23,10 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator,
                       model_validator)
 
-from folio.sampling_params import SamplingParams
+from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 logger = logging.getLogger("folio")
 
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 MAX_N = 16                      # sequences (or beams) one request may ask for

@@ -151,7 +151,12 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] bf16 @ W^T (+ bias) with W packed by `pack_linear`: [..., n] bf16."""
-    k = packed.shape[1] * 2
+    return _linear_call(load().folio_linear, x, packed, n, packed.shape[1] * 2, bias)
+
+
+def _linear_call(fn, x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., k] (rows may be strided, each row dense) -> [..., n] in x's dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -159,9 +164,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
     out = torch.empty(*lead, n, dtype=x.dtype)
     bias = None if bias is None else bias.to(x.dtype).contiguous()
     if x2.shape[0]:
-        load().folio_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(),
-                            out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+        fn(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+           None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n, k,
+           torch.get_num_threads())
     return out
 
 
@@ -190,17 +195,7 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int,
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         raise ValueError(f"linear_bf16w takes fp32 [..., {k}] on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(*lead, n, dtype=torch.float32)
-    bias = None if bias is None else bias.to(torch.float32).contiguous()
-    if x2.shape[0]:
-        load().folio_linear_bf16w(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                                  None if bias is None else bias.data_ptr(),
-                                  out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
-    return out
+    return _linear_call(load().folio_linear_bf16w, x, packed, n, k, bias)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
