@@ -36,6 +36,6 @@ case "$ISA" in
 esac
 cmake -S "$SRC" -B "$OUT" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DGGML_OPENMP=ON "${flags[@]}" > "$OUT.cmake.log"
-cmake --build "$OUT" --target llama-server -j "$(nproc)" > "$OUT.build.log"
+    -DGGML_OPENMP=ON "${flags[@]}" > "$OUT.cmake.log" 2>&1
+cmake --build "$OUT" --target llama-server -j "$(nproc)" > "$OUT.build.log" 2>&1 || { tail -30 "$OUT.build.log" >&2; exit 1; }
 echo "$OUT/bin/llama-server"

@@ -94,7 +94,7 @@ def drive(args, url: str, workload: list[str]) -> float:
     cmd = [*folio_cmd(args), "bench", "serve", "--base-url", url, "--seed", "0", "--json",
            *workload]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args), check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
     if result["failed"]:
         raise RuntimeError(f"{result['failed']} requests failed: {result['errors']}")
     return result["output_throughput"]
