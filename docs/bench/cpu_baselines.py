@@ -93,7 +93,9 @@ def drive(args, url: str, workload: list[str]) -> float:
     """Output tok/s of one workload against the server at url."""
     cmd = [*folio_cmd(args), "bench", "serve", "--base-url", url, "--seed", "0", "--json",
            *workload]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args), check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args))
+    if done.returncode:
+        raise RuntimeError(f"bench serve failed: {(done.stderr or done.stdout)[-1500:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
     if result["failed"]:
         raise RuntimeError(f"{result['failed']} requests failed: {result['errors']}")
@@ -118,8 +120,8 @@ def serve(args, name: str, cmd: list[str], port: int, log: Path, startup: float 
             return rates
         except (RuntimeError, subprocess.CalledProcessError) as e:
             out.flush()
-            tail = log.read_text()[-3000:]
-            print(f"  {name} FAILED: {e}\n{tail}", flush=True)
+            tail = log.read_text()[-1500:]
+            print(f"  {name} FAILED: {e}\n  its log ends:\n{tail}", flush=True)
             return {"error": str(e)}
         finally:
             proc.terminate()
