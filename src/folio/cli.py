@@ -75,6 +75,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(gloo on CPU)")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                    help="how tensor-parallel workers start: mp (local processes) or ray")
+    g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="the weights' format (default: what the checkpoint's "
+                        "quantization_config says, else plain weights: none)")
+    g.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
+                        "default: the first of these that runs on the device and dtype")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -87,7 +93,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 scheduling_policy=args.scheduling_policy,
                 tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend,
+                quantization=args.quantization, attention_backend=args.attention_backend)
 
 
 # (flag, type, metavar, help); each dest is the SamplingParams field of the same name.

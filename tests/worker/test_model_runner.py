@@ -18,7 +18,7 @@ def test_blocks_to_copy_run_before_the_forward(tiny):
     in every layer, and a sequence reading the copy gets the same next token."""
     llm = LLM(tiny, dtype="float32", num_kv_blocks=8, block_size=4)
     runner = llm.engine.executor.runner
-    greedy = SamplingInfo(0.0, 0, 1.0, 0)
+    greedy = SamplingInfo(SamplingParams(temperature=0))
     prompt = [5, 6, 7, 8, 9, 10, 11]       # 2 blocks: [0, 1]
     first = runner.execute(SchedulerOutput(seqs=[ScheduledSeq(
         seq_id=100, token_ids=prompt, start_pos=0, new_block_ids=[0, 1], block_ids=[0, 1],

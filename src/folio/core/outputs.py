@@ -9,30 +9,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from folio.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class SamplingInfo:
-    """What the runner needs to sample for a sequence; sent when it (re)starts."""
+    """What the runner needs to sample for a sequence; sent when it (re)starts:
+    the request's SamplingParams as they are (one source of truth for the
+    sampling fields: a new one needs no copy here), and what is this sequence's
+    own."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: Optional[int] = None          # top-k logprobs wanted per sampled token
-    prompt_logprobs: Optional[int] = None   # top-k logprobs wanted per prompt token
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
-    min_tokens: int = 0
-    min_tokens_banned: tuple[int, ...] = ()    # EOS and stop ids, masked before min_tokens
+    params: SamplingParams
+    seed: int = 0                              # this sequence's generator seed
     num_prompt_tokens: int = 0                 # where the sequence's output starts
+    min_tokens_banned: tuple[int, ...] = ()    # EOS and stop ids, masked before min_tokens
+
+    @property
+    def temperature(self) -> float:
+        """0 for greedy rows (a temperature below the greedy threshold included)."""
+        return 0.0 if self.params.greedy else self.params.temperature
 
     @property
     def needs_history(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1 or self.min_tokens > 0)
+        p = self.params
+        return (p.presence_penalty != 0 or p.frequency_penalty != 0
+                or p.repetition_penalty != 1 or p.min_tokens > 0)
 
 
 @dataclass

@@ -12,11 +12,7 @@ def sampling_info(req: Request, seq: Sequence) -> SamplingInfo:
     p = req.params
     banned = () if not p.min_tokens else tuple(sorted(
         set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))))
-    return SamplingInfo(
-        0.0 if p.greedy else p.temperature, p.top_k, p.top_p, seq.seed, p.logprobs,
-        p.prompt_logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-        p.min_p, tuple(sorted(p.logit_bias.items())) if p.logit_bias else None,
-        p.min_tokens, banned, seq.num_prompt_tokens)
+    return SamplingInfo(p, seq.seed, seq.num_prompt_tokens, banned)
 
 
 def prompt_targets(req: Request, seq: Sequence, start: int, num_new: int):

@@ -4,7 +4,9 @@ The engine steps in its own thread. Requests and aborts reach it through a
 command queue; outputs go back to each request's asyncio.Queue with
 `loop.call_soon_threadsafe` (asyncio queues are not thread-safe). Only this
 thread touches the scheduler, so the engine core could later move to its own
-process behind the same three calls: generate, abort, shutdown.
+process behind the same interface: AsyncLLMEngine is the EngineClient
+(`engine/protocol.py`) the server holds, and after each step it sends a
+StepStats message, never itself, to the metrics callback.
 """
 
 from __future__ import annotations
@@ -15,25 +17,21 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
+from folio.config import ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.llm_engine import LLMEngine
+from folio.engine.protocol import (EngineClient, EngineDeadError, Params, RequestFailedError,
+                                   StepCallback, ValidatedPrompt)
 from folio.outputs import RequestOutput
-from folio.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from folio.tokenizer import Tokenizer
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError"]
 
 logger = logging.getLogger("folio")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an internal error; the server must report 503."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside an engine step (its inputs could not be prepared
-    or sampled); it was aborted and its blocks freed, and the engine goes on
-    serving the others. Not the client's fault as far as validation could tell,
-    so the server answers 500 for that request alone."""
 
 
 @dataclass
@@ -41,14 +39,13 @@ class _Add:
     request_id: str
     prompt: Optional[str]
     prompt_ids: list[int]
-    params: Union[SamplingParams, BeamSearchParams]
+    params: Params
     arrival_time: float
     priority: int
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine,
-                 on_step: Optional[Callable[[LLMEngine, list[RequestOutput]], None]] = None,
+class AsyncLLMEngine(EngineClient):
+    def __init__(self, engine: LLMEngine, on_step: Optional[StepCallback] = None,
                  on_dead: Optional[Callable[[BaseException], None]] = None):
         self.engine = engine
         self.on_step = on_step            # called in the engine thread after every step
@@ -67,25 +64,60 @@ class AsyncLLMEngine:
     def is_dead(self) -> bool:
         return self.error is not None or not self._thread.is_alive()
 
+    def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError("the engine has stopped")
+
+    # What a front end may read: fixed once the engine is built, so safe from any thread.
+    @property
+    def tokenizer(self) -> "Tokenizer":
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.config.scheduler.scheduling_policy
+
+    def check_kv_cache(self) -> None:
+        self.engine.check_kv_cache()
+
+    def validate(self, prompt_ids: list[int], params: Params) -> ValidatedPrompt:
+        """The input processor's checks, on the caller's thread (it reads only the
+        frozen config), so a bad request fails before anything is queued."""
+        processor = self.engine.input_processor
+        if isinstance(params, BeamSearchParams):
+            processor.validate_beam(prompt_ids, params)
+        else:
+            processor.validate(prompt_ids, params)
+        return ValidatedPrompt(prompt_ids, params)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int],
-                       params: Union[SamplingParams, BeamSearchParams],
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: Params, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs until the finished one. Leaving the iteration
-        early (client gone, task cancelled) aborts the request."""
-        if self.is_dead:
-            raise EngineDeadError("the engine has stopped")
-        if not isinstance(params, BeamSearchParams):
-            self.engine.input_processor.validate(prompt_ids, params)   # ValueError -> 400
+        early (client gone, task cancelled) aborts the request. Prompts that
+        `validate` returned for these params are not checked again; the engine
+        thread never checks (the request reaches it validated)."""
+        self.check_health()
+        if not (isinstance(prompt_ids, ValidatedPrompt) and prompt_ids.validates(params)):
+            self.validate(prompt_ids, params)                 # ValueError -> 400
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, outputs)
-        self._send(_Add(request_id, prompt, prompt_ids, params, time.monotonic(), priority))
+        self._send(_Add(request_id, prompt, list(prompt_ids), params, time.monotonic(),
+                        priority))
         finished = False
         try:
             while True:
@@ -127,7 +159,7 @@ class AsyncLLMEngine:
                 # Metrics first: a client that reads /metrics after its answer
                 # must find that answer counted.
                 if self.on_step is not None and (stepped or aborted):
-                    self.on_step(self.engine, aborted + outputs)
+                    self.on_step(self.engine.step_stats(), aborted + outputs)
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 if not stepped and not aborted:
@@ -165,8 +197,9 @@ class AsyncLLMEngine:
                 return
         add = (self.engine.add_beam_request if isinstance(c.params, BeamSearchParams)
                else self.engine.add_tokenized_request)
-        try:
-            add(c.request_id, c.prompt, c.prompt_ids, c.params, c.arrival_time, c.priority)
+        try:         # generate() validated it; what can fail here is the cache and the id
+            add(c.request_id, c.prompt, c.prompt_ids, c.params, c.arrival_time, c.priority,
+                validated=True)
         except ValueError as e:
             self._deliver(c.request_id, e)
 

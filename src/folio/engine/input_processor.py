@@ -1,7 +1,9 @@
 """Prompts and chats -> token ids -> a validated Request.
 
 Every check runs here, before the request reaches the scheduler, so a bad
-input raises a ValueError a user understands and takes no block.
+input raises a ValueError a user understands and takes no block. Each request
+is checked once: a caller that validated already (the async engine, for the
+server) says so to `make_request`, which then only builds.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import random
 from typing import Any, Optional, Union
 
 from folio.config import FolioConfig
+from folio.core.beam import BeamSearchParams
 from folio.request import Request, Sequence, next_seq_id
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
@@ -72,9 +75,27 @@ class InputProcessor:
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {limit}: "
                 f"it must leave room for at least one generated token")
 
+    def validate_beam(self, prompt_ids: list[int], params: BeamSearchParams) -> None:
+        """A beam search's checks: its width against max_logprobs, then those of
+        the greedy sampling it runs."""
+        if 2 * params.beam_width > self.config.max_logprobs:
+            raise ValueError(f"beam_width {params.beam_width} ranks the top {2 * params.beam_width}"
+                             f" tokens of every beam, more than max_logprobs "
+                             f"({self.config.max_logprobs}; --max-logprobs raises it)")
+        self.validate(prompt_ids, self.beam_sampling(params))
+
+    @staticmethod
+    def beam_sampling(params: BeamSearchParams) -> SamplingParams:
+        """Greedy steps that report each beam's top 2W logprobs."""
+        return SamplingParams(temperature=0, max_tokens=params.max_tokens,
+                              logprobs=2 * params.beam_width, ignore_eos=params.ignore_eos)
+
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
-        self.validate(prompt_ids, params)
+                     arrival_time: Optional[float] = None, priority: int = 0,
+                     validated: bool = False) -> Request:
+        """`validated`: the caller ran `validate` on these very ids and params."""
+        if not validated:
+            self.validate(prompt_ids, params)
         seqs = []
         for i in range(params.n):
             # The i-th sample of a seeded request is reproducible on its own.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional, Sequence, Union
 
-from folio.config import FolioConfig
+from folio.engine.config_builder import build_config
 from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.logger import configure_logging
@@ -30,9 +30,10 @@ class LLM:
                  device: Optional[str] = None, tensor_parallel_size: int = 1,
                  max_logprobs: int = 20, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp"):
+                 scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp",
+                 quantization: Optional[str] = None, attention_backend: Optional[str] = None):
         configure_logging()
-        config = FolioConfig.build(
+        config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
             block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -42,7 +43,8 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             scheduling_policy=scheduling_policy,
-            distributed_executor_backend=distributed_executor_backend)
+            distributed_executor_backend=distributed_executor_backend,
+            quantization=quantization, attention_backend=attention_backend)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -75,13 +77,13 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
-        for _, ids in tokenized:
-            self.engine.input_processor.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+        for _, ids in tokenized:      # every prompt checked once, before any is added
+            self.engine.input_processor.validate_beam(ids, params)
         order = []
         try:
             for text, ids in tokenized:
                 rid = str(next(self._ids))
-                self.engine.add_beam_request(rid, text, ids, params)
+                self.engine.add_beam_request(rid, text, ids, params, validated=True)
                 order.append(rid)
         except ValueError:
             self.engine.abort_request(order)
@@ -122,7 +124,8 @@ class LLM:
             for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
                 rid = str(next(self._ids))
                 self.engine.add_tokenized_request(rid, text, ids, params,
-                                                  priority=priority[i] if priority else 0)
+                                                  priority=priority[i] if priority else 0,
+                                                  validated=True)
                 order.append(rid)
         except ValueError:          # e.g. a request larger than the whole cache
             self.engine.abort_request(order)

@@ -10,10 +10,12 @@ import logging
 from typing import Optional
 
 from folio.config import FolioConfig
+from folio.engine.config_builder import build_config
 from folio.core.beam import BeamSearchParams, BeamState
 from folio.core.scheduler import Scheduler
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor
+from folio.engine.stats import StepStats
 from folio.outputs import RequestOutput
 from folio.request import Request
 from folio.sampling_params import SamplingParams
@@ -42,7 +44,7 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, model: Optional[str] = None, **kwargs) -> "LLMEngine":
-        return cls(FolioConfig.build(model, **kwargs))
+        return cls(build_config(model, **kwargs))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
@@ -51,25 +53,25 @@ class LLMEngine:
 
     def add_tokenized_request(self, request_id: str, prompt_text: Optional[str],
                               prompt_ids: list[int], params: SamplingParams,
-                              arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+                              arrival_time: Optional[float] = None, priority: int = 0,
+                              validated: bool = False) -> Request:
+        """`validated`: the input processor already checked these ids and params."""
         request = self.input_processor.make_request(request_id, prompt_ids, params,
-                                                    arrival_time, priority)
+                                                    arrival_time, priority, validated)
         self.scheduler.add_request(request)
         self.output_processor.add_request(request, prompt_text)
         return request
 
     def add_beam_request(self, request_id: str, prompt_text: Optional[str],
                          prompt_ids: list[int], params: BeamSearchParams,
-                         arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+                         arrival_time: Optional[float] = None, priority: int = 0,
+                         validated: bool = False) -> Request:
         """A beam search: greedy steps that report each beam's top 2W logprobs."""
-        if 2 * params.beam_width > self.config.max_logprobs:
-            raise ValueError(f"beam_width {params.beam_width} ranks the top {2 * params.beam_width}"
-                             f" tokens of every beam, more than max_logprobs "
-                             f"({self.config.max_logprobs}; --max-logprobs raises it)")
-        sampling = SamplingParams(temperature=0, max_tokens=params.max_tokens,
-                                  logprobs=2 * params.beam_width, ignore_eos=params.ignore_eos)
+        if not validated:
+            self.input_processor.validate_beam(prompt_ids, params)
+        sampling = self.input_processor.beam_sampling(params)
         request = self.input_processor.make_request(request_id, prompt_ids, sampling,
-                                                    arrival_time, priority)
+                                                    arrival_time, priority, validated=True)
         max_len = min(len(prompt_ids) + params.max_tokens, self.config.max_model_len)
         request.beam = BeamState(params, len(prompt_ids), max_len)
         self.scheduler.add_request(request)
@@ -94,6 +96,33 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing done) while requests hold blocks."""
         return self.scheduler.kv.pool.reset_prefix_cache()
+
+    def step_stats(self) -> StepStats:
+        """The scheduler's numbers after a step, as a message (engine thread only)."""
+        sched = self.scheduler
+        return StepStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                         kv_cache_usage=sched.kv.usage(), kv_cache_waste=sched.waste.last,
+                         num_preemptions=sched.num_preemptions,
+                         prefix_cache_queries=sched.prefix_cache_queries,
+                         prefix_cache_hits=sched.prefix_cache_hits)
+
+    def check_kv_cache(self) -> None:
+        """The KV cache must hold one sequence of max_model_len tokens: a smaller one
+        would refuse the longest requests forever, so a server must not start on it
+        (as in vLLM). The error says what to give instead."""
+        from folio.worker.kv_cache import bytes_per_block
+        config = self.config
+        size, have, limit = config.cache.block_size, self.num_blocks, config.max_model_len
+        need = -(-limit // size)
+        if have >= need:
+            return
+        heads = max(1, config.model.num_key_value_heads // config.parallel.tensor_parallel_size)
+        need_bytes = need * bytes_per_block(config, heads)
+        raise ValueError(
+            f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
+            f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "
+            f"({need_bytes} bytes): give --num-kv-blocks {need} or --kv-cache-memory-bytes "
+            f"{need_bytes} or more, or a smaller --max-model-len")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

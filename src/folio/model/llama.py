@@ -12,28 +12,36 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.model.attention.backend import get_attention_backend
+from folio.model.attention.backend import AttentionBackend
 from folio.model.attention.metadata import AttentionMetadata
+from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from folio.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                       RowParallelLinear, prepack)
+                                       RowParallelLinear, process_weights_after_loading)
 from folio.model.layers.norm import RMSNorm
+from folio.model.layers.quantization.base import QuantizationConfig
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.model.native.decoder import NativeDecoder
+from folio.model.weight_loading import load_model_weights
+
+Quant = Optional[QuantizationConfig]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend: type[AttentionBackend],
+                 quant: Quant = None, prefix: str = ""):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, cfg.attention_bias, dtype)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, dtype)
+                                          cfg.num_key_value_heads, cfg.attention_bias, dtype,
+                                          quant, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, dtype,
+                                        quant, f"{prefix}.o_proj")
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
-        self.attn = get_attention_backend(device)(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        self.attn = backend(self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
@@ -48,23 +56,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: Quant = None,
+                 prefix: str = ""):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu)")
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, quant,
+            f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype,
+                                           quant, f"{prefix}.down_proj")
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, backend, quant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, dtype, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -77,15 +88,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, backend, quant,
+                                                      f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.native_decoder: NativeDecoder | None = None    # set once the weights are packed
+        self.native_decoder: NativeDecoder | None = None    # see build_native_decoder
 
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden, residual = self.embed_tokens(input_ids), None
@@ -99,20 +111,21 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-# checkpoint name part -> (our parameter name part, shard id)
-_STACKED = {
-    ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str):
+    # checkpoint names -> our fused parameters (with each shard's id)
+    packed_modules_mapping = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str,
+                 quant_config: Quant = None,
+                 attn_backend: Optional[type[AttentionBackend]] = None):
         super().__init__()
         self.config = cfg
-        self.weight_dtype: Optional[str] = None    # set before load_weights: see FolioConfig
-        self.model = LlamaModel(cfg, dtype, device)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.attn_backend = attn_backend or get_attention_backend(device, dtype)
+        self.model = LlamaModel(cfg, dtype, self.attn_backend, quant_config)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -122,28 +135,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads this rank caches (what the KV cache is sized by)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    def ignored_checkpoint_names(self) -> tuple[str, ...]:
+        return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for part, (ours, shard_id) in _STACKED.items():
-                if part in name:
-                    target, shard = name.replace(part, ours), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor.to(param.dtype))
-            else:
-                loader(param, tensor, shard)
-            loaded.add(target)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
-        prepack(self, self.weight_dtype)
+        """Load, then let every weight method prepare its tensors."""
+        load_model_weights(self, weights)
+        process_weights_after_loading(self)
+
+    def build_native_decoder(self) -> None:
+        """Run every decoder layer of a step in one native call where each
+        layer's weight method and attention report what that call needs
+        (native/decoder.py); otherwise the modules run."""
         self.model.native_decoder = NativeDecoder.build(list(self.model.layers))

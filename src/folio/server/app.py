@@ -6,7 +6,9 @@ later, is fatal: ServerState reports it once through `on_fatal`, and the CLI
 ends the process with a non-zero status (an orchestrator then sees the failure
 instead of an unhealthy process). Bad input is always a 400 in OpenAI's error
 shape; 500 is kept for real internal faults (a request the engine failed
-alone), since clients retry 5xx.
+alone), since clients retry 5xx. The loaded engine is wrapped once in an
+AsyncLLMEngine, and from then on the server sees only its EngineClient
+interface (`engine/protocol.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from folio import __version__
-from folio.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from folio.engine.async_engine import AsyncLLMEngine
+from folio.engine.protocol import EngineDeadError, RequestFailedError, default_model
 from folio.errors import is_expected_error
 from folio.server import openapi
 from folio.server.chat import create_chat_completion, render_chat_ids
@@ -69,16 +72,14 @@ class ServerState:
 
     def load(self) -> None:
         try:
-            llm_engine = self._load_engine()
-            try:
-                check_kv_cache(llm_engine)
-            except ValueError:
-                llm_engine.shutdown()               # tensor-parallel workers go too
-                raise
-            engine = AsyncLLMEngine(llm_engine, on_step=self.metrics.on_step,
+            engine = AsyncLLMEngine(self._load_engine(), on_step=self.metrics.on_step,
                                     on_dead=self._engine_died)
+            try:
+                engine.check_kv_cache()
+            except ValueError:
+                engine.shutdown()                   # tensor-parallel workers go too
+                raise
             self.served = ServedModel(engine, self.config.served_model_name,
-                                      llm_engine.config.max_model_len,
                                       self.config.trust_request_chat_template)
             logger.info("serving %s", self.config.served_model_name)
         except BaseException as e:       # noqa: BLE001 - every failure ends the process
@@ -100,27 +101,11 @@ class ServerState:
         if self.served is None:
             raise HTTPError(503, "the model is still loading" if self.load_error is None
                             else f"the model failed to load: {self.load_error}")
-        if self.served.engine.is_dead:
-            raise HTTPError(503, "the engine has stopped")
+        try:
+            self.served.engine.check_health()
+        except EngineDeadError as e:
+            raise HTTPError(503, str(e)) from e
         return self.served
-
-
-def check_kv_cache(llm_engine) -> None:
-    """The KV cache must hold one sequence of max_model_len tokens: a smaller one would
-    refuse the longest requests forever, so it fails the start, as in vLLM."""
-    from folio.worker.kv_cache import bytes_per_block
-    config = llm_engine.config
-    size, have, limit = config.cache.block_size, llm_engine.num_blocks, config.max_model_len
-    need = -(-limit // size)
-    if have >= need:
-        return
-    heads = max(1, config.model.num_key_value_heads // config.parallel.tensor_parallel_size)
-    need_bytes = need * bytes_per_block(config, heads)
-    raise ValueError(
-        f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
-        f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "
-        f"({need_bytes} bytes): give --num-kv-blocks {need} or --kv-cache-memory-bytes "
-        f"{need_bytes} or more, or a smaller --max-model-len")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -256,7 +241,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401, 503))
     async def models():
         served = state.ready()
-        root = served.engine.engine.config.model.path
+        root = served.engine.model_config.path
         return JSONResponse({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": now(), "owned_by": "folio",
             "root": root, "parent": None, "max_model_len": served.max_model_len}]})
@@ -298,7 +283,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(req: DetokenizeRequest):
         served = state.ready()
         served.check_model(req.model)
-        vocab = served.engine.engine.config.model.vocab_size
+        vocab = served.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise HTTPError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
@@ -307,7 +292,6 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def served_name_for(model: Optional[str]) -> str:
-    from folio.model.loader import DEFAULT_MODEL
     if model is None:
-        return DEFAULT_MODEL
+        return default_model()
     return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model

@@ -126,8 +126,7 @@ async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest
     served.check_model(req.model)
     served.check_priority(req.priority)
     ids = await asyncio.to_thread(render_chat_ids, served, req.messages, req.template_kwargs())
-    call = _call(served, req, ids)
-    served.engine.engine.input_processor.validate(call.prompt_ids, call.params)
+    [call] = served.validated([_call(served, req, ids)])
     if req.stream:
         return StreamingResponse(_stream(served, req, call, now()),
                                  media_type="text/event-stream")

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from folio.core.beam import BeamSearchParams
+from folio.engine.protocol import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import CompletionRequest, now, random_id
 from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, choice_usage,
@@ -197,10 +197,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
     served.check_model(req.model)
     served.check_priority(req.priority)
-    calls = _calls(served, req, await _prompts(served, req.prompt))
-    for c in calls:    # every prompt checked before any runs
-        if not req.use_beam_search:
-            served.engine.engine.input_processor.validate(c.prompt_ids, c.params)
+    calls = served.validated(_calls(served, req, await _prompts(served, req.prompt)))
     if req.stream:
         return StreamingResponse(_stream(served, req, calls, now()),
                                  media_type="text/event-stream")

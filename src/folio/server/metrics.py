@@ -1,14 +1,16 @@
 """Prometheus metrics, named as vLLM's under `folio:` and labelled `model_name`.
 
 One registry per app (never the global one), updated from the engine thread
-after every step. `folio:num_requests_waiting` is the queue length to
-autoscale on.
+after every step from the engine's StepStats message (the server never reads
+the scheduler). `folio:num_requests_waiting` is the queue length to autoscale
+on.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from folio.engine.protocol import StepStats
 from folio.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -59,17 +61,16 @@ class ServerMetrics:
         self._seen: dict[str, tuple[int, float]] = {}   # request id -> (tokens, last time)
         self._preemptions_seen = 0
 
-    def on_step(self, engine, outputs: list[RequestOutput]) -> None:
-        """Engine thread, after each step."""
-        sched = engine.scheduler
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
-        self.kv_usage.set(sched.kv.usage())
-        self.kv_waste.set(sched.waste.last)
-        if sched.num_preemptions > self._preemptions_seen:
-            self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = sched.num_preemptions
-        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each step: gauges set, the totals' growth counted."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_waste.set(stats.kv_cache_waste)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.cache_queries.inc(max(0, queries - self._cache_seen[0]))
         self.cache_hits.inc(max(0, hits - self._cache_seen[1]))
         self._cache_seen = (queries, hits)

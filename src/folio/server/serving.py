@@ -2,6 +2,10 @@
 running several engine requests for one HTTP request, streaming them as
 server-sent events, and aborting everything when the client goes away.
 
+The engine is an EngineClient (`engine/protocol.py`) and nothing more: the
+handlers validate through it, generate through it, and read the tokenizer and
+limits from it.
+
 An error keeps its status on both paths: before a stream starts it is the
 response's status; after, it is an error event (then [DONE]). A request the
 engine failed alone (RequestFailedError) is a 500 for that request only; a
@@ -11,6 +15,7 @@ stopped engine (EngineDeadError) is a 503.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -18,7 +23,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from folio.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from folio.engine.protocol import EngineClient, EngineDeadError, Params
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.server.protocol import error_body
@@ -35,14 +40,17 @@ class HTTPError(Exception):
 
 @dataclass
 class ServedModel:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     name: str
-    max_model_len: int
     trust_request_chat_template: bool = False   # run templates that requests send
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def check_model(self, requested: Optional[str]) -> None:
         if requested is not None and requested != self.name:
@@ -50,7 +58,7 @@ class ServedModel:
 
     def check_priority(self, priority: int) -> None:
         """Under fcfs the scheduler never reads a priority: refuse one rather than ignore it."""
-        if priority != 0 and self.engine.engine.config.scheduler.scheduling_policy != "priority":
+        if priority != 0 and self.engine.scheduling_policy != "priority":
             raise HTTPError(400, "priority needs a server started with --scheduling-policy "
                                  "priority", "priority")
 
@@ -74,13 +82,19 @@ class ServedModel:
                             "max_tokens")
         return asked
 
+    def validated(self, calls: list["EngineCall"]) -> list["EngineCall"]:
+        """Every call checked by the engine before any runs, so a bad one is a 400
+        before a stream starts; the engine takes the checked prompts as they are."""
+        return [dataclasses.replace(c, prompt_ids=self.engine.validate(c.prompt_ids, c.params))
+                for c in calls]
+
 
 @dataclass
 class EngineCall:
     request_id: str
     prompt: Optional[str]
     prompt_ids: list[int]
-    params: SamplingParams
+    params: Params
     priority: int = 0
 
 

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import torch
 
+import math
+from typing import Optional
+
 from folio.config import FolioConfig
-from folio.model.attention.backend import kv_cache_shape
+from folio.model.attention.backend import AttentionBackend
+from folio.model.attention.torch_backend import TorchAttentionBackend
 
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
 CUDA_DEFAULT_FRACTION = 0.5             # of the memory free after loading the model
 
 
-def bytes_per_block(config: FolioConfig, num_kv_heads: int) -> int:
-    m = config.model
+def _shape(config: FolioConfig, num_blocks: int, num_kv_heads: int,
+           backend: Optional[type[AttentionBackend]]) -> tuple[int, ...]:
+    """One layer's cache, in the layout of the backend that reads it."""
+    backend = backend or TorchAttentionBackend
+    return backend.get_kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads,
+                                      config.model.head_dim)
+
+
+def bytes_per_block(config: FolioConfig, num_kv_heads: int,
+                    backend: Optional[type[AttentionBackend]] = None) -> int:
     elem = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-    return 2 * m.num_hidden_layers * config.cache.block_size * num_kv_heads * m.head_dim * elem
+    return config.model.num_hidden_layers * math.prod(
+        _shape(config, 1, num_kv_heads, backend)) * elem
 
 
 def kv_memory_budget(config: FolioConfig) -> int:
@@ -26,19 +39,20 @@ def kv_memory_budget(config: FolioConfig) -> int:
     return CPU_DEFAULT_KV_BYTES
 
 
-def num_kv_blocks(config: FolioConfig, num_kv_heads: int) -> int:
+def num_kv_blocks(config: FolioConfig, num_kv_heads: int,
+                  backend: Optional[type[AttentionBackend]] = None) -> int:
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    n = kv_memory_budget(config) // bytes_per_block(config, num_kv_heads)
+    n = kv_memory_budget(config) // bytes_per_block(config, num_kv_heads, backend)
     if n < 1:
         raise ValueError("kv_cache_memory_bytes is too small to hold a single KV block")
     return n
 
 
-def allocate_kv_caches(config: FolioConfig, num_blocks: int, num_kv_heads: int) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, Hkv, D] tensor per layer, allocated once."""
-    m = config.model
-    shape = kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads, m.head_dim)
+def allocate_kv_caches(config: FolioConfig, num_blocks: int, num_kv_heads: int,
+                       backend: Optional[type[AttentionBackend]] = None) -> list[torch.Tensor]:
+    """One tensor per layer in the backend's layout, allocated once."""
+    shape = _shape(config, num_blocks, num_kv_heads, backend)
     dtype = getattr(torch, config.dtype)
     return [torch.zeros(shape, dtype=dtype, device=config.device)
-            for _ in range(m.num_hidden_layers)]
+            for _ in range(config.model.num_hidden_layers)]

@@ -15,7 +15,8 @@ import torch
 
 from folio.config import FolioConfig, cpu_count
 from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
-from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
+from folio.model.attention.backend import StepDescription
+from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
@@ -40,12 +41,16 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
-        self.model = build_model(config.model, self.dtype, config.device)
-        self.model.weight_dtype = config.weight_dtype
+        self.attn_backend = get_attention_backend(config.device, self.dtype,
+                                                  config.attention_backend)
+        self.model = build_model(config.model, self.dtype, config.device, config.weight_dtype,
+                                 self.attn_backend)
         self.model.load_weights(iter_weights(config.model))
-        num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
-        self.num_blocks = num_kv_blocks(config, num_kv_heads)
-        self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads)
+        self.model.build_native_decoder()
+        num_kv_heads = self.model.num_kv_heads_per_rank
+        self.num_blocks = num_kv_blocks(config, num_kv_heads, self.attn_backend)
+        self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads,
+                                            self.attn_backend)
         self.states: dict[int, SeqState] = {}
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
@@ -167,7 +172,7 @@ class ModelRunner:
         ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
         tops = []
         for i, seq_id in enumerate(seq_ids):
-            k = self.states[seq_id].sampling.logprobs
+            k = self.states[seq_id].sampling.params.logprobs
             tops.append(None if k is None else list(zip(ids[i][:k], lps[i][:k])))
         return tops
 
@@ -193,7 +198,7 @@ class ModelRunner:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
         targets = torch.tensor([t for _, t in picks], device=self.device)
         chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
-        k = self.states[s.seq_id].sampling.prompt_logprobs or 0
+        k = self.states[s.seq_id].sampling.params.prompt_logprobs or 0
         if k:
             top_lps, top_ids = logprobs.topk(k, dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lps.tolist())]
@@ -225,9 +230,8 @@ class ModelRunner:
 
     def _prepare(self, ordered: list[ScheduledSeq]):
         bs = self.block_size
-        ids, pos, slots, last_rows, prefills, tables = [], [], [], [], [], []
-        num_decodes = 0
-        row = 0
+        ids, pos, slots, last_rows, tables = [], [], [], [], []
+        num_decodes = row = 0
         for s in ordered:
             n = len(s.token_ids)
             table = np.asarray(self.states[s.seq_id].block_table, dtype=np.int64)
@@ -236,26 +240,16 @@ class ModelRunner:
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
-            if n == 1:
-                num_decodes += 1
-            else:
-                prefills.append(PrefillSpan(row, n, s.start_pos,
-                                            torch.from_numpy(table).to(self.device)))
+            num_decodes += n == 1          # decodes come first
             row += n
             last_rows.append(row - 1)
-        padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = t
         positions = np.concatenate(pos)
-        lens = [len(s.token_ids) for s in ordered]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)), num_decodes=num_decodes,
-            prefills=prefills, block_tables=self._tensor(padded),
-            token_rows=self._tensor(np.repeat(np.arange(len(ordered), dtype=np.int64), lens)),
-            context_lens=self._tensor(positions + 1))
-        if num_decodes:      # decodes come first: the first rows and tokens
-            meta.decode_block_tables = meta.block_tables[:num_decodes]
-            meta.decode_context_lens = meta.context_lens[:num_decodes]
+        step = StepDescription(
+            query_lens=[len(s.token_ids) for s in ordered],
+            start_positions=[s.start_pos for s in ordered], block_tables=tables,
+            slot_mapping=np.concatenate(slots), positions=positions, num_decodes=num_decodes,
+            device=self.device)
+        meta = self.attn_backend.build_metadata(step)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, self._tensor(positions), meta, last_rows
 
@@ -264,31 +258,33 @@ class ModelRunner:
 
     def _sampling_batch(self, seq_ids: list[int]) -> SamplingBatch:
         infos = [self.states[seq_id].sampling for seq_id in seq_ids]
+        params = [i.params for i in infos]
         vocab = self.model.config.vocab_size
-        top_k = [min(i.top_k, vocab) if i.top_k > 0 else vocab for i in infos]
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         f32 = dict(dtype=torch.float32, device=self.device)
         return SamplingBatch(
             temperature=torch.tensor([i.temperature for i in infos], **f32),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
-            top_p=torch.tensor([i.top_p for i in infos], **f32),
+            top_p=torch.tensor([p.top_p for p in params], **f32),
             generators=[self.states[seq_id].generator for seq_id in seq_ids],
             all_greedy=all(i.temperature == 0 for i in infos),
             needs_top_k=any(k < vocab for k in top_k),
-            needs_top_p=any(i.top_p < 1.0 for i in infos),
-            max_logprobs=max((i.logprobs or 0) for i in infos),
+            needs_top_p=any(p.top_p < 1.0 for p in params),
+            max_logprobs=max((p.logprobs or 0) for p in params),
             adjust=self._adjustments(seq_ids, infos, vocab),
-            min_p=(torch.tensor([i.min_p for i in infos], **f32)
-                   if any(i.min_p > 0 for i in infos) else None))
+            min_p=(torch.tensor([p.min_p for p in params], **f32)
+                   if any(p.min_p > 0 for p in params) else None))
 
     def _adjustments(self, seq_ids, infos, vocab: int) -> Optional[LogitAdjustments]:
         """Penalty, bias and min_tokens inputs; None when no row uses any."""
-        if not any(i.needs_history or i.logit_bias for i in infos):
+        if not any(i.needs_history or i.params.logit_bias for i in infos):
             return None
         f32 = dict(dtype=torch.float32, device=self.device)
         n = len(infos)
         counts = torch.zeros(n, vocab, **f32)
         seen = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
-        bias = torch.zeros(n, vocab, **f32) if any(i.logit_bias for i in infos) else None
+        bias = (torch.zeros(n, vocab, **f32) if any(i.params.logit_bias for i in infos)
+                else None)
         banned = None
         for row, (seq_id, info) in enumerate(zip(seq_ids, infos)):
             history = self.states[seq_id].history or []
@@ -298,17 +294,18 @@ class ModelRunner:
                 counts[row].index_add_(0, ids, torch.ones(len(outputs), **f32))
             if history:
                 seen[row, torch.tensor(history, device=self.device)] = True
-            if info.logit_bias:
-                tokens, values = zip(*info.logit_bias)
+            if info.params.logit_bias:
+                tokens, values = zip(*info.params.logit_bias.items())
                 bias[row, torch.tensor(tokens, device=self.device)] = torch.tensor(values, **f32)
-            if info.min_tokens and len(outputs) < info.min_tokens and info.min_tokens_banned:
+            min_tokens = info.params.min_tokens
+            if min_tokens and len(outputs) < min_tokens and info.min_tokens_banned:
                 if banned is None:
                     banned = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
                 banned[row, torch.tensor(info.min_tokens_banned, device=self.device)] = True
         return LogitAdjustments(
-            presence=torch.tensor([i.presence_penalty for i in infos], **f32),
-            frequency=torch.tensor([i.frequency_penalty for i in infos], **f32),
-            repetition=torch.tensor([i.repetition_penalty for i in infos], **f32),
+            presence=torch.tensor([i.params.presence_penalty for i in infos], **f32),
+            frequency=torch.tensor([i.params.frequency_penalty for i in infos], **f32),
+            repetition=torch.tensor([i.params.repetition_penalty for i in infos], **f32),
             output_counts=counts, seen=seen, bias=bias, banned=banned)
 
 

@@ -16,7 +16,6 @@ import datetime
 import importlib.machinery
 import logging
 import multiprocessing as mp
-import os
 import socket
 import sys
 from typing import Optional
@@ -76,14 +75,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_rank(config: FolioConfig, rank: int, port: int,
+def threads_per_rank(config: FolioConfig) -> int:
+    """Each rank's share of the cores (ranks on one machine)."""
+    return max(1, cpu_count() // config.parallel.tensor_parallel_size)
+
+
+def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
                master: str = "127.0.0.1") -> "ModelRunner":
     import torch
     import torch.distributed as dist
 
-    from folio.worker.parallel_state import set_tensor_parallel
+    from folio.distributed.parallel_state import set_tensor_parallel
     tp = config.parallel.tensor_parallel_size
-    torch.set_num_threads(max(1, cpu_count() // tp))
+    torch.set_num_threads(num_threads)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -91,11 +95,11 @@ def _init_rank(config: FolioConfig, rank: int, port: int,
                             world_size=tp, timeout=COLLECTIVE_TIMEOUT)
     set_tensor_parallel(rank, tp)
     from folio.worker.model_runner import ModelRunner
-    return ModelRunner(config, num_threads=max(1, cpu_count() // tp), is_driver=rank == 0)
+    return ModelRunner(config, num_threads=num_threads, is_driver=rank == 0)
 
 
-def _worker_main(config: FolioConfig, rank: int, port: int, conn) -> None:
-    runner = _init_rank(config, rank, port)
+def _worker_main(config: FolioConfig, rank: int, port: int, conn, num_threads: int) -> None:
+    runner = _init_rank(config, rank, port, num_threads)
     conn.send(runner.num_blocks)
     while True:
         try:
@@ -116,26 +120,18 @@ class MultiprocExecutor:
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.workers, self.pipes = [], []
-        # Threads per rank are fixed before torch starts in the child.
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // tp))
-        try:
-            for rank in range(1, tp):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(config, rank, port, child),
-                                   daemon=True, name=f"folio-tp{rank}")
-                with _main_not_rerun():
-                    proc.start()
-                child.close()
-                self.workers.append(proc)
-                self.pipes.append(parent)
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
-        from folio.worker.parallel_state import set_tensor_parallel
-        self.runner = _init_rank(config, 0, port)
+        threads = threads_per_rank(config)       # passed to each worker, which sets its own
+        for rank in range(1, tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(config, rank, port, child, threads),
+                               daemon=True, name=f"folio-tp{rank}")
+            with _main_not_rerun():
+                proc.start()
+            child.close()
+            self.workers.append(proc)
+            self.pipes.append(parent)
+        from folio.distributed.parallel_state import set_tensor_parallel
+        self.runner = _init_rank(config, 0, port, threads)
         # The layers keep the split they were built with; the process-wide
         # default goes back to 1 so another model in this process is unaffected.
         set_tensor_parallel(0, 1)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 
-from folio.config import FolioConfig, cpu_count
+from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
-from folio.worker.multiproc import _free_port, _init_rank, check_tensor_parallel
+from folio.worker.multiproc import (_free_port, _init_rank, check_tensor_parallel,
+                                    threads_per_rank)
 
 logger = logging.getLogger("folio")
 
@@ -22,8 +23,9 @@ logger = logging.getLogger("folio")
 class _Worker:
     """One tensor-parallel rank inside a Ray actor."""
 
-    def init(self, config: FolioConfig, rank: int, port: int, master: str) -> int:
-        self.runner = _init_rank(config, rank, port, master)
+    def init(self, config: FolioConfig, rank: int, port: int, master: str,
+             num_threads: int) -> int:
+        self.runner = _init_rank(config, rank, port, num_threads, master)
         return self.runner.num_blocks
 
     def execute(self, so: SchedulerOutput) -> None:
@@ -50,14 +52,16 @@ class RayExecutor:
         master = ("127.0.0.1" if len(ray.nodes()) == 1
                   else ray.util.get_node_ip_address())
         port = _free_port()
-        threads = str(max(1, cpu_count() // tp))
-        actor = ray.remote(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}})(
+        threads = threads_per_rank(config)
+        # passed to each actor: its OpenMP pool starts at that size, and init sets torch's
+        actor = ray.remote(num_cpus=1,
+                           runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})(
             _Worker)
         self.actors = [actor.options(name=None).remote() for _ in range(1, tp)]
-        inits = [a.init.remote(config, rank, port, master)
+        inits = [a.init.remote(config, rank, port, master, threads)
                  for rank, a in enumerate(self.actors, start=1)]
-        from folio.worker.parallel_state import set_tensor_parallel
-        self.runner = _init_rank(config, 0, port, master)
+        from folio.distributed.parallel_state import set_tensor_parallel
+        self.runner = _init_rank(config, 0, port, threads, master)
         set_tensor_parallel(0, 1)
         self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
         logger.info("tensor parallel: %d ranks, workers placed by Ray", tp)

@@ -1,22 +1,71 @@
-"""The attention backend interface and the KV cache layout it reads and writes.
+"""The attention backend interface: what a backend owns and what it is given.
 
-KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 keys, 1 values).
+A backend class owns three things, so that a new one (Triton on CUDA, say) is
+one new module plus one line in `selector.py`:
+- its KV cache layout (`get_kv_cache_shape`), which the runner allocates;
+- its metadata, built once per step from one common description of the step
+  (`StepDescription`, made by the runner from the scheduled sequences);
+- the attention itself (`forward`, on an instance made per layer).
+
+Every backend so far shares one layout per layer, [2, num_blocks, block_size,
+num_kv_heads, head_dim] (index 0 keys, 1 values), and writes the step's keys
+and values at `slot_mapping` before attending.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import numpy as np
 import torch
 
 from folio.model.attention.metadata import AttentionMetadata
 
 
+@dataclass
+class StepDescription:
+    """The step's sequences in batch order (decodes first, then prompt chunks):
+    what every backend builds its metadata from."""
+
+    query_lens: list[int]            # tokens of each sequence in this step
+    start_positions: list[int]       # tokens of each already in the cache
+    block_tables: list[np.ndarray]   # int64 block ids of each, covering start + query
+    slot_mapping: np.ndarray         # [T] int64: the KV slot each token writes
+    positions: np.ndarray            # [T] int64
+    num_decodes: int                 # the first sequences, one token each
+    device: torch.device
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
 class AttentionBackend:
+    name: ClassVar[str] = ""
+    # what the one-call native decoder needs from the attention of a layer:
+    # "paged_cpu" (native/paged_attention.c on this layout); None: not there
+    native_kind: ClassVar[Optional[str]] = None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    @classmethod
+    def supports(cls, device: str, dtype: torch.dtype) -> bool:
+        """Whether this backend runs on `device` in `dtype`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    @classmethod
+    def build_metadata(cls, step: StepDescription) -> AttentionMetadata:
+        raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -24,10 +73,11 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+def padded_tables(step: StepDescription) -> np.ndarray:
+    """[num_seqs, max_blocks] int64, 0-padded."""
+    tables = step.block_tables
+    padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    return padded
 
-
-def get_attention_backend(device: str) -> type[AttentionBackend]:
-    from folio.model.attention.torch_backend import TorchAttentionBackend
-    return TorchAttentionBackend

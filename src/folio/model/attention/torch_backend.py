@@ -1,5 +1,4 @@
-"""Portable paged attention in plain PyTorch, and the native CPU kernel where
-it is built (every token of the step in one call, see native/paged_attention.c).
+"""Portable paged attention in plain PyTorch ("TORCH_SDPA"): any device, any dtype.
 
 Decodes run batched with no per-sequence Python loop: keys and values are
 gathered through the block tables into a padded [B, max_context] view and
@@ -12,25 +11,49 @@ its first query).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
-from folio.model.attention.backend import AttentionBackend
+from folio.model.attention.backend import AttentionBackend, StepDescription, padded_tables
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+    name = "TORCH_SDPA"
+
+    @classmethod
+    def supports(cls, device, dtype):
+        return True
+
+    @classmethod
+    def build_metadata(cls, step: StepDescription) -> AttentionMetadata:
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(step.device)
+        d, prefills, row = step.num_decodes, [], 0
+        for i, (n, start) in enumerate(zip(step.query_lens, step.start_positions)):
+            if i >= d:
+                prefills.append(PrefillSpan(row, n, start, tensor(step.block_tables[i])))
+            row += n
+        meta = AttentionMetadata(slot_mapping=tensor(step.slot_mapping), num_decodes=d,
+                                 prefills=prefills)
+        if d:
+            meta.decode_block_tables = tensor(padded_tables(step)[:d])
+            meta.decode_context_lens = tensor(step.positions[:d] + 1)
+        return meta
+
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
-        if meta.token_rows is not None and native.supports(q):
-            # every token of the step, decodes and prefill chunks, in one call
-            return native.paged_attention(q, kv_cache, meta.block_tables, meta.token_rows,
-                                          meta.context_lens, self.scale)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, kv_cache, meta)
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from folio.model.layers.linear import linear, pack_weight
-from folio.worker.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from folio.model.layers.quantization.base import QuantizationConfig
+from folio.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,13 +44,20 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     tied = False
 
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype,
+                 quant_config: Optional[QuantizationConfig] = None):
+        super().__init__(vocab_size, hidden, dtype)
+        # the head stays float (a quantized format packs the decoder's layers);
+        # only the storage choice of the CPU kernels applies
+        self.store = None if quant_config is None else quant_config.weight_dtype
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight, self.tied = embedding.weight, True
 
-    def prepack(self, store=None) -> None:
+    def process_weights_after_loading(self) -> None:
         # A tied head's plain weight stays (the embedding reads it); an untied
         # one keeps only the packed copy, as the linear layers do.
-        self.packed = pack_weight(self.weight, store)
+        self.packed = pack_weight(self.weight, self.store)
         if self.packed is not None and not self.tied:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 

@@ -48,6 +48,10 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _weight(layer) -> int:
+    return layer.quant_method.native_weight().data_ptr()
+
+
 class NativeDecoder:
     def __init__(self, layers, bf16_weights: bool):
         self.layers = layers
@@ -57,8 +61,8 @@ class NativeDecoder:
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden = attn.o_proj.packed.out_features
-        self.intermediate = mlp.gate_up_proj.packed.out_features // 2
+        self.hidden = attn.o_proj.out_features
+        self.intermediate = mlp.gate_up_proj.out_features // 2
         self.eps = first.input_layernorm.eps
         self.scale = attn.attn.scale
         self._tables: dict[tuple[int, ...], ctypes.Array] = {}
@@ -72,17 +76,18 @@ class NativeDecoder:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            for p in projections:
-                if p.packed is None or not (p.packed.native or p.packed.bf16_weights):
-                    return None
-                kinds.add(p.packed.bf16_weights)
+            # each weight method says whether, and with which kernel, the one
+            # call can run its layer
+            kinds.update(p.quant_method.native_kind for p in projections)
+            if attn.attn.native_kind != "paged_cpu":     # the attention must be the kernel's
+                return None
             if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
                 return None
             if any(p.bias is not None for p in projections[2:]):
                 return None
-        if len(kinds) != 1:
+        if len(kinds) != 1 or None in kinds:
             return None
-        return cls(layers, bf16_weights=kinds.pop())
+        return cls(layers, bf16_weights=kinds.pop() == "bf16_weights")
 
     def usable(self, hidden: torch.Tensor, meta) -> bool:
         """Checked every step: the kernels may be switched off (tests do)."""
@@ -99,11 +104,11 @@ class NativeDecoder:
                 attn, mlp = layer.self_attn, layer.mlp
                 entry.input_norm = layer.input_layernorm.weight.data_ptr()
                 entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-                entry.qkv = attn.qkv_proj.packed.data.data_ptr()
+                entry.qkv = _weight(attn.qkv_proj)
                 entry.qkv_bias = _ptr(attn.qkv_proj.bias)
-                entry.o = attn.o_proj.packed.data.data_ptr()
-                entry.gate_up = mlp.gate_up_proj.packed.data.data_ptr()
-                entry.down = mlp.down_proj.packed.data.data_ptr()
+                entry.o = _weight(attn.o_proj)
+                entry.gate_up = _weight(mlp.gate_up_proj)
+                entry.down = _weight(mlp.down_proj)
                 entry.kv_cache = cache.data_ptr()
             self._tables = {key: table}          # one cache set at a time
         return table

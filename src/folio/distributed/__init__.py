@@ -1,0 +1,1 @@
+"""Tensor-parallel state and collectives, below the layers that use them."""

@@ -1,0 +1,45 @@
+"""Which attention backend a model runs: by device and dtype, or by name
+(`--attention-backend`, vLLM's flag). A new backend is one module and one line
+in `_BACKENDS`, in the order of preference."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from folio.model.attention.backend import AttentionBackend
+
+# name -> "module:class", most preferred first
+_BACKENDS = {
+    "CPU_NATIVE": "folio.model.attention.cpu_native:CPUNativeAttentionBackend",
+    "TORCH_SDPA": "folio.model.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
+                          name: Optional[str] = None) -> type[AttentionBackend]:
+    if name is not None:
+        if name not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose from "
+                             f"{', '.join(_BACKENDS)}")
+        backend = _load(name)
+        if not backend.supports(device, dtype):
+            raise ValueError(f"attention backend {name} does not run on {device} in "
+                             f"{str(dtype).removeprefix('torch.')}")
+        return backend
+    for candidate in _BACKENDS:
+        backend = _load(candidate)
+        if backend.supports(device, dtype):
+            return backend
+    raise ValueError(f"no attention backend runs on {device} in {dtype}")

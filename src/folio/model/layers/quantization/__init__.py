@@ -1,0 +1,51 @@
+"""Weight formats: name -> QuantizationConfig.
+
+A new format is one module here (its QuantizationConfig and LinearMethod) and
+one line in `_MODULES`; the model and the runner are not edited. "none" is the
+plain float weights (and the repacks the CPU kernels read).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig
+
+# name -> module defining it (imported on first use)
+_MODULES = {
+    "none": "folio.model.layers.quantization.unquantized",
+}
+_REGISTRY: dict[str, type[QuantizationConfig]] = {}
+
+
+def register_quantization(name: str):
+    """Class decorator: make a QuantizationConfig available under `name` (tests
+    register their own)."""
+    def add(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return add
+
+
+def supported() -> list[str]:
+    return sorted(set(_MODULES) | set(_REGISTRY))
+
+
+def get_quantization_config(name: Optional[str], config: Optional[dict[str, Any]] = None, *,
+                            weight_dtype: Optional[str] = None) -> QuantizationConfig:
+    """The config for `name` (None: "none"), built from the checkpoint's
+    `quantization_config` dict."""
+    name = name or "none"
+    if name not in _REGISTRY and name in _MODULES:
+        importlib.import_module(_MODULES[name])
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"quantization method {name!r} is not supported; supported: "
+                         f"{', '.join(supported())}")
+    return cls(dict(config or {}), weight_dtype=weight_dtype)
+
+
+__all__ = ["LinearMethod", "QuantizationConfig", "get_quantization_config",
+           "register_quantization", "supported"]
