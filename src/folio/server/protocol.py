@@ -15,6 +15,8 @@ warning line.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 import uuid
@@ -163,17 +165,14 @@ class _Sampling(_Request):
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k, seed=self.seed,
-            max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-            logit_bias=self.logit_bias, min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+        """The request's SamplingParams: every field of the same name, by name
+        (null meaning the default, as at OpenAI), and the three whose request
+        form differs per endpoint given here."""
+        named = {name: getattr(self, name) for name in _SAMPLING_FIELDS
+                 if name in type(self).model_fields}
+        return SamplingParams(**{k: v for k, v in named.items() if v is not None},
+                              max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -182,6 +181,13 @@ class _Sampling(_Request):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# SamplingParams' fields a request carries under the same name; these three the
+# endpoints derive (max_tokens from the context left, logprobs from their own
+# shapes of it)
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                         if f.name not in ("max_tokens", "logprobs", "prompt_logprobs"))
 
 
 def _default(model: BaseModel, name: str) -> Any:

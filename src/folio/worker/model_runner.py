@@ -17,7 +17,7 @@ from folio.config import FolioConfig, cpu_count
 from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
 from folio.model.attention.backend import StepDescription
 from folio.model.attention.selector import get_attention_backend
-from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, sample
+from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.device import torch_dtype
@@ -257,57 +257,10 @@ class ModelRunner:
         return torch.from_numpy(a).to(self.device)
 
     def _sampling_batch(self, seq_ids: list[int]) -> SamplingBatch:
-        infos = [self.states[seq_id].sampling for seq_id in seq_ids]
-        params = [i.params for i in infos]
-        vocab = self.model.config.vocab_size
-        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        f32 = dict(dtype=torch.float32, device=self.device)
-        return SamplingBatch(
-            temperature=torch.tensor([i.temperature for i in infos], **f32),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            generators=[self.states[seq_id].generator for seq_id in seq_ids],
-            all_greedy=all(i.temperature == 0 for i in infos),
-            needs_top_k=any(k < vocab for k in top_k),
-            needs_top_p=any(p.top_p < 1.0 for p in params),
-            max_logprobs=max((p.logprobs or 0) for p in params),
-            adjust=self._adjustments(seq_ids, infos, vocab),
-            min_p=(torch.tensor([p.min_p for p in params], **f32)
-                   if any(p.min_p > 0 for p in params) else None))
-
-    def _adjustments(self, seq_ids, infos, vocab: int) -> Optional[LogitAdjustments]:
-        """Penalty, bias and min_tokens inputs; None when no row uses any."""
-        if not any(i.needs_history or i.params.logit_bias for i in infos):
-            return None
-        f32 = dict(dtype=torch.float32, device=self.device)
-        n = len(infos)
-        counts = torch.zeros(n, vocab, **f32)
-        seen = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
-        bias = (torch.zeros(n, vocab, **f32) if any(i.params.logit_bias for i in infos)
-                else None)
-        banned = None
-        for row, (seq_id, info) in enumerate(zip(seq_ids, infos)):
-            history = self.states[seq_id].history or []
-            outputs = history[info.num_prompt_tokens:]
-            if outputs:
-                ids = torch.tensor(outputs, device=self.device)
-                counts[row].index_add_(0, ids, torch.ones(len(outputs), **f32))
-            if history:
-                seen[row, torch.tensor(history, device=self.device)] = True
-            if info.params.logit_bias:
-                tokens, values = zip(*info.params.logit_bias.items())
-                bias[row, torch.tensor(tokens, device=self.device)] = torch.tensor(values, **f32)
-            min_tokens = info.params.min_tokens
-            if min_tokens and len(outputs) < min_tokens and info.min_tokens_banned:
-                if banned is None:
-                    banned = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
-                banned[row, torch.tensor(info.min_tokens_banned, device=self.device)] = True
-        return LogitAdjustments(
-            presence=torch.tensor([i.params.presence_penalty for i in infos], **f32),
-            frequency=torch.tensor([i.params.frequency_penalty for i in infos], **f32),
-            repetition=torch.tensor([i.params.repetition_penalty for i in infos], **f32),
-            output_counts=counts, seen=seen, bias=bias, banned=banned)
-
+        states = [self.states[seq_id] for seq_id in seq_ids]
+        return build_sampling_batch([s.sampling for s in states], [s.generator for s in states],
+                                    [s.history for s in states], self.model.config.vocab_size,
+                                    self.device)
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"

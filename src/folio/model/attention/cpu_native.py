@@ -28,7 +28,7 @@ class CPUNativeAttentionBackend(TorchAttentionBackend):
 
     @classmethod
     def build_metadata(cls, step: StepDescription) -> AttentionMetadata:
-        meta = super().build_metadata(step)
+        meta = cls._per_kind(step)
         tables = torch.from_numpy(padded_tables(step)).to(step.device)
         rows = np.repeat(np.arange(len(step.query_lens), dtype=np.int64), step.query_lens)
         meta.block_tables = tables

@@ -19,6 +19,10 @@ from folio.model.attention.backend import AttentionBackend, StepDescription, pad
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 
 
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "TORCH_SDPA"
 
@@ -28,19 +32,25 @@ class TorchAttentionBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, step: StepDescription) -> AttentionMetadata:
+        meta = cls._per_kind(step)
+        if meta.num_decodes:
+            d = meta.num_decodes
+            meta.decode_block_tables = _tensor(padded_tables(step)[:d], step.device)
+            meta.decode_context_lens = _tensor(step.positions[:d] + 1, step.device)
+        return meta
+
+    @staticmethod
+    def _per_kind(step: StepDescription) -> AttentionMetadata:
+        """The slots and the prefill spans (the decode rows are the caller's)."""
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(step.device)
+            return _tensor(a, step.device)
         d, prefills, row = step.num_decodes, [], 0
         for i, (n, start) in enumerate(zip(step.query_lens, step.start_positions)):
             if i >= d:
                 prefills.append(PrefillSpan(row, n, start, tensor(step.block_tables[i])))
             row += n
-        meta = AttentionMetadata(slot_mapping=tensor(step.slot_mapping), num_decodes=d,
+        return AttentionMetadata(slot_mapping=tensor(step.slot_mapping), num_decodes=d,
                                  prefills=prefills)
-        if d:
-            meta.decode_block_tables = tensor(padded_tables(step)[:d])
-            meta.decode_context_lens = tensor(step.positions[:d] + 1)
-        return meta
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)

@@ -25,11 +25,14 @@ native pass on the CPU (argmax and its logprob) instead of steps 1 and 5.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from folio.model import native
+
+if TYPE_CHECKING:
+    from folio.core.outputs import SamplingInfo
 
 
 @dataclass
@@ -55,6 +58,64 @@ class LogitAdjustments:
     seen: torch.Tensor             # [S, V] bool: in the prompt or the output
     bias: Optional[torch.Tensor]   # [S, V] fp32
     banned: Optional[torch.Tensor] # [S, V] bool
+
+
+def build_sampling_batch(infos: "list[SamplingInfo]", generators: list[Optional[torch.Generator]],
+                         histories: list[Optional[list[int]]], vocab: int,
+                         device: torch.device) -> SamplingBatch:
+    """The batch's sampling tensors, from each row's SamplingInfo (its request's
+    SamplingParams as they are), its generator and the tokens it has seen
+    (penalties, min_tokens). A new sampling field is read here and used in
+    `sample`: the runner does not copy it."""
+    params = [i.params for i in infos]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    f32 = dict(dtype=torch.float32, device=device)
+    return SamplingBatch(
+        temperature=torch.tensor([i.temperature for i in infos], **f32),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=torch.tensor([p.top_p for p in params], **f32),
+        generators=generators,
+        all_greedy=all(i.temperature == 0 for i in infos),
+        needs_top_k=any(k < vocab for k in top_k),
+        needs_top_p=any(p.top_p < 1.0 for p in params),
+        max_logprobs=max((p.logprobs or 0) for p in params),
+        adjust=_adjustments(infos, histories, vocab, device),
+        min_p=(torch.tensor([p.min_p for p in params], **f32)
+               if any(p.min_p > 0 for p in params) else None))
+
+
+def _adjustments(infos, histories, vocab: int, device) -> Optional[LogitAdjustments]:
+    """Penalty, bias and min_tokens inputs; None when no row uses any."""
+    if not any(i.needs_history or i.params.logit_bias for i in infos):
+        return None
+    f32 = dict(dtype=torch.float32, device=device)
+    n = len(infos)
+    counts = torch.zeros(n, vocab, **f32)
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    bias = (torch.zeros(n, vocab, **f32) if any(i.params.logit_bias for i in infos)
+            else None)
+    banned = None
+    for row, (info, history) in enumerate(zip(infos, histories)):
+        history = history or []
+        outputs = history[info.num_prompt_tokens:]
+        if outputs:
+            ids = torch.tensor(outputs, device=device)
+            counts[row].index_add_(0, ids, torch.ones(len(outputs), **f32))
+        if history:
+            seen[row, torch.tensor(history, device=device)] = True
+        if info.params.logit_bias:
+            tokens, values = zip(*info.params.logit_bias.items())
+            bias[row, torch.tensor(tokens, device=device)] = torch.tensor(values, **f32)
+        min_tokens = info.params.min_tokens
+        if min_tokens and len(outputs) < min_tokens and info.min_tokens_banned:
+            if banned is None:
+                banned = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+            banned[row, torch.tensor(info.min_tokens_banned, device=device)] = True
+    return LogitAdjustments(
+        presence=torch.tensor([i.params.presence_penalty for i in infos], **f32),
+        frequency=torch.tensor([i.params.frequency_penalty for i in infos], **f32),
+        repetition=torch.tensor([i.params.repetition_penalty for i in infos], **f32),
+        output_counts=counts, seen=seen, bias=bias, banned=banned)
 
 
 def apply_adjustments(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor:
