@@ -1,7 +1,8 @@
 """One FolioConfig of small frozen dataclasses.
 
-Built once by `FolioConfig.build(...)` (the offline `LLM` and the CLI both go
-through it) and never mutated afterwards. No environment variables are read in
+Built once by `engine/config_builder.build_config(...)` (the offline `LLM` and
+the CLI both go through it) and never mutated afterwards; this module imports
+nothing of model/ or worker/, so every part may import it. No environment variables are read in
 hot paths: everything the engine needs is a field here.
 """
 

@@ -158,3 +158,14 @@ def test_the_plain_method_hands_a_bf16_layer_to_its_repack():
     else:
         assert layer.quant_method is layer.packed and type(layer.packed) is type(packed)
     assert torch.allclose(layer(x).float(), before.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_a_quantization_config_without_its_method_is_refused(tmp_path):
+    """A quantized checkpoint that does not say its format must not load as plain
+    weights (its tensors would be packed integers read as floats)."""
+    folder = make_tiny_model(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization_config has no quant_method"):
+        LLM(folder, num_kv_blocks=16)

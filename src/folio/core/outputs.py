@@ -12,12 +12,14 @@ from typing import Optional
 from folio.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SamplingInfo:
     """What the runner needs to sample for a sequence; sent when it (re)starts:
     the request's SamplingParams as they are (one source of truth for the
     sampling fields: a new one needs no copy here), and what is this sequence's
-    own."""
+    own. In one process the runner reads the request's own params object, so
+    params must not change once the request is added (tensor-parallel workers
+    read a pickled copy)."""
 
     params: SamplingParams
     seed: int = 0                              # this sequence's generator seed

@@ -12,8 +12,10 @@ from typing import Optional
 
 from folio.config import (CacheConfig, FolioConfig, ParallelConfig, SchedulerConfig,
                           parse_size)
+from folio.model.attention.selector import get_attention_backend
+from folio.model.layers.quantization import get_quantization_config
 from folio.model.loader import load_model_config
-from folio.worker.device import resolve_device, resolve_dtype, split_cpu_bf16
+from folio.worker.device import resolve_device, resolve_dtype, split_cpu_bf16, torch_dtype
 
 
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
@@ -38,6 +40,11 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         model_config = dataclasses.replace(model_config, quantization=quantization)
     device = resolve_device(device)
     run_dtype, weight_dtype = split_cpu_bf16(resolve_dtype(dtype, device), device)
+    # named choices fail here, before any worker starts or weight is read
+    get_quantization_config(model_config.quantization, model_config.quantization_config,
+                            weight_dtype=weight_dtype)
+    if attention_backend is not None:
+        get_attention_backend(device, torch_dtype(run_dtype), attention_backend)
     limit = model_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = limit

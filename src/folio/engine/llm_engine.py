@@ -117,7 +117,9 @@ class LLMEngine:
         if have >= need:
             return
         heads = max(1, config.model.num_key_value_heads // config.parallel.tensor_parallel_size)
-        need_bytes = need * bytes_per_block(config, heads)
+        # every executor keeps rank 0's runner in-process: its backend's layout
+        backend = getattr(getattr(self.executor, "runner", None), "attn_backend", None)
+        need_bytes = need * bytes_per_block(config, heads, backend)
         raise ValueError(
             f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
             f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "

@@ -226,7 +226,7 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            self.attn_backend.copy_blocks(cache, src, dst)
 
     def _prepare(self, ordered: list[ScheduledSeq]):
         bs = self.block_size

@@ -63,6 +63,11 @@ class AttentionBackend:
                            head_dim: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
+    @staticmethod
+    def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] of one layer's cache (copy-on-write)."""
+        kv_cache[:, dst] = kv_cache[:, src]
+
     @classmethod
     def build_metadata(cls, step: StepDescription) -> AttentionMetadata:
         raise NotImplementedError

@@ -30,6 +30,7 @@ def _load(name: str) -> type[AttentionBackend]:
 def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
                           name: Optional[str] = None) -> type[AttentionBackend]:
     if name is not None:
+        name = name.upper()
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; choose from "
                              f"{', '.join(_BACKENDS)}")
