@@ -15,7 +15,8 @@ from folio.config import (CacheConfig, FolioConfig, ParallelConfig, SchedulerCon
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import get_quantization_config
 from folio.model.loader import load_model_config
-from folio.worker.device import resolve_device, resolve_dtype, split_cpu_bf16, torch_dtype
+# through the module: tests stand in for what the CPU can do (device.split_cpu_bf16)
+from folio.worker import device as devices
 
 
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
@@ -38,13 +39,14 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
             raise ValueError(f"--quantization {quantization} does not match the "
                              f"checkpoint, whose weights are {stored}")
         model_config = dataclasses.replace(model_config, quantization=quantization)
-    device = resolve_device(device)
-    run_dtype, weight_dtype = split_cpu_bf16(resolve_dtype(dtype, device), device)
+    device = devices.resolve_device(device)
+    run_dtype, weight_dtype = devices.split_cpu_bf16(devices.resolve_dtype(dtype, device),
+                                                     device)
     # named choices fail here, before any worker starts or weight is read
     get_quantization_config(model_config.quantization, model_config.quantization_config,
                             weight_dtype=weight_dtype)
     if attention_backend is not None:
-        get_attention_backend(device, torch_dtype(run_dtype), attention_backend)
+        get_attention_backend(device, devices.torch_dtype(run_dtype), attention_backend)
     limit = model_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = limit
