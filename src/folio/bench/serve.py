@@ -154,9 +154,12 @@ async def _drive(args, model: str, requests: list[BenchRequest], texts, rate: fl
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed)
     timeout = aiohttp.ClientTimeout(total=3600)
+    # A connection per request: a server that closes a connection after its
+    # stream ends (llama-server does) would otherwise fail the next request
+    # sent on the pooled one with "Server disconnected".
 
     async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         async def gated(req, text):
             async with limit:
                 return await _one(session, args, model, req, text)
