@@ -1,7 +1,6 @@
 """The Ray executor backend on a local Ray instance (2 CPUs, no dashboard, usage
 stats off, loopback only): tp=2 on a tiny model gives one rank's tokens."""
 
-import os
 import sys
 
 import pytest

@@ -18,10 +18,13 @@ import logging
 import multiprocessing as mp
 import socket
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING
 
 from folio.config import FolioConfig, cpu_count
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
