@@ -13,7 +13,8 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from linear_bf16w import best_us       # docs/bench/, beside this script
 
 CONFIGS = {
     "1 thread": {"OMP_NUM_THREADS": "1"},
@@ -21,18 +22,6 @@ CONFIGS = {
     "2 threads, pinned": {"OMP_NUM_THREADS": "2", "OMP_PROC_BIND": "close",
                           "OMP_PLACES": "cores"},
 }
-
-
-def best_us(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best * 1e6
 
 
 def measure() -> dict:

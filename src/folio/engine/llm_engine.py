@@ -118,8 +118,7 @@ class LLMEngine:
             return
         heads = max(1, config.model.num_key_value_heads // config.parallel.tensor_parallel_size)
         # every executor keeps rank 0's runner in-process: its backend's layout
-        backend = getattr(getattr(self.executor, "runner", None), "attn_backend", None)
-        need_bytes = need * bytes_per_block(config, heads, backend)
+        need_bytes = need * bytes_per_block(config, heads, self.executor.runner.attn_backend)
         raise ValueError(
             f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
             f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "

@@ -5,26 +5,23 @@ from __future__ import annotations
 import torch
 
 import math
-from typing import Optional
 
 from folio.config import FolioConfig
 from folio.model.attention.backend import AttentionBackend
-from folio.model.attention.torch_backend import TorchAttentionBackend
 
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
 CUDA_DEFAULT_FRACTION = 0.5             # of the memory free after loading the model
 
 
 def _shape(config: FolioConfig, num_blocks: int, num_kv_heads: int,
-           backend: Optional[type[AttentionBackend]]) -> tuple[int, ...]:
+           backend: type[AttentionBackend]) -> tuple[int, ...]:
     """One layer's cache, in the layout of the backend that reads it."""
-    backend = backend or TorchAttentionBackend
     return backend.get_kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads,
                                       config.model.head_dim)
 
 
 def bytes_per_block(config: FolioConfig, num_kv_heads: int,
-                    backend: Optional[type[AttentionBackend]] = None) -> int:
+                    backend: type[AttentionBackend]) -> int:
     elem = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     return config.model.num_hidden_layers * math.prod(
         _shape(config, 1, num_kv_heads, backend)) * elem
@@ -40,7 +37,7 @@ def kv_memory_budget(config: FolioConfig) -> int:
 
 
 def num_kv_blocks(config: FolioConfig, num_kv_heads: int,
-                  backend: Optional[type[AttentionBackend]] = None) -> int:
+                  backend: type[AttentionBackend]) -> int:
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
     n = kv_memory_budget(config) // bytes_per_block(config, num_kv_heads, backend)
@@ -50,7 +47,7 @@ def num_kv_blocks(config: FolioConfig, num_kv_heads: int,
 
 
 def allocate_kv_caches(config: FolioConfig, num_blocks: int, num_kv_heads: int,
-                       backend: Optional[type[AttentionBackend]] = None) -> list[torch.Tensor]:
+                       backend: type[AttentionBackend]) -> list[torch.Tensor]:
     """One tensor per layer in the backend's layout, allocated once."""
     shape = _shape(config, num_blocks, num_kv_heads, backend)
     dtype = getattr(torch, config.dtype)

@@ -37,10 +37,6 @@ class StepDescription:
     device: torch.device
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
 class AttentionBackend:
     name: ClassVar[str] = ""
     # what the one-call native decoder needs from the attention of a layer:
@@ -61,7 +57,7 @@ class AttentionBackend:
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_dim: int) -> tuple[int, ...]:
-        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @staticmethod
     def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
