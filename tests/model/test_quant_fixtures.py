@@ -1,7 +1,7 @@
 """The quantized checkpoints made by real tools (tests/fixtures/quant, by
 scripts/make_quant_fixtures.sh: gptqmodel 7.6.0) and transformers' reference
-logits for them. Until the GPTQ weight method lands (issue 16) Folio must
-refuse them by name at load, never read their packed integers as floats."""
+logits for them are there, in the layout the formats' methods read (the
+methods' own tests: tests/model/quantization/)."""
 
 import json
 from pathlib import Path
@@ -9,18 +9,17 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from folio import LLM
-
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quant"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+GPTQ = [n for n in NAMES if n.startswith("gptq-")]
 
 
 def test_the_fixtures_are_there():
-    assert NAMES == ["gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",
-                     "gptq-w8-g32-sym"]
+    assert GPTQ == ["gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",
+                    "gptq-w8-g32-sym"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", GPTQ)
 def test_each_holds_gptq_tensors_and_reference_logits(name):
     folder = FIXTURES / name
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -33,9 +32,3 @@ def test_each_holds_gptq_tensors_and_reference_logits(name):
     with safe_open(str(folder / "reference.safetensors"), "pt") as f:
         logits, prompt = f.get_tensor("logits.0"), f.get_tensor("prompt.0")
         assert logits.shape == (len(prompt), 384) and logits.isfinite().all()
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_folio_refuses_them_by_name_until_it_runs_them(name):
-    with pytest.raises(ValueError, match="quantization method 'gptq' is not supported"):
-        LLM(str(FIXTURES / name), num_kv_blocks=16)

@@ -50,10 +50,13 @@ def load_model_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
         loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            param.data.copy_(tensor.to(param.dtype))
-        else:
-            loader(param, tensor, shard)
+        try:
+            if loader is None:
+                param.data.copy_(tensor.to(param.dtype))
+            else:
+                loader(param, tensor, shard)
+        except (ValueError, RuntimeError) as err:      # a shape or dtype that does not fit
+            raise ValueError(f"{name}: {err}") from None
         loaded.add((target, shard))
     missing = sorted(ckpt for key, ckpt in _expected(model, params).items()
                      if key not in loaded)

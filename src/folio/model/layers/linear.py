@@ -213,6 +213,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """y = x A^T with A's columns (input features) split; partial sums all-reduced."""
 
+    input_is_parallel = True        # for weight methods, while they create their tensors
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  quant_config: Optional[QuantizationConfig] = None, prefix: str = ""):
         super().__init__(_divide(in_features, tp_size(), "input size"), out_features, bias, dtype,

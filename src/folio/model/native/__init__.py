@@ -6,6 +6,9 @@
 - `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16.
 - `linear_avx2.c`: an fp32 linear layer whose weights are stored as bf16, on
   CPUs with AVX2 and FMA (half the bytes of fp32 weights per step).
+- `qlinear.c`: the linear layer of 4- and 8-bit quantized weights (codes,
+  scales and offsets per group: `layers/quantization/int_groups.py`), on CPUs
+  with AVX2 and FMA or AVX-512.
 - `decoder.c`: every decoder layer of a step in one call, from the kernels
   above (wrapped in `decoder.py`).
 
@@ -36,7 +39,7 @@ logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c",
-            _DIR / "linear_avx2.c", _DIR / "decoder.c"]
+            _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -98,6 +101,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_linear_bf16w_available": (ctypes.c_int, []),
         "folio_linear_bf16w": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
         "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
+        "folio_qlinear_available": (ctypes.c_int, []),
+        "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
+                                         i64, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -201,6 +207,37 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int,
         raise ValueError(f"linear_bf16w takes fp32 [..., {k}] on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     return _linear_call(load().folio_linear_bf16w, x, packed, n, k, bias)
+
+
+def runs_qlinear(x: torch.Tensor) -> bool:
+    """Whether `qlinear` serves activations x: fp32 or bf16 on the CPU, with a
+    library built with AVX2 and FMA (or AVX-512)."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPE_CODES:
+        return False
+    lib = load()
+    return lib is not None and bool(lib.folio_qlinear_available())
+
+
+def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None,
+            lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with W an `IntGroups` (4- or 8-bit codes,
+    float16 scales and offsets per group): [..., N] in x's dtype. `lib`: the
+    tests' other builds."""
+    k, n = w.in_features, w.out_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*lead, n, dtype=x.dtype)
+    bias = None if bias is None else bias.float().contiguous()
+    if x2.shape[0] and (lib or load()).folio_qlinear(
+            x2.data_ptr(), x2.stride(0), _DTYPE_CODES[x.dtype],
+            None if w.perm is None else w.perm.data_ptr(), w.codes.data_ptr(), w.bits,
+            w.scales.data_ptr(), w.offsets.data_ptr(), int(w.zeros), w.bounds.data_ptr(),
+            w.bounds.numel() - 1, None if bias is None else bias.data_ptr(), out.data_ptr(),
+            x2.shape[0], n, k, torch.get_num_threads()):
+        raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
+    return out
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

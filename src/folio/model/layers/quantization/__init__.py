@@ -15,6 +15,7 @@ from folio.model.layers.quantization.base import LinearMethod, QuantizationConfi
 # name -> module defining it (imported on first use)
 _MODULES = {
     "none": "folio.model.layers.quantization.unquantized",
+    "gptq": "folio.model.layers.quantization.gptq",
 }
 _REGISTRY: dict[str, type[QuantizationConfig]] = {}
 

@@ -1,0 +1,138 @@
+"""The quantized linear kernel (native/qlinear.c) against the torch path it
+stands in for: the same IntGroups weights dequantized to fp32 and multiplied.
+Its sums run in another order (per group, then scaled), so the two agree to
+an fp32 sum's error; bf16 activations are widened first and the output
+rounded once. Tested in the build this machine runs and in the AVX2 build
+(-mno-avx512f), where the CPU can run that one."""
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from folio.model import native
+from folio.model.layers.quantization.int_groups import IntGroups, unpack_int32
+
+needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
+                                  reason="no AVX2 + FMA + F16C or AVX-512 kernel on this "
+                                         "machine (or no compiler)")
+
+
+def _cpu_has(*flags):
+    return all(f in native._cpu_flags().split() for f in flags)
+
+
+def _builds():
+    yield pytest.param(None, id="native")
+    yield pytest.param(("-mno-avx512f",), id="avx2", marks=pytest.mark.skipif(
+        platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma", "f16c"),
+        reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C"))
+
+
+def random_weights(n, k, bits, group, act_order, zeros=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g)
+    size = k if group == -1 else group
+    groups = torch.arange(k) // size
+    if act_order:
+        groups = groups[torch.randperm(k, generator=g)]
+    count = -(-k // size)
+    scale = (torch.rand(n, count, generator=g) * 0.05 + 0.01).half().float()
+    if zeros:
+        zero = torch.randint(0, 1 << bits, (n, count), generator=g).float()
+        return IntGroups.from_codes(codes, groups, scale, bits, zero=zero), codes, groups
+    offset = (torch.randn(n, count, generator=g) * 0.1).half().float()
+    return IntGroups.from_codes(codes, groups, scale, bits, offset=offset), codes, groups
+
+
+@pytest.fixture(scope="module", params=list(_builds()))
+def lib(request):
+    if request.param is None:
+        return native.load()
+    return native._build(request.param)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
+                                                 (100, 96, -1, True), (33, 64, 16, True),
+                                                 (17, 128, 128, False)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13])
+def test_fp32_matches_the_dequantized_product(lib, bits, n, k, group, act_order, rows):
+    """Output sizes off the 16-wide tiles and the 3-tile groups, every row-block
+    remainder, act-order (input features permuted, groups of unequal length in
+    a rank's slice), one group over all inputs, a bias added in fp32."""
+    w, _, _ = random_weights(n, k, bits, group, act_order, zeros=not act_order, seed=rows)
+    g = torch.Generator().manual_seed(rows + 7)
+    x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    got = native.qlinear(x, w, b, lib=lib)
+    exact = F.linear(x.double(), w.dequantize().double(), b.double())
+    bound = 4 * k * 2 ** -23 * F.linear(x.double().abs(), w.dequantize().double().abs()) + 1e-6
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_activations_widen_and_round_once(lib, bits):
+    w, _, _ = random_weights(48, 64, bits, 32, False)
+    x = torch.randn(3, 64).bfloat16()
+    got = native.qlinear(x, w, lib=lib)
+    exact = F.linear(x.double(), w.dequantize().double())
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=1e-5)
+
+
+@needs_kernel
+def test_strided_rows_leading_dimensions_and_no_rows(lib):
+    w, _, _ = random_weights(40, 32, 4, 32, False)
+    wide = torch.randn(2, 3, 80)
+    x = wide[..., 8:40]
+    got = native.qlinear(x, w, lib=lib)
+    assert got.shape == (2, 3, 40)
+    exact = F.linear(x.reshape(6, 32).double(), w.dequantize().double())
+    assert torch.allclose(got.reshape(6, 40).double(), exact, rtol=1e-5, atol=1e-5)
+    assert native.qlinear(x[:0], w, lib=lib).shape == (0, 3, 40)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_packed_form_dequantizes_to_the_formula(bits, act_order):
+    """w = q * scale + offset (offset = -zero * scale), in the caller's order of
+    the input features whatever order the packing keeps them in."""
+    w, codes, groups = random_weights(37, 96, bits, 32, act_order, seed=3)
+    g = torch.Generator().manual_seed(0)
+    scale = (torch.rand(37, 3, generator=g) * 0.05 + 0.01).half().float()
+    zero = torch.randint(0, 1 << bits, (37, 3), generator=g).float()
+    w = IntGroups.from_codes(codes, groups, scale, bits, zero=zero)
+    expect = (codes.float() - zero[:, groups]) * scale[:, groups]
+    assert torch.equal(w.dequantize(), expect)
+    assert (w.perm is not None) == act_order
+    per_weight = bits / 8 + 4 / 32          # codes; float16 scale and zero per 32
+    assert w.nbytes <= 48 * 96 * per_weight + (96 * 8 if act_order else 0) + 64
+
+
+def test_bad_codes_groups_and_widths_are_refused():
+    codes = torch.zeros(4, 8, dtype=torch.int64)
+    s = torch.ones(4, 1)
+    with pytest.raises(ValueError, match="3-bit weights are not supported"):
+        IntGroups.from_codes(codes, torch.zeros(8), s, 3, zero=s)
+    with pytest.raises(ValueError, match="out of range for 4 bits"):
+        IntGroups.from_codes(codes + 16, torch.zeros(8), s, 4, zero=s)
+    with pytest.raises(ValueError, match="group index out of range"):
+        IntGroups.from_codes(codes, torch.ones(8), s, 4, zero=s)
+    with pytest.raises(ValueError, match="has groups"):
+        IntGroups.from_codes(codes, torch.zeros(7), s, 4, zero=s)
+
+
+def test_unpacking_int32_words_in_both_orders():
+    words = torch.tensor([[0x76543210, 0x0FEDCBA9]], dtype=torch.int32)
+    assert unpack_int32(words, 4, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7,
+                                                  9, 10, 11, 12, 13, 14, 15, 0]]
+    # AWQ: the i-th nibble holds column [0, 2, 4, 6, 1, 3, 5, 7][i]
+    awq = unpack_int32(torch.tensor([[0x75316420]], dtype=torch.int32), 4, 1,
+                       order=[0, 2, 4, 6, 1, 3, 5, 7])
+    assert awq.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    signed = torch.tensor([[-1]], dtype=torch.int32)              # every bit set
+    assert unpack_int32(signed, 8, 0).tolist() == [[255], [255], [255], [255]]
