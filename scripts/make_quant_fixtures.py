@@ -12,9 +12,9 @@ seed 0), so the float original can be rebuilt bit for bit.
 Writes OUT_DIR/<name>/ (the checkpoint as gptqmodel saves it) and, in each,
 reference.safetensors: transformers' float32 logits for PROMPTS, loading that
 same checkpoint (its GPTQ kernel on the CPU is gptqmodel's torch one).
+OUT_DIR/README.md, which describes every folder, is kept by hand.
 """
 
-import json
 import random
 import sys
 import tempfile
@@ -70,10 +70,6 @@ def main(out: Path) -> None:
             reference(target)
             print(f"{name}: {sum(f.stat().st_size for f in target.iterdir()) // 1024} KiB",
                   flush=True)
-    (out / "README.md").write_text(
-        "Made by scripts/make_quant_fixtures.sh (gptqmodel, optimum, transformers as pinned "
-        "there) from tests/utils.make_tiny_model(**" + json.dumps(SHAPE) + "), seed 0. "
-        "reference.safetensors in each: transformers' float32 logits for its prompts.\n")
 
 
 if __name__ == "__main__":

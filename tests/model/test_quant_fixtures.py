@@ -1,5 +1,6 @@
 """The quantized checkpoints made by real tools (tests/fixtures/quant, by
-scripts/make_quant_fixtures.sh: gptqmodel 7.6.0) and transformers' reference
+scripts/make_quant_fixtures.sh: gptqmodel 7.6.0; scripts/make_ct_fixtures.sh:
+llm-compressor 0.14.0.1) and transformers' reference
 logits for them are there, in the layout the formats' methods read (the
 methods' own tests: tests/model/quantization/)."""
 
@@ -15,8 +16,9 @@ GPTQ = [n for n in NAMES if n.startswith("gptq-")]
 
 
 def test_the_fixtures_are_there():
-    assert GPTQ == ["gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",
-                    "gptq-w8-g32-sym"]
+    assert NAMES == ["awq-w4-g32", "ct-w4a16-asym-g32", "ct-w4a16-g32", "ct-w8a16-channel",
+                     "gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",
+                     "gptq-w8-g32-sym"]
 
 
 @pytest.mark.parametrize("name", GPTQ)

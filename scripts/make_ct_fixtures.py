@@ -1,0 +1,64 @@
+"""Make the compressed-tensors test checkpoints with llm-compressor, and
+transformers' reference logits for each (issue 16).
+
+Run by scripts/make_ct_fixtures.sh inside a throwaway venv that holds
+llmcompressor (it pins its own transformers and compressed-tensors). Same
+tiny model, shapes, calibration data and prompts as make_quant_fixtures.py
+(imported from it), so only the tool differs.
+
+    python scripts/make_ct_fixtures.py OUT_DIR
+
+Writes OUT_DIR/<name>/ (the checkpoint as oneshot saves it with
+save_compressed=True: format pack-quantized) and, in each,
+reference.safetensors: transformers' float32 logits for the prompts, loading
+that same checkpoint (transformers decompresses compressed-tensors itself).
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_quant_fixtures import SHAPE, calibration, make_tiny_model, reference  # noqa: E402
+
+# name -> the weights' QuantizationArgs (GPTQModifier, every Linear but lm_head)
+VARIANTS = {
+    "ct-w4a16-g32": dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                         group_size=32),
+    "ct-w4a16-asym-g32": dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                              group_size=32),
+    "ct-w8a16-channel": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+}
+
+
+def main(out: Path) -> None:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out.mkdir(parents=True, exist_ok=True)
+    data = calibration()
+    with tempfile.TemporaryDirectory() as tmp:
+        source = make_tiny_model(Path(tmp) / "float", **SHAPE)
+        for name, weights in VARIANTS.items():
+            torch.manual_seed(0)
+            # bfloat16 like the gptqmodel fixtures (and most real checkpoints)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+            recipe = GPTQModifier(
+                config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+                ignore=["lm_head"])
+            target = out / name
+            oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(source),
+                    dataset=Dataset.from_list(data), recipe=recipe,
+                    num_calibration_samples=len(data), max_seq_length=64,
+                    shuffle_calibration_samples=False, output_dir=str(target),
+                    save_compressed=True)
+            reference(target)
+            print(f"{name}: {sum(f.stat().st_size for f in target.iterdir()) // 1024} KiB",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
