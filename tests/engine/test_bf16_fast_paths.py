@@ -38,7 +38,7 @@ def test_fast_paths_are_as_close_to_fp32_as_the_plain_layers(monkeypatch):
     # bf16 arithmetic throughout, even where the CPU would run bfloat16 as fp32
     # arithmetic on bf16 weights (test_bf16_weights.py tests that path)
     monkeypatch.setattr(device, "split_cpu_bf16", lambda dtype, dev: (dtype, None))
-    fast = LLM(dtype="bfloat16", num_kv_blocks=128)
+    fast = LLM(dtype="bfloat16", num_kv_blocks=128, quantization="none")
     down = fast.engine.executor.runner.model.model.layers[0].mlp.down_proj
     # Packed where this CPU packs bf16 weights (AVX-512); AVX2-only CPUs keep F.linear.
     assert (down.packed is not None) == (linear_mod.pack_weight(torch.zeros(16, 16).bfloat16())
@@ -47,13 +47,13 @@ def test_fast_paths_are_as_close_to_fp32_as_the_plain_layers(monkeypatch):
         PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     got = _scores(fast, texts)
     fast.shutdown()
-    reference = LLM(dtype="float32", num_kv_blocks=128)
+    reference = LLM(dtype="float32", num_kv_blocks=128, quantization="none")
     exact = _scores(reference, texts)
     reference.shutdown()
     monkeypatch.setattr(native, "fuses", lambda x: False)
     monkeypatch.setattr(native, "supports", lambda q: False)
     monkeypatch.setattr(linear_mod, "pack_weight", lambda w, store=None: None)
-    plain = LLM(dtype="bfloat16", num_kv_blocks=128)
+    plain = LLM(dtype="bfloat16", num_kv_blocks=128, quantization="none")
     assert plain.engine.executor.runner.model.model.layers[0].mlp.down_proj.packed is None
     expected = _scores(plain, texts)
     plain.shutdown()

@@ -81,8 +81,36 @@ def test_default_gguf_hyperparameters(smollm_config):
     assert (c.bos_token_id, c.eos_token_ids, c.hidden_act) == (1, (2,), "silu")
 
 
+def _rebuilt_from_codes(tensors: dict) -> dict:
+    """Packed GGUF linear weights (codes, scales, offsets) -> float, by the
+    formula w = q * scale + offset over blocks of 32 (written here again)."""
+    out = {}
+    for name, t in tensors.items():
+        module, _, part = name.rpartition(".")
+        if part in ("qscales", "qoffsets"):
+            continue
+        if part != "qcodes":
+            out[name] = t
+            continue
+        scale, offset = tensors[f"{module}.qscales"], tensors[f"{module}.qoffsets"]
+        if t.shape[1] * 2 == scale.shape[1] * 32:         # two 4-bit codes a byte
+            t = torch.stack([t & 0xF, t >> 4], dim=-1).flatten(1)
+        groups = torch.arange(t.shape[1]) // 32
+        out[f"{module}.weight"] = t.float() * scale[:, groups] + offset[:, groups]
+    return out
+
+
 def test_default_gguf_weights_equal_transformers(smollm_config, smollm_reference_weights):
-    ours = dict(iter_weights(smollm_config))
+    """The Q4_1 linear weights come as codes, scales and offsets (kept packed),
+    the Q8_0 embedding and the norms as float32: rebuilt, every one equals
+    transformers' dequantisation exactly."""
+    assert smollm_config.quantization == "gguf"
+    assert set(smollm_config.quantization_config["packed"].values()) == {"Q4_1"}
+    assert len(smollm_config.quantization_config["packed"]) == 30 * 7
+    raw = dict(iter_weights(smollm_config))
+    assert raw["model.layers.0.mlp.down_proj.qcodes"].dtype == torch.uint8
+    assert raw["model.layers.0.mlp.down_proj.qcodes"].shape == (576, 1536 // 2)
+    ours = _rebuilt_from_codes(raw)
     assert all(t.dtype == torch.float32 for t in ours.values())
     _assert_same_weights(ours, smollm_reference_weights, tied=True)
     # The file's own row order differs: matching transformers needed the un-permutation.
@@ -203,7 +231,8 @@ def test_tiny_gguf_weights_equal_transformers(tmp_path, arch, tied, qtype):
     config = load_model_config(gguf_path)
     assert config.tie_word_embeddings == tied
     assert config.attention_bias == (arch == "qwen2")
-    ours = _weights(gguf_path)
+    ours = _rebuilt_from_codes(_weights(gguf_path))
+    assert (config.quantization == "gguf") == (qtype in ("Q8_0", "Q4_0", "Q4_1"))
     _assert_same_weights(ours, load_reference_model(gguf_path).state_dict(), tied=tied)
     if qtype == "F32":  # lossless: the round trip gives back the HF weights exactly
         _assert_same_weights(ours, _weights(folder), tied=tied)

@@ -90,7 +90,7 @@ def test_split_one_call_agrees_with_the_modules_to_fp32_rounding(tmp_path, monke
 def test_split_one_call_gives_the_modules_greedy_tokens(monkeypatch):
     """The default model through the engine, both ways: the same greedy tokens."""
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
-    llm = LLM(dtype="bfloat16", num_kv_blocks=128)
+    llm = LLM(dtype="bfloat16", num_kv_blocks=128, quantization="none")
     model = llm.engine.executor.runner.model.model
     assert model.native_decoder is not None and model.native_decoder.bf16_weights
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
@@ -105,7 +105,7 @@ def test_split_one_call_gives_the_modules_greedy_tokens(monkeypatch):
 
 @needs_bf16_kernel
 def test_default_model_takes_it_and_answers_as_the_modules(monkeypatch):
-    llm = LLM(dtype="bfloat16", num_kv_blocks=128)
+    llm = LLM(dtype="bfloat16", num_kv_blocks=128, quantization="none")
     records = _record_both_paths(monkeypatch)
     llm.generate(["The capital of France is", "def fibonacci(n):"],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

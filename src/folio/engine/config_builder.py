@@ -35,7 +35,10 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     model_config = load_model_config(model)
     if quantization is not None:
         stored = model_config.quantization
-        if stored is not None and stored != quantization:
+        if stored == "gguf" and quantization == "none":
+            # a GGUF's blocks can always be dequantized at load instead
+            model_config = dataclasses.replace(model_config, quantization_config=None)
+        elif stored is not None and stored != quantization:
             raise ValueError(f"--quantization {quantization} does not match the "
                              f"checkpoint, whose weights are {stored}")
         model_config = dataclasses.replace(model_config, quantization=quantization)

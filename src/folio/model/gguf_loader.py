@@ -1,4 +1,6 @@
-"""GGUF files: hyperparameters from metadata, weights dequantised to float32.
+"""GGUF files: hyperparameters from metadata; linear weights of types Q4_0,
+Q4_1 and Q8_0 kept in their codes (`layers/quantization/gguf.py`), the others
+dequantised to float32.
 
 Three things differ from a Hugging Face checkpoint and are undone here:
 
@@ -11,6 +13,10 @@ Three things differ from a Hugging Face checkpoint and are undone here:
   rotary already and are stored unpermuted).
 
 A missing `output.weight` means the LM head is tied to `token_embd`.
+
+The packed linear weights make the checkpoint's format "gguf": ModelConfig's
+quantization_config then lists them (`packed_linear_tensors`), and the loader
+yields each as its codes, scales and offsets.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from folio.config import ModelConfig
+from folio.model.layers.quantization.gguf import BITS, BLOCK, FUSED, shard_names
 
 # general.architecture -> HF class. Mistral GGUFs say "llama" (same graph).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -127,6 +134,7 @@ def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
     eos = [_field(reader, k, None) for k in ("tokenizer.ggml.eos_token_id",
                                             "tokenizer.ggml.eot_token_id")]
     bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
+    packed = packed_linear_tensors(reader)
     return ModelConfig(
         model=model, path=path, format="gguf", architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=_vocab_size(reader, arch),
@@ -147,7 +155,26 @@ def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
         checkpoint_dtype="float32",
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+        quantization="gguf" if packed else None,
+        quantization_config={"packed": packed} if packed else None,
     )
+
+
+def packed_linear_tensors(reader) -> dict[str, str]:
+    """HF names of the decoder's linear weights kept packed -> their GGUF type:
+    those of a packable type whose fused layer's other projections have the
+    same type (a layer runs one kernel)."""
+    types = {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+    packed = {}
+    for name, kind in types.items():
+        if kind not in BITS or ".layers." not in name or not name.endswith("_proj.weight"):
+            continue
+        module = name[:-len(".weight")]
+        parent, _, leaf = module.rpartition(".")
+        fused = next((f for f, parts in FUSED.items() if leaf in parts), leaf)
+        if all(types.get(part) == kind for part in shard_names(f"{parent}.{fused}")):
+            packed[name] = kind
+    return packed
 
 
 def _vocab_size(reader, arch: str) -> int:
@@ -191,16 +218,54 @@ def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
     """(HF name, float32 tensor) for every tensor of the file, one at a time."""
     reader = gguf_reader(model_config.path)
     permuted = _field(reader, "general.architecture") in _PERMUTED_QK
+    # --quantization none: every tensor dequantized
+    packed = (model_config.quantization_config or {}).get("packed", {}) \
+        if model_config.quantization == "gguf" else {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:  # only reachable if the file changed since the config was read
             raise ValueError(f"{model_config.path}: unexpected tensor {t.name!r}")
-        tensor = _dequantize(t)
-        if permuted and ".self_attn.q_proj." in name:
-            tensor = _unpermute_rows(tensor, model_config.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            tensor = _unpermute_rows(tensor, model_config.num_key_value_heads)
-        yield name, tensor
+        if name in packed:
+            if packed[name] != t.tensor_type.name:
+                raise ValueError(f"{model_config.path}: {t.name} changed type since the "
+                                 "config was read")
+            parts = _split_blocks(t)
+            module = name[:-len(".weight")]
+            items = [(f"{module}.{part}", value) for part, value in parts.items()]
+        else:
+            items = [(name, _dequantize(t))]
+        for key, tensor in items:
+            if permuted and ".self_attn.q_proj." in key:
+                tensor = _unpermute_rows(tensor, model_config.num_attention_heads)
+            elif permuted and ".self_attn.k_proj." in key:
+                tensor = _unpermute_rows(tensor, model_config.num_key_value_heads)
+            yield key, tensor
+
+
+def _split_blocks(t) -> dict[str, torch.Tensor]:
+    """A Q4_0 / Q4_1 / Q8_0 tensor [rows, in] -> its codes, scales and offsets
+    as layers/quantization/gguf.py reads them."""
+    kind = t.tensor_type.name
+    rows, cols = int(t.shape[1]), int(t.shape[0])          # ne order
+    head = 4 if kind == "Q4_1" else 2                         # fp16 d (and m) per block
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // BLOCK, -1)
+    expected = head + (BLOCK // 2 if BITS[kind] == 4 else BLOCK)
+    if blocks.shape[2] != expected:
+        raise ValueError(f"{t.name}: {kind} blocks of {blocks.shape[2]} bytes, expected "
+                         f"{expected}")
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        offsets = -128 * d
+    else:
+        qs = blocks[..., head:]                               # 16 bytes: k and k + 16
+        values = np.concatenate([qs & 0xF, qs >> 4], axis=-1)          # [rows, nb, 32]
+        codes = values[..., 0::2] | (values[..., 1::2] << 4)
+        offsets = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+                   .astype(np.float32) if kind == "Q4_1" else -8 * d)
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+    return {"qcodes": as_tensor(codes), "qscales": as_tensor(d),
+            "qoffsets": as_tensor(offsets)}
 
 
 def _dequantize(t) -> torch.Tensor:

@@ -7,11 +7,12 @@ Two references:
   match it to fp32 rounding (atol 2e-4 on logits of magnitude ~10), and its
   greedy tokens equal transformers' on it;
 - the logits gptqmodel's own kernel gave through transformers when the
-  fixture was made. Its rounding differs from the exact formula (we measured
-  its 4-bit logits 0.16-0.28 away from the exact float copy, its 8-bit ones
-  0.014-0.016), so the tolerance against it is that of the tool: max |logit
-  difference| within 5% (4-bit) or 0.5% (8-bit) of the largest logit, and the
-  same top token wherever its top-2 gap is wider than that difference.
+  fixture was made. That kernel casts activations to bfloat16 on the CPU
+  (tests/fixtures/quant/README.md): its 4-bit logits are 0.16-0.28 away from
+  the exact float copy's, its 8-bit ones 0.014-0.016. So the tolerance
+  against it is the tool's own: max |logit difference| within 5% (4-bit) or
+  0.5% (8-bit) of the largest logit, and the same top token wherever its
+  top-2 gap is wider than that difference.
 """
 
 import json

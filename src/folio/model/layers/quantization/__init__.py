@@ -16,6 +16,7 @@ from folio.model.layers.quantization.base import LinearMethod, QuantizationConfi
 _MODULES = {
     "none": "folio.model.layers.quantization.unquantized",
     "gptq": "folio.model.layers.quantization.gptq",
+    "gguf": "folio.model.layers.quantization.gguf",
 }
 _REGISTRY: dict[str, type[QuantizationConfig]] = {}
 

@@ -94,6 +94,9 @@ class IntGroups:
         bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         bounds[1:] = torch.cumsum(lengths, 0)
         scale, offset = scale[:, run_groups], offset[:, run_groups]
+        for t, what in ((scale, "scales"), (offset, "zeros" if zero is not None else "offsets")):
+            if not bool(t.half().isfinite().all()) or not bool(t.isfinite().all()):
+                raise ValueError(f"quantized weight {what} are not finite float16 numbers")
         tiles = -(-n // TILE)
         pad = tiles * TILE - n
         codes = F.pad(codes.to(torch.uint8), (0, 0, 0, pad))
