@@ -12,7 +12,7 @@ from folio import LLM, SamplingParams
 from folio.model import llama, native
 from folio.model.layers import linear as linear_mod
 from folio.worker import device
-from tests.utils import make_tiny_model
+from tests.utils import make_tiny_model, write_tiny_gguf
 
 needs_bf16_kernel = pytest.mark.skipif(not native.packs_linear(torch.zeros(16, 16).bfloat16()),
                                        reason="no AVX512-BF16 kernels on this machine")
@@ -159,3 +159,46 @@ def test_same_answers_under_preemption_sharing_and_sampling(tmp_path):
     assert preempted > 0 and fast == slow
     assert llm.engine.scheduler.kv.num_free_blocks == 24
     model.native_decoder = decoder
+
+
+needs_quantized_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
+                                            reason="no quantized linear kernel on this machine")
+
+
+@needs_quantized_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype, dtype):
+    """Quantized projections (a GGUF kept in its codes): bf16 runs call the
+    same kernels in the same order both ways (bit for bit); fp32 ones fuse
+    the element-wise layers the modules keep in torch (fp32 rounding)."""
+    if dtype == "bfloat16" and not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("no bf16 element-wise kernels here")
+    folder = make_tiny_model(tmp_path / "hf", intermediate_size=128)
+    path = write_tiny_gguf(folder, tmp_path / "m.gguf", qtype)
+    llm = LLM(path, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48)
+    decoder = llm.engine.executor.runner.model.model.native_decoder
+    assert decoder is not None and decoder.quantized
+    records = _record_both_paths(monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    if dtype == "bfloat16":
+        assert all(r[2] and r[3] for r in records), records
+    else:
+        assert all(hidden < 1e-4 and cache < 1e-4 for *_, hidden, cache in records), records
+
+
+@needs_quantized_kernel
+def test_quantized_layers_leave_the_one_call_when_their_kernel_is_off(tmp_path, monkeypatch):
+    folder = make_tiny_model(tmp_path / "hf", intermediate_size=128)
+    llm = LLM(write_tiny_gguf(folder, tmp_path / "m.gguf", "Q4_0"), dtype="float32",
+              num_kv_blocks=32)
+    model = llm.engine.executor.runner.model.model
+    assert model.native_decoder is not None
+    monkeypatch.setattr(type(model.native_decoder), "__call__",
+                        lambda *a: pytest.fail("native path taken"))
+    monkeypatch.setattr(native, "runs_qlinear", lambda x: False)    # the torch path throughout
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -57,12 +57,13 @@ def lib(request):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
                                                  (100, 96, -1, True), (33, 64, 16, True),
-                                                 (17, 128, 128, False)])
+                                                 (17, 128, 128, False), (24, 80, 20, False)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 13])
 def test_fp32_matches_the_dequantized_product(lib, bits, n, k, group, act_order, rows):
     """Output sizes off the 16-wide tiles and the 3-tile groups, every row-block
     remainder, act-order (input features permuted, groups of unequal length in
-    a rank's slice), one group over all inputs, a bias added in fp32."""
+    a rank's slice), one group over all inputs, groups of 20 (padded to 24
+    positions), a bias added in fp32."""
     w, _, _ = random_weights(n, k, bits, group, act_order, zeros=not act_order, seed=rows)
     g = torch.Generator().manual_seed(rows + 7)
     x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
@@ -98,19 +99,28 @@ def test_strided_rows_leading_dimensions_and_no_rows(lib):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_the_packed_form_dequantizes_to_the_formula(bits, act_order):
+@pytest.mark.parametrize("group", [32, 20])
+def test_the_packed_form_dequantizes_to_the_formula(bits, act_order, group):
     """w = q * scale + offset (offset = -zero * scale), in the caller's order of
-    the input features whatever order the packing keeps them in."""
-    w, codes, groups = random_weights(37, 96, bits, 32, act_order, seed=3)
+    the input features whatever order the packing keeps them in; groups of 20
+    padded to 24 positions."""
+    count = 96 // group + (96 % group > 0)
     g = torch.Generator().manual_seed(0)
-    scale = (torch.rand(37, 3, generator=g) * 0.05 + 0.01).half().float()
-    zero = torch.randint(0, 1 << bits, (37, 3), generator=g).float()
+    codes = torch.randint(0, 1 << bits, (37, 96), generator=g)
+    groups = torch.arange(96) // group
+    if act_order:
+        groups = groups[torch.randperm(96, generator=g)]
+    scale = (torch.rand(37, count, generator=g) * 0.05 + 0.01).half().float()
+    zero = torch.randint(0, 1 << bits, (37, count), generator=g).float()
     w = IntGroups.from_codes(codes, groups, scale, bits, zero=zero)
     expect = (codes.float() - zero[:, groups]) * scale[:, groups]
     assert torch.equal(w.dequantize(), expect)
-    assert (w.perm is not None) == act_order
-    per_weight = bits / 8 + 4 / 32          # codes; float16 scale and zero per 32
-    assert w.nbytes <= 48 * 96 * per_weight + (96 * 8 if act_order else 0) + 64
+    assert (w.perm is not None) == (act_order or group == 20)
+    lengths = [min(group, 96 - i * group) for i in range(count)]       # 20 x 4 and 16
+    assert w.positions == sum(-(-n // 8) * 8 for n in lengths)
+    per_weight = bits / 8 + 4 / group          # codes; float16 scale and zero per group
+    assert w.nbytes <= 48 * w.positions * per_weight + (w.positions * 8 if w.perm is not None
+                                                      else 0) + 64
 
 
 def test_bad_codes_groups_and_widths_are_refused():
@@ -136,3 +146,32 @@ def test_unpacking_int32_words_in_both_orders():
     assert awq.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
     signed = torch.tensor([[-1]], dtype=torch.int32)              # every bit set
     assert unpack_int32(signed, 8, 0).tolist() == [[255], [255], [255], [255]]
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
+                                                 (100, 96, -1, True), (33, 80, 20, True)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_int16_activations_stay_within_their_rounding(lib, bits, n, k, group, act_order, rows):
+    """quantize_x: x rounded to int16 per block of 32 positions (its scale the
+    block's largest |x| / 32767), the codes multiplied as integers. Each x is
+    then off by at most half a step, so each output by at most half a step
+    times sum |w| over the block, plus fp32 sums. Groups of 20 are padded with
+    zero codes to whole octets of positions."""
+    w, _, _ = random_weights(n, k, bits, group, act_order, zeros=not act_order, seed=rows)
+    g = torch.Generator().manual_seed(rows + 11)
+    x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    got = native.qlinear(x, w, b, quantize_x=True, lib=lib)
+    dense = w.dequantize().double()
+    exact = F.linear(x.double(), dense, b.double())
+    step = x.abs().max(dim=1, keepdim=True).values.double() / 32767      # at most a block's
+    bound = 0.5 * step * dense.abs().sum(1) + 4 * k * 2 ** -23 * F.linear(
+        x.double().abs(), dense.abs()) + 1e-6
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    xb = x.bfloat16()
+    got = native.qlinear(xb, w, b, quantize_x=True, lib=lib)
+    exact = F.linear(xb.double(), dense, b.double())
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.double() - exact).abs() <= bound + exact.abs() * 2 ** -8).all())

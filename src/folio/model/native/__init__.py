@@ -103,7 +103,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
         "folio_qlinear_available": (ctypes.c_int, []),
         "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
-                                         i64, i64, i32]),
+                                         i64, i64, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -218,24 +218,26 @@ def runs_qlinear(x: torch.Tensor) -> bool:
     return lib is not None and bool(lib.folio_qlinear_available())
 
 
-def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None,
-            lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
+            quantize_x: bool = False, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W an `IntGroups` (4- or 8-bit codes,
-    float16 scales and offsets per group): [..., N] in x's dtype. `lib`: the
-    tests' other builds."""
-    k, n = w.in_features, w.out_features
+    float16 scales and offsets per group): [..., N] in x's dtype.
+    `quantize_x`: x quantized to int8 per block of 32 and multiplied as
+    integers (faster; x's int8 rounding), else in fp32. `lib`: the tests'
+    other builds."""
+    k = w.in_features
+    weights, (n, positions) = w.kernel_args
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(*lead, n, dtype=x.dtype)
-    bias = None if bias is None else bias.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
     if x2.shape[0] and (lib or load()).folio_qlinear(
-            x2.data_ptr(), x2.stride(0), _DTYPE_CODES[x.dtype],
-            None if w.perm is None else w.perm.data_ptr(), w.codes.data_ptr(), w.bits,
-            w.scales.data_ptr(), w.offsets.data_ptr(), int(w.zeros), w.bounds.data_ptr(),
-            w.bounds.numel() - 1, None if bias is None else bias.data_ptr(), out.data_ptr(),
-            x2.shape[0], n, k, torch.get_num_threads()):
+            x2.data_ptr(), x2.stride(0), _DTYPE_CODES[x.dtype], *weights,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n,
+            positions, quantize_x, torch.get_num_threads()):
         raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
     return out
 

@@ -13,6 +13,10 @@
  * - dtype 0: fp32 activations and KV cache, bf16-stored weights packed for
  *   folio_linear_bf16w (AVX2 + FMA). The module path keeps torch's fp32
  *   element-wise ops there, so the two agree to fp32 rounding, not bit for bit.
+ * - quantized: 4- or 8-bit weights (folio_qweight, for folio_qlinear), with
+ *   bf16 activations (x quantized to int8 per block, as the modules' layers do
+ *   for bf16) or fp32 ones (the float path); the element-wise kernels as for
+ *   the dtype.
  * The final norm and the LM head stay in torch.
  */
 #include <stdint.h>
@@ -31,15 +35,31 @@ void folio_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
 void folio_linear_bf16w(const float *x, int64_t x_stride, const uint16_t *packed,
                         const float *bias, float *out, int64_t m, int64_t n, int64_t k,
                         int num_threads);
+int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *perm,
+                  const uint8_t *codes, int bits, const uint16_t *scales,
+                  const uint16_t *offsets, int zeros, const int32_t *bounds, int64_t groups,
+                  const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
+                  int quantize_x, int num_threads);
 int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
                           int num_heads, int num_kv_heads, int head_dim, int block_size,
                           int64_t num_blocks, float scale, int dtype, int num_threads);
 
+/* A quantized projection: what folio_qlinear reads (int_groups.py's layout). */
+typedef struct {
+    const int64_t *perm;
+    const uint8_t *codes;
+    const uint16_t *scales, *offsets;
+    const int32_t *bounds;
+    int64_t groups, positions;
+    int bits, zeros;
+} folio_qweight;
+
 /* One layer's weights: norms [hidden] and the qkv bias (or NULL: no other
- * projection has one here) in the activations' dtype; projections packed for
- * the step's linear kernel; its KV cache [2][num_blocks][block_size][kv_heads]
+ * projection has one here) in the activations' dtype (fp32 for quantized
+ * projections); projections packed for the step's linear kernel (quantized:
+ * each a folio_qweight); its KV cache [2][num_blocks][block_size][kv_heads]
  * [head_dim], in the activations' dtype. */
 typedef struct {
     const void *input_norm, *post_norm;
@@ -64,15 +84,24 @@ typedef struct {
     void *normed, *qkv, *attn, *gate_up, *act;
     int num_threads;
     int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
+    int quantized;                            /* 1: folio_qweight projections */
 } folio_step;
 
-/* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias). */
-static void linear(const folio_step *s, const void *x, int64_t x_stride, const void *w,
-                   const void *bias, void *out, int64_t m, int64_t n, int64_t k) {
+/* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias);
+ * nonzero if scratch memory could not be had. */
+static int linear(const folio_step *s, const void *x, int64_t x_stride, const void *w,
+                  const void *bias, void *out, int64_t m, int64_t n, int64_t k) {
+    if (s->quantized) {
+        const folio_qweight *q = w;
+        return folio_qlinear(x, x_stride, s->dtype, q->perm, q->codes, q->bits, q->scales,
+                             q->offsets, q->zeros, q->bounds, q->groups, bias, out, m, n,
+                             q->positions, s->dtype == 1, s->num_threads);
+    }
     if (s->dtype)
         folio_linear(x, x_stride, w, bias, out, m, n, k, s->num_threads);
     else
         folio_linear_bf16w(x, x_stride, w, bias, out, m, n, k, s->num_threads);
+    return 0;
 }
 
 int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_step *s) {
@@ -89,7 +118,7 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
                           threads);
         if (i == 0)                 /* the first layer: its input is the residual */
             memcpy(s->residual, x, elt * (size_t)(t * h));
-        linear(s, s->normed, h, w->qkv, w->qkv_bias, qkv, t, qkv_width, h);
+        if (linear(s, s->normed, h, w->qkv, w->qkv_bias, qkv, t, qkv_width, h)) return 1;
         folio_rotary(qkv, t, qkv_width, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin,
                      dtype, threads);
         char *cache = w->kv_cache;
@@ -104,12 +133,12 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
                                   s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
                                   s->scale, dtype, threads))
             return 1;
-        linear(s, s->attn, q_size, w->o, 0, x, t, h, q_size);
+        if (linear(s, s->attn, q_size, w->o, 0, x, t, h, q_size)) return 1;
         folio_add_rmsnorm(x, s->residual, w->post_norm, s->normed, t, h, s->eps, dtype, 1,
                           threads);
-        linear(s, s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h);
+        if (linear(s, s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h)) return 1;
         folio_silu_mul(s->gate_up, s->act, t, inter, dtype, threads);
-        linear(s, s->act, inter, w->down, 0, x, t, h, inter);
+        if (linear(s, s->act, inter, w->down, 0, x, t, h, inter)) return 1;
     }
     return 0;
 }

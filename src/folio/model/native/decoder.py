@@ -10,7 +10,10 @@ native linear kernels, one tensor-parallel rank, no bias but on qkv. Two kinds:
 - fp32 activations with bf16-stored weights (the AVX2 kernel, `--dtype
   bfloat16` on CPUs without native bf16): the one call also fuses the
   element-wise layers, which the modules keep in torch in fp32, so the two agree
-  to fp32 rounding (tested).
+  to fp32 rounding (tested);
+- quantized weights (4- or 8-bit `IntGroups`, native/qlinear.c), with bf16
+  activations (bit-identical to the modules, which call the same kernels) or
+  fp32 ones (the element-wise layers fused as above).
 
 The model keeps its torch modules either way, and a step goes back to them
 whenever a kernel is switched off.
@@ -41,23 +44,37 @@ class _Step(ctypes.Structure):
                 ("max_blocks", _i64), ("token_rows", _p), ("context_lens", _p),
                 ("hidden_states", _p), ("residual", _p),
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
-                ("num_threads", _i32), ("dtype", _i32)]
+                ("num_threads", _i32), ("dtype", _i32), ("quantized", _i32)]
+
+
+class _QWeight(ctypes.Structure):
+    """decoder.c's folio_qweight: a quantized projection (int_groups.IntGroups)."""
+    _fields_ = [("perm", _p), ("codes", _p), ("scales", _p), ("offsets", _p), ("bounds", _p),
+                ("groups", _i64), ("positions", _i64), ("bits", _i32), ("zeros", _i32)]
+
+    @classmethod
+    def of(cls, weights) -> "_QWeight":
+        (perm, codes, bits, scales, offsets, zeros, bounds, groups), (_, positions) = \
+            weights.kernel_args
+        return cls(perm=perm, codes=codes, scales=scales, offsets=offsets, bounds=bounds,
+                   groups=groups, positions=positions, bits=bits, zeros=zeros)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def _weight(layer) -> int:
-    return layer.quant_method.native_weight().data_ptr()
-
-
 class NativeDecoder:
-    def __init__(self, layers, bf16_weights: bool):
+    def __init__(self, layers, kind: str):
         self.layers = layers
-        # fp32 activations with bf16-stored weights, or bf16 throughout
-        self.bf16_weights = bf16_weights
-        self.dtype = torch.float32 if bf16_weights else torch.bfloat16
+        self.kind = kind
+        # "bf16_weights": fp32 activations with bf16-stored weights; "bf16": bf16
+        # throughout; "int": quantized weights in the model's dtype
+        self.bf16_weights = kind == "bf16_weights"
+        self.quantized = kind == "int"
+        self.dtype = {"bf16_weights": torch.float32, "bf16": torch.bfloat16,
+                      "int": layers[0].input_layernorm.weight.dtype}[kind]
+        self._keep: list = []           # the ctypes structs and fp32 biases the table points to
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -87,30 +104,51 @@ class NativeDecoder:
                 return None
         if len(kinds) != 1 or None in kinds:
             return None
-        return cls(layers, bf16_weights=kinds.pop() == "bf16_weights")
+        kind = kinds.pop()
+        if kind == "int" and layers[0].input_layernorm.weight.dtype not in (torch.float32,
+                                                                           torch.bfloat16):
+            return None
+        return cls(layers, kind)
 
     def usable(self, hidden: torch.Tensor, meta) -> bool:
         """Checked every step: the kernels may be switched off (tests do)."""
         if hidden.dtype != self.dtype or meta.token_rows is None or hidden.dim() != 2:
             return False
-        return native.supports(hidden) and (self.bf16_weights or native.fuses(hidden))
+        if self.quantized and not native.runs_qlinear(hidden):    # what the layers ask
+            return False
+        return native.supports(hidden) and (self.dtype == torch.float32 or native.fuses(hidden))
+
+    def _weight(self, layer, keep: list) -> int:
+        weights = layer.quant_method.native_weight()
+        if not self.quantized:
+            return weights.data_ptr()
+        keep.append(_QWeight.of(weights))
+        return ctypes.addressof(keep[-1])
+
+    def _bias(self, bias, keep: list) -> Optional[int]:
+        """The qkv bias as the step's kernel reads it (fp32 for quantized ones)."""
+        if bias is None or not self.quantized:
+            return _ptr(bias)
+        keep.append(bias.detach().float().contiguous())
+        return keep[-1].data_ptr()
 
     def _layer_table(self, kv_caches) -> ctypes.Array:
         key = tuple(c.data_ptr() for c in kv_caches)
         table = self._tables.get(key)
         if table is None:
-            table = (_Layer * len(self.layers))()
+            table, keep = (_Layer * len(self.layers))(), []
             for entry, layer, cache in zip(table, self.layers, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
                 entry.input_norm = layer.input_layernorm.weight.data_ptr()
                 entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-                entry.qkv = _weight(attn.qkv_proj)
-                entry.qkv_bias = _ptr(attn.qkv_proj.bias)
-                entry.o = _weight(attn.o_proj)
-                entry.gate_up = _weight(mlp.gate_up_proj)
-                entry.down = _weight(mlp.down_proj)
+                entry.qkv = self._weight(attn.qkv_proj, keep)
+                entry.qkv_bias = self._bias(attn.qkv_proj.bias, keep)
+                entry.o = self._weight(attn.o_proj, keep)
+                entry.gate_up = self._weight(mlp.gate_up_proj, keep)
+                entry.down = self._weight(mlp.down_proj, keep)
                 entry.kv_cache = cache.data_ptr()
             self._tables = {key: table}          # one cache set at a time
+            self._keep = keep
         return table
 
     def __call__(self, hidden: torch.Tensor, rope, kv_caches, meta
@@ -138,8 +176,8 @@ class NativeDecoder:
             hidden_states=hidden.data_ptr(), residual=residual.data_ptr(),
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
-            dtype=native.dtype_code(hidden.dtype))
+            dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized))
         table = self._layer_table(kv_caches)
         if native.load().folio_decoder_layers(table, len(self.layers), ctypes.byref(step)):
-            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+            raise MemoryError("a native CPU kernel could not allocate its scratch memory")
         return hidden, residual

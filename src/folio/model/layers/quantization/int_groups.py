@@ -19,27 +19,34 @@ the codes unpacked, one byte each, only for the time of that call. The layer
 then keeps only this packed form, about bits/8 bytes a weight plus 4 bytes per
 group and output feature, and runs on `IntGroupsLinear`.
 
-Layout (what `native/qlinear.c` reads):
+Layout (what `native/qlinear.c` reads; it says why):
 - output features in tiles of 16 (the last one padded with zero codes);
-- `codes` uint8 [tiles, K, 8] for 4 bits (byte j of (tile, k) holds the
-  codes of features j and j + 8 of the tile, low and high nibble) or
-  [tiles, K, 16] for 8 bits: one tile's column k is one 8- or 16-byte load;
+- input features in "positions": group order, each run of one group padded
+  with zero codes to a multiple of 8. `bounds` int32 [groups + 1]: where each
+  group's positions start. A checkpoint whose groups are not runs of
+  consecutive k (GPTQ's act-order, `desc_act`; and any rank's slice of one),
+  or whose groups need padding, keeps `perm` (the input feature of each
+  position, -1 for padding) and its activations are gathered in that order
+  per call; groups may then be of different lengths;
+- `codes` uint8, per tile and octet of positions, each output feature's codes
+  in one 32-bit word: 4 bits [tiles, octets, 16, 4], byte b holding positions
+  b (low nibble) and b + 4 (high nibble); 8 bits [tiles, octets, 2, 16, 4],
+  the words of positions 0..3 then 4..7;
 - `scales`, `offsets` float16 [tiles, groups, 16] (`offsets` holds the zero
-  points where `zeros` is set);
-- input features in group order: `bounds` int32 [groups + 1] gives where each
-  group starts. A checkpoint whose groups are not runs of consecutive k
-  (GPTQ's act-order, `desc_act`; and any rank's slice of one) is permuted once
-  here (`perm`, the k of each position) and its activations gathered in that
-  order per call; groups may then be of different lengths.
+  points where `zeros` is set).
 
 The product: y = sum over groups g of  scale[n,g] * sum_{k in g} x[k] q[n,k]
-+ offset[n,g] * sum_{k in g} x[k]; the native kernel computes it in fp32 from
-the codes (its sums in another order than a dequantized float matmul, hence a
-tolerance, tested), the torch path dequantizes per call and multiplies.
++ offset[n,g] * sum_{k in g} x[k]. The native kernel computes it from the
+codes, either in fp32 (its sums in another order than a dequantized float
+matmul, hence a tolerance, tested) or, for bf16 activations, with x quantized
+to int8 per block of 32 and integer dot products (llama.cpp's way; about 4x
+fewer instructions a weight, and x's int8 rounding). The torch path
+dequantizes per call and multiplies.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,6 +57,7 @@ from folio.model import native
 from folio.model.layers.quantization.base import LinearMethod
 
 TILE = 16
+OCTET = 8         # positions per 32-bit word pair of a tile's codes
 
 
 @dataclass(eq=False)
@@ -85,28 +93,55 @@ class IntGroups:
             raise ValueError(f"group index out of range 0..{scale.shape[1] - 1}")
         if k and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
             raise ValueError(f"weight codes out of range for {bits} bits")
-        perm = None
+        order = torch.arange(k)
         if k and bool((groups[1:] < groups[:-1]).any()):
-            perm = torch.sort(groups, stable=True).indices
-            codes, groups = codes[:, perm], groups[perm]
-        # consecutive runs of one group -> bounds; their scales in run order
-        run_groups, lengths = torch.unique_consecutive(groups, return_counts=True)
+            order = torch.sort(groups, stable=True).indices
+        # consecutive runs of one group, each padded to whole octets of positions
+        run_groups, lengths = torch.unique_consecutive(groups[order], return_counts=True)
+        padded = (lengths + OCTET - 1) // OCTET * OCTET
         bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        bounds[1:] = torch.cumsum(lengths, 0)
+        bounds[1:] = torch.cumsum(padded, 0)
+        positions = int(bounds[-1])
+        feature = torch.full((positions,), -1, dtype=torch.int64)       # -1: padding
+        starts = bounds[:-1].to(torch.int64)
+        within = torch.arange(k) - torch.repeat_interleave(
+            torch.cumsum(lengths, 0) - lengths, lengths)
+        feature[torch.repeat_interleave(starts, lengths) + within] = order
+        perm = None if positions == k and bool((feature == torch.arange(k)).all()) else feature
         scale, offset = scale[:, run_groups], offset[:, run_groups]
         for t, what in ((scale, "scales"), (offset, "zeros" if zero is not None else "offsets")):
             if not bool(t.half().isfinite().all()) or not bool(t.isfinite().all()):
                 raise ValueError(f"quantized weight {what} are not finite float16 numbers")
         tiles = -(-n // TILE)
         pad = tiles * TILE - n
-        codes = F.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-        tiled = codes.view(tiles, TILE, k).transpose(1, 2)                 # [tiles, K, 16]
-        if bits == 4:
-            tiled = tiled[..., :8] | (tiled[..., 8:] << 4)
+        placed = torch.zeros(tiles * TILE, positions, dtype=torch.uint8)
+        real = feature >= 0
+        placed[:n, real] = codes[:, feature[real]].to(torch.uint8)
+        octets = placed.view(tiles, TILE, positions // OCTET, OCTET)
+        if bits == 4:       # byte b of a word: positions b and b + 4 of the octet
+            words = octets[..., :4] | (octets[..., 4:] << 4)              # [t, 16, o, 4]
+            packed = words.permute(0, 2, 1, 3)                            # [t, o, 16, 4]
+        else:               # the words of positions 0..3, then 4..7
+            packed = octets.view(tiles, TILE, -1, 2, 4).permute(0, 2, 3, 1, 4)
         as_tiles = lambda t: F.pad(t.float(), (0, 0, 0, pad)).to(torch.float16).view(
             tiles, TILE, -1).transpose(1, 2).contiguous()                 # [tiles, G, 16]
-        return cls(tiled.contiguous(), as_tiles(scale), as_tiles(offset), bounds,
+        return cls(packed.contiguous(), as_tiles(scale), as_tiles(offset), bounds,
                    perm, bits, n, k, zero is not None)
+
+    @property
+    def positions(self) -> int:
+        """Input features in the packed order, padding included."""
+        return int(self.bounds[-1])
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """What the native kernel reads, once: (perm, codes, bits, scales,
+        offsets, zeros, bounds, groups) and (n, positions) (the tensors never
+        move)."""
+        ptr = lambda t: None if t is None else t.data_ptr()
+        return ((ptr(self.perm), ptr(self.codes), self.bits, ptr(self.scales),
+                 ptr(self.offsets), int(self.zeros), ptr(self.bounds), self.bounds.numel() - 1),
+                (self.out_features, self.positions))
 
     @property
     def nbytes(self) -> int:
@@ -114,25 +149,30 @@ class IntGroups:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def unpacked_codes(self) -> torch.Tensor:
-        """[tiles * 16, K] uint8, in the packed (group) order of k."""
-        c = self.codes
+        """[tiles * 16, positions] uint8, in the packed order."""
+        tiles, p = self.codes.shape[0], self.positions
         if self.bits == 4:
-            c = torch.cat([c & 0xF, c >> 4], dim=-1)
-        return c.transpose(1, 2).reshape(-1, self.in_features)
+            words = self.codes.permute(0, 2, 1, 3)                        # [t, 16, o, 4]
+            octets = torch.cat([words & 0xF, words >> 4], dim=-1)
+        else:
+            octets = self.codes.permute(0, 3, 1, 2, 4).reshape(tiles, TILE, -1, OCTET)
+        return octets.reshape(tiles * TILE, p)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the checkpoint's order of k."""
         lengths = (self.bounds[1:] - self.bounds[:-1]).to(torch.int64)
-        per_k = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        spread = lambda t: t.float().transpose(1, 2).reshape(-1, t.shape[1])[:, per_k]
+        per_position = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        spread = lambda t: t.float().transpose(1, 2).reshape(-1, t.shape[1])[:, per_position]
         scale, offset = spread(self.scales), spread(self.offsets)
         if self.zeros:
             offset = -offset * scale
-        w = self.unpacked_codes().float() * scale + offset
-        w = w[:self.out_features]
-        if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(1, self.perm, w)
-        return w.to(dtype)
+        w = (self.unpacked_codes().float() * scale + offset)[:self.out_features]
+        if self.perm is None:
+            return w.to(dtype)
+        real = self.perm >= 0
+        out = torch.empty(self.out_features, self.in_features)
+        out[:, self.perm[real]] = w[:, real]
+        return out.to(dtype)
 
 
 class IntGroupsLinear(LinearMethod):
@@ -140,15 +180,19 @@ class IntGroupsLinear(LinearMethod):
     has one, else dequantized per call (the reference the kernel is tested
     against)."""
 
-    native_kind = None      # the one-call decoder does not run these layers (yet)
+    native_kind = "int"     # the one-call decoder runs these (native/decoder.py)
 
     def __init__(self, weights: IntGroups):
         self.weights = weights
 
+    def native_weight(self) -> IntGroups:
+        return self.weights
+
     def apply(self, layer, x, bias=None):
         w = self.weights
         if native.runs_qlinear(x):
-            return native.qlinear(x, w, bias)
+            # bf16 activations already carry bf16 rounding: the int8 path
+            return native.qlinear(x, w, bias, quantize_x=x.dtype == torch.bfloat16)
         return F.linear(x, w.dequantize(x.dtype), bias)
 
 
