@@ -76,10 +76,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                    help="how tensor-parallel workers start: mp (local processes) or ray")
     g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
-                   help="the weights' format: gptq, gguf, none (default: what the checkpoint "
-                        "says: config.json's quantization_config or a GGUF's Q4_0/Q4_1/Q8_0 "
-                        "tensors; else none, plain weights). none on a GGUF dequantizes its "
-                        "blocks to float at load")
+                   help="the weights' format: gptq, awq, compressed-tensors, gguf, int8, int4, "
+                        "none (default: what the checkpoint says: config.json's "
+                        "quantization_config or a GGUF's Q4_0/Q4_1/Q8_0 tensors; else none, "
+                        "plain weights). none on a GGUF dequantizes its blocks to float at "
+                        "load; int8/int4: round-to-nearest at load of a float checkpoint")
     g.add_argument("--attention-backend", default=None, metavar="NAME",
                    help="CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
                         "default: the first of these that runs on the device and dtype")

@@ -17,6 +17,10 @@ _MODULES = {
     "none": "folio.model.layers.quantization.unquantized",
     "gptq": "folio.model.layers.quantization.gptq",
     "gguf": "folio.model.layers.quantization.gguf",
+    "awq": "folio.model.layers.quantization.awq",
+    "compressed-tensors": "folio.model.layers.quantization.compressed_tensors",
+    "int8": "folio.model.layers.quantization.rtn",
+    "int4": "folio.model.layers.quantization.rtn",
 }
 _REGISTRY: dict[str, type[QuantizationConfig]] = {}
 

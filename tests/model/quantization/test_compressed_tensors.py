@@ -1,0 +1,335 @@
+"""compressed-tensors `pack-quantized` checkpoints made by llm-compressor
+0.14.0.1 (compressed-tensors 0.19.0; tests/fixtures/quant): 4-bit groups of 32
+symmetric and asymmetric, 8-bit per output channel.
+
+Two references:
+- an exact float copy: the format's formula w = (u - u_zero) * scale on the
+  stored (offset, unsigned) codes, unpacked by this test's own code, run by
+  transformers in fp32. Folio's packed layers match it to fp32 rounding (atol
+  2e-4 on logits of magnitude ~8), and its greedy tokens equal transformers'
+  on it;
+- the logits transformers gave when the fixture was made. transformers
+  decompresses these checkpoints to float32 itself, so those logits are the
+  exact float copy's (README.md there; this test's formula reproduces them to
+  the bit): the tolerance against them is the same 2e-4, and the same top
+  token everywhere.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.model import native
+from tests.model.quantization.checkpoints import (FIXTURES, folio_logits, reference, unpack,
+                                                  write_float_copy)
+from tests.parity import assert_greedy_parity, reference_greedy
+
+NAMES = ["ct-w4a16-g32", "ct-w4a16-asym-g32", "ct-w8a16-channel"]
+
+
+def _weights_scheme(name):
+    config = json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"]
+    return config["config_groups"]["group_0"]["weights"]
+
+
+def ct_dequantize(tensors, prefix, bits):
+    """The float weight [out, in] of module `prefix`, from its stored tensors."""
+    out, inn = tensors[f"{prefix}.weight_shape"].tolist()
+    u = unpack(tensors[f"{prefix}.weight_packed"], bits, 1)[:, :inn].float()   # q + 2^(b-1)
+    scale = tensors[f"{prefix}.weight_scale"].float()                          # [out, groups]
+    if f"{prefix}.weight_zero_point" in tensors:                               # zp + 2^(b-1)
+        zero = unpack(tensors[f"{prefix}.weight_zero_point"], bits, 0)[:out].float()
+    else:
+        zero = torch.full_like(scale, float(2 ** (bits - 1)))
+    g = torch.arange(inn) // (inn // scale.shape[1])
+    return (u - zero[:, g]) * scale[:, g]
+
+
+def ct_formula(bits):
+    def dequantize(tensors, prefix, kind):
+        return ct_dequantize(tensors, prefix, bits) if kind == "weight_packed" else None
+    return dequantize
+
+
+@pytest.fixture(scope="module")
+def float_copies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("float")
+    return {name: write_float_copy(name, ct_formula(_weights_scheme(name)["num_bits"]),
+                                   root / name)
+            for name in NAMES}
+
+
+def _hf(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _hf_logits(hf, prompt):
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, :-1]
+
+
+def test_the_fixtures_are_what_the_readme_says():
+    from safetensors.torch import load_file
+    schemes = [_weights_scheme(name) for name in NAMES]
+    assert [(s["num_bits"], s["strategy"], s["group_size"], s["symmetric"]) for s in schemes] \
+        == [(4, "group", 32, True), (4, "group", 32, False), (8, "channel", None, True)]
+    asym = load_file(str(FIXTURES / "ct-w4a16-asym-g32" / "model.safetensors"))
+    prefix = "model.layers.0.mlp.gate_proj"
+    assert asym[f"{prefix}.weight_packed"].shape == (256, 128 // 8)
+    assert asym[f"{prefix}.weight_zero_point"].shape == (256 // 8, 128 // 32)   # packed on out
+    assert asym[f"{prefix}.weight_shape"].tolist() == [256, 128]
+    channel = load_file(str(FIXTURES / "ct-w8a16-channel" / "model.safetensors"))
+    assert channel[f"{prefix}.weight_scale"].shape == (256, 1)
+    assert f"{prefix}.weight_zero_point" not in channel
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_the_exact_float_copy(name, kernel, float_copies, monkeypatch):
+    if kernel and not native.runs_qlinear(torch.zeros(1)):
+        pytest.skip("no quantized linear kernel on this machine")
+    if not kernel:
+        monkeypatch.setattr(native, "runs_qlinear", lambda x: False)
+    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    hf = _hf(float_copies[name])
+    for prompt, _ in reference(name):
+        ours = folio_logits(llm, prompt)
+        assert (ours - _hf_logits(hf, prompt)).abs().max().item() < 2e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_the_tools_reference(name):
+    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    for prompt, logits in reference(name):
+        ref = logits[:-1]
+        ours = folio_logits(llm, prompt)
+        assert (ours - ref).abs().max().item() < 2e-4
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_equal_transformers_on_the_exact_weights(name, float_copies):
+    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    hf = _hf(float_copies[name])
+    for prompt, _ in reference(name):
+        ref, gaps = reference_greedy(hf, prompt, 24, ())
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert_greedy_parity(list(out.outputs[0].token_ids), ref, gaps, name)
+
+
+@pytest.mark.parametrize("name", ["ct-w4a16-asym-g32", "ct-w8a16-channel"])
+def test_bf16_activations_stay_within_bf16_error(name, float_copies):
+    llm = LLM(str(FIXTURES / name), dtype="bfloat16", num_kv_blocks=32)
+    hf = _hf(float_copies[name])
+    for prompt, _ in reference(name):
+        theirs = _hf_logits(hf, prompt)
+        diff = (folio_logits(llm, prompt) - theirs).abs().max().item()
+        assert diff < 0.06 * theirs.abs().max().item()
+
+
+def test_layers_keep_only_the_packed_form():
+    llm = LLM(str(FIXTURES / "ct-w4a16-asym-g32"), dtype="float32", num_kv_blocks=16)
+    model = llm.engine.executor.runner.model
+    layer = model.model.layers[0].self_attn.qkv_proj
+    for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+        assert getattr(layer, name).numel() == 0
+    w = layer.quant_method.weights
+    assert (w.bits, w.out_features, w.in_features) == (4, 256, 128)
+    assert w.perm is None and w.zeros
+    assert w.codes.numel() == 256 * 128 // 2
+
+
+@pytest.mark.parametrize("name", ["ct-w4a16-asym-g32", "ct-w8a16-channel"])
+def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(name):
+    """Column-parallel layers split weight_packed, the scales and the zero
+    points (packed along the output: in whole words) along the output;
+    row-parallel ones split weight_packed's words and the groups of the
+    scales and zero points, and keep a channel scheme's one scale column
+    whole. weight_shape holds full sizes on every rank."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p, _ in reference(name)]
+    one = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    expect = one.generate(prompts, params, use_tqdm=False)
+    two = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        got = two.generate(prompts, params, use_tqdm=False)
+    finally:
+        two.shutdown()
+    for a, b in zip(expect, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
+                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
+
+
+# --------------------------------------------------------------------------- ignore
+
+
+def _copy(tmp_path, name="ct-w4a16-g32"):
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / name, folder)
+    return folder
+
+
+def _edit_config(folder, edit):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config["quantization_config"])
+    path.write_text(json.dumps(config))
+
+
+def _edit_weights(folder, **values):
+    _edit_config(folder, lambda qc: qc["config_groups"]["group_0"]["weights"].update(values))
+
+
+def _edit_tensors(folder, edit):
+    from safetensors.torch import load_file, save_file
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("entry", ["model.layers.1.mlp.down_proj",
+                                   r"re:.*layers\.1\.mlp\.down_proj$"])
+def test_an_ignored_decoder_layer_stays_plain(entry, tmp_path, float_copies):
+    """A layer named in `ignore` (by name or regex) is stored as a float weight
+    and runs as one."""
+    folder = _copy(tmp_path)
+    prefix = "model.layers.1.mlp.down_proj"
+
+    def to_float(tensors):
+        # float32: a bf16 scale times a code needs more than bf16's 8 bits
+        tensors[f"{prefix}.weight"] = ct_dequantize(tensors, prefix, 4)
+        for kind in ("weight_packed", "weight_scale", "weight_shape"):
+            del tensors[f"{prefix}.{kind}"]
+    _edit_tensors(folder, to_float)
+    _edit_config(folder, lambda qc: qc["ignore"].append(entry))
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
+    model = llm.engine.executor.runner.model
+    plain = model.model.layers[1].mlp.down_proj
+    assert hasattr(plain, "weight") and not hasattr(plain, "weight_packed")
+    assert hasattr(model.model.layers[0].mlp.down_proj, "weight_packed")
+    hf = _hf(float_copies["ct-w4a16-g32"])
+    for prompt, _ in reference("ct-w4a16-g32"):
+        assert (folio_logits(llm, prompt) - _hf_logits(hf, prompt)).abs().max().item() < 2e-4
+
+
+def test_a_fused_layer_half_ignored_is_refused(tmp_path):
+    folder = _copy(tmp_path)
+    _edit_config(folder, lambda qc: qc["ignore"].append(r"re:.*\.q_proj$"))
+    with pytest.raises(ValueError, match=r"qkv_proj: compressed-tensors gives the projections "
+                                         r"of this fused layer different schemes"):
+        LLM(str(folder), num_kv_blocks=16)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_unsupported_schemes_are_refused_by_name(tmp_path):
+    folder = _copy(tmp_path)
+    cases = [
+        (dict(num_bits=2), "compressed-tensors with 2-bit weights .* is not supported; "
+                           "supported: 4, 8 bits"),
+        (dict(type="float"), "compressed-tensors 'float' weights .* are not supported; "
+                             "supported: int"),
+        (dict(strategy="tensor"), "compressed-tensors strategy 'tensor' .* is not supported; "
+                                  "supported: group, channel"),
+        (dict(actorder="group"), "compressed-tensors actorder 'group' .* is not supported"),
+    ]
+    original = _weights_scheme("ct-w4a16-g32")
+    for change, message in cases:
+        _edit_weights(folder, **{**original, **change})
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), num_kv_blocks=16)
+    _edit_weights(folder, **original)
+
+    def activations(qc):
+        qc["config_groups"]["group_0"]["input_activations"] = {
+            "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+    _edit_config(folder, activations)
+    with pytest.raises(ValueError, match=r"activation quantization \(compressed-tensors "
+                                         r"config_groups\.group_0\.input_activations\) is not "
+                                         r"supported"):
+        LLM(str(folder), num_kv_blocks=16)
+
+    def other_format(qc):
+        qc["config_groups"]["group_0"]["input_activations"] = None
+        qc["format"] = qc["config_groups"]["group_0"]["format"] = "marlin-24"
+    _edit_config(folder, other_format)
+    with pytest.raises(ValueError, match="compressed-tensors format 'marlin-24' .* is not "
+                                         "supported; supported: pack-quantized"):
+        LLM(str(folder), num_kv_blocks=16)
+
+
+def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
+    folder = _copy(tmp_path)
+    _edit_weights(folder, group_size=64)
+    with pytest.raises(ValueError, match=r"\.weight_scale: checkpoint tensor of shape "
+                                         r"\(\d+, 4\) does not fit parameter of shape \(\d+, 2\)"):
+        LLM(str(folder), num_kv_blocks=16)
+    _edit_weights(folder, group_size=48)
+    with pytest.raises(ValueError, match="compressed-tensors group_size 48 does not divide the "
+                                         "layer's 128 input features"):
+        LLM(str(folder), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("shape, expected", [([64, 96], [64, 128]),
+                                             ([128, 128], [64, 128])])
+def test_a_weight_shape_that_is_not_the_layers_is_caught_at_load(shape, expected, tmp_path):
+    """Checked per shard: k_proj's [128, 128] is q_proj's shape, the right
+    input size but not k's output size."""
+    folder = _copy(tmp_path)
+    name = "model.layers.1.self_attn.k_proj.weight_shape"
+
+    def edit(tensors):
+        tensors[name] = torch.tensor(shape, dtype=torch.int64)
+    _edit_tensors(folder, edit)
+    message = (f"{name}: compressed-tensors weight_shape {shape} does not match the "
+               f"layer's {expected}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(folder), num_kv_blocks=16)
+
+
+def test_row_parallel_ranks_must_get_whole_groups():
+    """Groups of 128 at tensor-parallel size 2: a row-parallel layer of 128
+    inputs gets half a group a rank (refused); a channel scheme's one group
+    stays whole on every rank. Built as layers at rank 0 of 2 (no engine)."""
+    from folio.distributed.parallel_state import set_tensor_parallel
+    from folio.model.layers.linear import RowParallelLinear
+    from folio.model.layers.quantization import get_quantization_config
+
+    def config(**weights):
+        scheme = {"num_bits": 4, "type": "int", "symmetric": False, **weights}
+        return get_quantization_config("compressed-tensors", {
+            "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme}}})
+    set_tensor_parallel(0, 2)
+    try:
+        with pytest.raises(ValueError, match="o_proj: compressed-tensors group_size 128: each "
+                                             "of the 2 tensor-parallel ranks gets 64 of the "
+                                             "layer's 128 input features, not whole groups"):
+            RowParallelLinear(128, 128, False, torch.float32,
+                              config(strategy="group", group_size=128), "model.layers.0.o_proj")
+        layer = RowParallelLinear(128, 128, False, torch.float32, config(strategy="channel"),
+                                  "model.layers.0.o_proj")
+        assert layer.weight_packed.shape == (128, 64 // 8)
+        assert layer.weight_scale.shape == (128, 1) and layer.weight_scale.input_dim is None
+        assert layer.weight_zero_point.shape == (128 // 8, 1)
+    finally:
+        set_tensor_parallel(0, 1)
+
+
+def test_a_flag_that_names_another_format_is_refused():
+    with pytest.raises(ValueError, match="--quantization awq does not match the checkpoint, "
+                                         "whose weights are compressed-tensors"):
+        LLM(str(FIXTURES / "ct-w4a16-g32"), quantization="awq", num_kv_blocks=16)
