@@ -25,6 +25,7 @@ COMMANDS = {
     "bench throughput": ("`folio bench throughput`", ("Engine flags", )),
     "bench serve": ("`folio bench serve`", ()),
     "bench memory": ("`folio bench memory`", ("Engine flags", )),
+    "bench weights": ("`folio bench weights`", ("Engine flags", )),
     "env": ("`folio env`", ()),
 }
 

@@ -1,4 +1,4 @@
-"""folio serve | generate | chat | bench throughput | serve | memory.
+"""folio serve | generate | chat | bench throughput | serve | memory | weights.
 
 Engine options use vLLM's flag names so existing command lines carry over.
 Flags are checked while the command line is parsed (cli_types), and a
@@ -249,6 +249,11 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     return _run_bench(args, bench_memory, print_memory)
 
 
+def cmd_bench_weights(args: argparse.Namespace) -> int:
+    from folio.bench.weights import bench_weights, print_weights
+    return _run_bench(args, bench_weights, print_weights)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from folio.bench.serve_cli import cmd_bench_serve
     return cmd_bench_serve(args)
@@ -337,6 +342,8 @@ def _add_bench(sub) -> None:
                  _bench_serve).defer(_bench_serve_flags)
     _add_command(kinds, "memory", "KV blocks saved by sharing (n > 1, shared prefixes)",
                  cmd_bench_memory).defer(_memory_flags)
+    _add_command(kinds, "weights", "bytes of weights as loaded, and the same formats' "
+                 "bytes for Llama-3-8B and -70B shapes", cmd_bench_weights).defer(_weights_flags)
 
 
 def _throughput_flags(p: argparse.ArgumentParser) -> None:
@@ -353,6 +360,12 @@ def _bench_serve_flags(p: argparse.ArgumentParser) -> None:
 def _memory_flags(p: argparse.ArgumentParser) -> None:
     from folio.bench.memory import add_memory_args
     add_memory_args(p)
+    add_engine_args(p)
+
+
+def _weights_flags(p: argparse.ArgumentParser) -> None:
+    from folio.bench.weights import add_weights_args
+    add_weights_args(p)
     add_engine_args(p)
 
 

@@ -1,0 +1,185 @@
+"""`folio bench weights`: the bytes of weights as loaded, per kind of tensor,
+and what the same layouts take for larger models.
+
+Two parts:
+- the loaded model (--model, --quantization, --dtype as for every engine
+  command): every parameter and packed tensor the layers keep after loading,
+  summed by role (decoder linear layers, embedding, LM head, norms), with the
+  format each linear layer runs in;
+- the arithmetic for Llama-shaped models (Llama-3-8B and -70B, and the loaded
+  model's own shape), per format, computed by the packing code itself:
+  `IntGroups.from_codes` packs one tile of 16 output features of each
+  projection shape, and a layer's bytes are its tiles times that, plus what
+  is per layer (group bounds, the permutation). A float format is its element
+  size per weight. Embeddings and LM heads stay bf16 there, as GPTQ and AWQ
+  checkpoints keep them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# name: (hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
+SHAPES = {
+    "Llama-3-8B": (4096, 14336, 32, 32, 8, 128, 128256, False),
+    "Llama-3-70B": (8192, 28672, 80, 64, 8, 128, 128256, False),
+}
+# format: (bits, group size; -1 one group per output feature) or a float size
+FORMATS = {
+    "bf16": 2, "fp32": 4,
+    "int8 (per channel)": (8, -1),
+    "int4 g128 (GPTQ/AWQ/int4)": (4, 128),
+    "GGUF Q8_0 (g32)": (8, 32),
+    "GGUF Q4_0/Q4_1 (g32)": (4, 32),
+}
+
+
+def add_weights_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    def projections(self) -> list[tuple[int, int]]:
+        """(out, in) of one decoder layer's linear layers, fused as Folio runs them."""
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return [(qkv, self.hidden), (self.hidden, self.heads * self.head_dim),
+                (2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
+
+    def parameters(self) -> int:
+        linear = self.layers * sum(n * k for n, k in self.projections())
+        return linear + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_tile_and_layer(k: int, bits: int, group: int) -> tuple[int, int]:
+    """(bytes per tile of 16 output features, bytes per layer) of the packed
+    form of a [n, k] weight, from IntGroups itself."""
+    from folio.model.layers.quantization.int_groups import TILE, IntGroups
+    size = k if group == -1 else group
+    groups = torch.arange(k) // size
+    count = int(groups.max()) + 1
+    one = torch.ones(TILE, count)
+    w = IntGroups.from_codes(torch.zeros(TILE, k, dtype=torch.uint8), groups, one, bits,
+                             zero=one)
+    per_layer = w.bounds.numel() * w.bounds.element_size() + (
+        0 if w.perm is None else w.perm.numel() * w.perm.element_size())
+    return w.nbytes - per_layer, per_layer
+
+
+def linear_bytes(n: int, k: int, fmt) -> int:
+    """Bytes one [n, k] linear layer takes in format `fmt` (see FORMATS)."""
+    if not isinstance(fmt, tuple):
+        return n * k * fmt
+    from folio.model.layers.quantization.int_groups import TILE
+    per_tile, per_layer = _per_tile_and_layer(k, *fmt)
+    return -(-n // TILE) * per_tile + per_layer
+
+
+def shape_table(shapes: dict[str, Shape]) -> dict:
+    out = {}
+    for name, shape in shapes.items():
+        head = shape.vocab * shape.hidden * 2 * (1 if shape.tied else 2)     # bf16
+        rows = {}
+        for fmt_name, fmt in FORMATS.items():
+            linear = shape.layers * sum(linear_bytes(n, k, fmt) for n, k in shape.projections())
+            rows[fmt_name] = {"linear_bytes": linear, "embedding_and_head_bytes": head,
+                              "total_bytes": linear + head}
+        out[name] = {"parameters": shape.parameters(), "formats": rows}
+    return out
+
+
+def _tensor_bytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def loaded_bytes(model) -> dict:
+    """Bytes of what every module keeps after loading, by role, and the
+    format of each linear layer."""
+    from folio.model.layers.linear import LinearBase
+    from folio.model.layers.quantization.int_groups import IntGroupsLinear
+    from folio.model.layers.quantization.repacked import PackedLinear
+    roles = {"linear": 0, "embedding": 0, "lm_head": 0, "other": 0}
+    formats: dict[str, int] = {}
+    seen = set()
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        size = sum(_tensor_bytes(p) for p in own)
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, IntGroupsLinear):
+            size += method.weights.nbytes
+            kind = f"int{method.weights.bits}"
+        elif isinstance(method, PackedLinear):
+            size += _tensor_bytes(method.data)
+            kind = type(method).__name__
+        else:
+            kind = "float"
+        if isinstance(module, LinearBase):
+            roles["linear"] += size
+            formats[kind] = formats.get(kind, 0) + 1
+        elif name.endswith("embed_tokens"):
+            roles["embedding"] += size
+        elif name == "lm_head":
+            head_packed = getattr(module, "packed", None)
+            roles["lm_head"] += size + (_tensor_bytes(head_packed.data) if head_packed else 0)
+        else:
+            roles["other"] += size
+    roles["total"] = sum(roles.values())
+    return {"bytes": roles, "linear_formats": formats,
+            "lm_head_tied": bool(getattr(getattr(model, "lm_head", None), "tied", False))}
+
+
+def _model_shape(cfg) -> Shape:
+    return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                 cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                 cfg.vocab_size, cfg.tie_word_embeddings)
+
+
+def bench_weights(args, engine) -> dict:
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        raise ValueError("folio bench weights reads the model in this process: use "
+                         "--tensor-parallel-size 1")
+    cfg = engine.config.model
+    shapes = {cfg.model: _model_shape(cfg), **{k: Shape(*v) for k, v in SHAPES.items()}}
+    return {"model": cfg.model, "quantization": cfg.quantization or "none",
+            "dtype": engine.config.dtype, "loaded": loaded_bytes(runner.model),
+            "shapes": shape_table(shapes)}
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def print_weights(result: dict) -> None:
+    loaded = result["loaded"]
+    b = loaded["bytes"]
+    print(f"model {result['model']} ({result['quantization']}, {result['dtype']}): weights as "
+          f"loaded {_gb(b['total'])}")
+    formats = ", ".join(f"{n} {k}" for k, n in sorted(loaded["linear_formats"].items()))
+    print(f"  decoder linear layers {_gb(b['linear'])} ({formats})")
+    tied = " (tied: the CPU kernel's repacked copy, if any)" if loaded["lm_head_tied"] else ""
+    print(f"  embedding {_gb(b['embedding'])}, LM head {_gb(b['lm_head'])}{tied}, "
+          f"norms and the rest {_gb(b['other'])}")
+    print()
+    print("The same layouts for Llama-shaped models (embedding and LM head bf16):")
+    names = list(FORMATS)
+    print("| model | parameters | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 2) + "|")
+    for model, row in result["shapes"].items():
+        cells = [_gb(row["formats"][f]["total_bytes"]) for f in names]
+        print(f"| {model} | {row['parameters'] / 1e9:.2f} B | " + " | ".join(cells) + " |")
