@@ -78,3 +78,18 @@ def test_each_timed_run_starts_with_an_empty_prefix_cache(tiny):
         assert computed == 2 * per_run
     finally:
         engine.shutdown()
+
+
+def test_the_transformers_baseline_reads_the_default_gguf_dequantized():
+    """Folio keeps the GGUF's Q4_1 layers in their codes; the baseline model
+    still gets every weight as float (the same values transformers' own GGUF
+    reader gives: tests/model/test_loader.py)."""
+    import torch
+
+    from folio.bench.baselines import load_hf_model
+    from folio.model.loader import load_model_config
+    m = load_model_config(None)
+    assert m.quantization == "gguf"
+    model = load_hf_model(m, torch.float32)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.shape == (576, 576) and q.dtype == torch.float32 and q.abs().sum() > 0

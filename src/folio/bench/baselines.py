@@ -8,6 +8,7 @@ Both decode greedily and ignore EOS, exactly `max_tokens` tokens per request.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -31,11 +32,13 @@ def load_hf_model(m: ModelConfig, dtype: torch.dtype):
                          "'.[bench]' in the Folio checkout") from e
     if m.format == "gguf":
         from folio.model.loader import iter_weights
+        # every tensor dequantized (Folio keeps Q4_0/Q4_1/Q8_0 in their codes)
+        dense = dataclasses.replace(m, quantization=None, quantization_config=None)
         config = AutoConfig.from_pretrained(os.path.dirname(m.path),
                                             gguf_file=os.path.basename(m.path))
         config.tie_word_embeddings = m.tie_word_embeddings
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        missing, unexpected = model.load_state_dict(dict(iter_weights(m)), strict=False)
+        missing, unexpected = model.load_state_dict(dict(iter_weights(dense)), strict=False)
         if unexpected or [k for k in missing if "lm_head" not in k]:
             raise ValueError(f"weights do not fit the reference model: {missing or unexpected}")
         model.tie_weights()
