@@ -1,8 +1,9 @@
 """Make this process see the CPU as an AVX2-only one would, on an AVX-512 machine.
 
-- Folio's native kernels are built with -mno-avx512f: the library declines the
-  AVX512-BF16 linear layer and takes its AVX2 paths, as one built on an AVX2 CPU
-  does.
+- Folio's native kernels are built with -mno-avx512f -mno-avxvnni: the library
+  declines the AVX512-BF16 linear layer and takes its AVX2 paths (without the
+  256-bit VNNI dot products of recent CPUs), as one built on an AVX2 CPU of
+  the Zen 3 generation does.
 - Folio is told the CPU has no native bf16, so `--dtype bfloat16` runs as fp32
   arithmetic on bf16-stored weights.
 - torch, oneDNN and MKL are capped at AVX2 by the environment variables below,
@@ -29,5 +30,5 @@ def apply() -> None:
     from folio.model import native
     from folio.worker import device
     build = native._build
-    native._build = lambda extra=(): build(("-mno-avx512f",) + tuple(extra))
+    native._build = lambda extra=(): build(("-mno-avx512f", "-mno-avxvnni") + tuple(extra))
     device.cpu_has_native_bf16 = lambda: False

@@ -81,8 +81,18 @@ def kernel_choices(dtype: str) -> dict[str, str]:
                else "one torch module per layer (needs a native linear kernel: bf16 on "
                     "AVX512-BF16, or bf16-stored weights on AVX2)")
     greedy = "native argmax pass" if native.supports(t) else "torch argmax + log_softmax"
+    x = torch.zeros(1, dtype=getattr(torch, dtype))
+    if native.runs_qlinear(x):
+        isa = "AVX-512" if native.load().folio_qlinear_available() == 2 else "AVX2"
+        quantized = (f"native {isa} kernel on the codes, "
+                     + ("x as int16 per block of 32, integer dot products" if dtype == "bfloat16"
+                        else "fp32 arithmetic") + "; one native call for all layers")
+    else:
+        quantized = "dequantized per call, then F.linear" + (
+            f": {why_no_lib}" if lib is None else " (the kernel needs AVX2, FMA and F16C)")
     return {"attention": attention, "element-wise (norm, rotary, SiLU)": fused,
-            "linear": linear, "decoder layers": decoder, "greedy sampling": greedy}
+            "linear": linear, "quantized linear (4/8-bit codes)": quantized,
+            "decoder layers": decoder, "greedy sampling": greedy}
 
 
 def collect() -> dict:

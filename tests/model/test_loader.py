@@ -101,12 +101,13 @@ def _rebuilt_from_codes(tensors: dict) -> dict:
 
 
 def test_default_gguf_weights_equal_transformers(smollm_config, smollm_reference_weights):
-    """The Q4_1 linear weights come as codes, scales and offsets (kept packed),
-    the Q8_0 embedding and the norms as float32: rebuilt, every one equals
-    transformers' dequantisation exactly."""
+    """The Q4_1 linear weights and the Q8_0 embedding come as codes, scales
+    and offsets (kept packed), the norms as float32: rebuilt, every one
+    equals transformers' dequantisation exactly."""
     assert smollm_config.quantization == "gguf"
-    assert set(smollm_config.quantization_config["packed"].values()) == {"Q4_1"}
-    assert len(smollm_config.quantization_config["packed"]) == 30 * 7
+    packed = dict(smollm_config.quantization_config["packed"])
+    assert packed.pop("model.embed_tokens.weight") == "Q8_0"
+    assert set(packed.values()) == {"Q4_1"} and len(packed) == 30 * 7
     raw = dict(iter_weights(smollm_config))
     assert raw["model.layers.0.mlp.down_proj.qcodes"].dtype == torch.uint8
     assert raw["model.layers.0.mlp.down_proj.qcodes"].shape == (576, 1536 // 2)

@@ -161,11 +161,14 @@ def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
 
 
 def packed_linear_tensors(reader) -> dict[str, str]:
-    """HF names of the decoder's linear weights kept packed -> their GGUF type:
-    those of a packable type whose fused layer's other projections have the
-    same type (a layer runs one kernel)."""
+    """HF names of the weights kept packed -> their GGUF type: the embedding
+    table and LM head of a packable type, and the decoder's linear weights of
+    one whose fused layer's other projections have the same type (a layer
+    runs one kernel)."""
     types = {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
-    packed = {}
+    # the embedding table (and an untied head) too, whose rows are whole blocks
+    packed = {name: kind for name, kind in types.items()
+              if kind in BITS and name in ("model.embed_tokens.weight", "lm_head.weight")}
     for name, kind in types.items():
         if kind not in BITS or ".layers." not in name or not name.endswith("_proj.weight"):
             continue

@@ -90,7 +90,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant,
+                                                   "model.embed_tokens")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, backend, quant,
@@ -125,7 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.attn_backend = attn_backend or get_attention_backend(device, dtype)
         self.model = LlamaModel(cfg, dtype, self.attn_backend, quant_config)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config,
+                                      "lm_head", tied=cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

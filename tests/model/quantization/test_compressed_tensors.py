@@ -17,18 +17,18 @@ Two references:
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
-from folio import LLM, SamplingParams
-from folio.model import native
-from tests.model.quantization.checkpoints import (FIXTURES, folio_logits, reference, unpack,
-                                                  write_float_copy)
-from tests.parity import assert_greedy_parity, reference_greedy
+from folio import LLM
+from tests.model.quantization.checkpoints import (
+    FIXTURES, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
+    assert_within_bf16_error, copy_fixture, edit_quantization_config, edit_tensors, float_model,
+    folio_logits, kernel_or_torch, reference, unpack, use_kernel, write_float_copy)
 
 NAMES = ["ct-w4a16-g32", "ct-w4a16-asym-g32", "ct-w8a16-channel"]
+G32 = "ct-w4a16-g32"        # the one the edited copies start from
 
 
 def _weights_scheme(name):
@@ -63,14 +63,8 @@ def float_copies(tmp_path_factory):
             for name in NAMES}
 
 
-def _hf(folder):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-def _hf_logits(hf, prompt):
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0, :-1]
+def _prompts(name):
+    return [prompt for prompt, _ in reference(name)]
 
 
 def test_the_fixtures_are_what_the_readme_says():
@@ -88,18 +82,12 @@ def test_the_fixtures_are_what_the_readme_says():
     assert f"{prefix}.weight_zero_point" not in channel
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@kernel_or_torch
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_the_exact_float_copy(name, kernel, float_copies, monkeypatch):
-    if kernel and not native.runs_qlinear(torch.zeros(1)):
-        pytest.skip("no quantized linear kernel on this machine")
-    if not kernel:
-        monkeypatch.setattr(native, "runs_qlinear", lambda x: False)
+    use_kernel(kernel, monkeypatch)
     llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    hf = _hf(float_copies[name])
-    for prompt, _ in reference(name):
-        ours = folio_logits(llm, prompt)
-        assert (ours - _hf_logits(hf, prompt)).abs().max().item() < 2e-4
+    assert_logits_match(llm, float_model(float_copies[name]), _prompts(name), 2e-4)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -115,23 +103,13 @@ def test_logits_match_the_tools_reference(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_equal_transformers_on_the_exact_weights(name, float_copies):
     llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    hf = _hf(float_copies[name])
-    for prompt, _ in reference(name):
-        ref, gaps = reference_greedy(hf, prompt, 24, ())
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                           use_tqdm=False)[0]
-        assert_greedy_parity(list(out.outputs[0].token_ids), ref, gaps, name)
+    assert_greedy_tokens_equal(llm, float_model(float_copies[name]), _prompts(name), name)
 
 
 @pytest.mark.parametrize("name", ["ct-w4a16-asym-g32", "ct-w8a16-channel"])
 def test_bf16_activations_stay_within_bf16_error(name, float_copies):
     llm = LLM(str(FIXTURES / name), dtype="bfloat16", num_kv_blocks=32)
-    hf = _hf(float_copies[name])
-    for prompt, _ in reference(name):
-        theirs = _hf_logits(hf, prompt)
-        diff = (folio_logits(llm, prompt) - theirs).abs().max().item()
-        assert diff < 0.06 * theirs.abs().max().item()
+    assert_within_bf16_error(llm, float_model(float_copies[name]), _prompts(name), 0.06)
 
 
 def test_layers_keep_only_the_packed_form():
@@ -153,50 +131,15 @@ def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(name):
     row-parallel ones split weight_packed's words and the groups of the
     scales and zero points, and keep a channel scheme's one scale column
     whole. weight_shape holds full sizes on every rank."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5,
-                            prompt_logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p, _ in reference(name)]
-    one = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    expect = one.generate(prompts, params, use_tqdm=False)
-    two = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
-    try:
-        got = two.generate(prompts, params, use_tqdm=False)
-    finally:
-        two.shutdown()
-    for a, b in zip(expect, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
-                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
+    assert_tensor_parallel_2_matches(FIXTURES / name, _prompts(name))
 
 
 # --------------------------------------------------------------------------- ignore
 
 
-def _copy(tmp_path, name="ct-w4a16-g32"):
-    folder = tmp_path / name
-    shutil.copytree(FIXTURES / name, folder)
-    return folder
-
-
-def _edit_config(folder, edit):
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    edit(config["quantization_config"])
-    path.write_text(json.dumps(config))
-
-
 def _edit_weights(folder, **values):
-    _edit_config(folder, lambda qc: qc["config_groups"]["group_0"]["weights"].update(values))
-
-
-def _edit_tensors(folder, edit):
-    from safetensors.torch import load_file, save_file
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    edit(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    edit_quantization_config(
+        folder, lambda qc: qc["config_groups"]["group_0"]["weights"].update(values))
 
 
 @pytest.mark.parametrize("entry", ["model.layers.1.mlp.down_proj",
@@ -204,7 +147,7 @@ def _edit_tensors(folder, edit):
 def test_an_ignored_decoder_layer_stays_plain(entry, tmp_path, float_copies):
     """A layer named in `ignore` (by name or regex) is stored as a float weight
     and runs as one."""
-    folder = _copy(tmp_path)
+    folder = copy_fixture(tmp_path, G32)
     prefix = "model.layers.1.mlp.down_proj"
 
     def to_float(tensors):
@@ -212,21 +155,19 @@ def test_an_ignored_decoder_layer_stays_plain(entry, tmp_path, float_copies):
         tensors[f"{prefix}.weight"] = ct_dequantize(tensors, prefix, 4)
         for kind in ("weight_packed", "weight_scale", "weight_shape"):
             del tensors[f"{prefix}.{kind}"]
-    _edit_tensors(folder, to_float)
-    _edit_config(folder, lambda qc: qc["ignore"].append(entry))
+    edit_tensors(folder, to_float)
+    edit_quantization_config(folder, lambda qc: qc["ignore"].append(entry))
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     plain = model.model.layers[1].mlp.down_proj
     assert hasattr(plain, "weight") and not hasattr(plain, "weight_packed")
     assert hasattr(model.model.layers[0].mlp.down_proj, "weight_packed")
-    hf = _hf(float_copies["ct-w4a16-g32"])
-    for prompt, _ in reference("ct-w4a16-g32"):
-        assert (folio_logits(llm, prompt) - _hf_logits(hf, prompt)).abs().max().item() < 2e-4
+    assert_logits_match(llm, float_model(float_copies[G32]), _prompts(G32), 2e-4)
 
 
 def test_a_fused_layer_half_ignored_is_refused(tmp_path):
-    folder = _copy(tmp_path)
-    _edit_config(folder, lambda qc: qc["ignore"].append(r"re:.*\.q_proj$"))
+    folder = copy_fixture(tmp_path, G32)
+    edit_quantization_config(folder, lambda qc: qc["ignore"].append(r"re:.*\.q_proj$"))
     with pytest.raises(ValueError, match=r"qkv_proj: compressed-tensors gives the projections "
                                          r"of this fused layer different schemes"):
         LLM(str(folder), num_kv_blocks=16)
@@ -236,7 +177,7 @@ def test_a_fused_layer_half_ignored_is_refused(tmp_path):
 
 
 def test_unsupported_schemes_are_refused_by_name(tmp_path):
-    folder = _copy(tmp_path)
+    folder = copy_fixture(tmp_path, G32)
     cases = [
         (dict(num_bits=2), "compressed-tensors with 2-bit weights .* is not supported; "
                            "supported: 4, 8 bits"),
@@ -246,7 +187,7 @@ def test_unsupported_schemes_are_refused_by_name(tmp_path):
                                   "supported: group, channel"),
         (dict(actorder="group"), "compressed-tensors actorder 'group' .* is not supported"),
     ]
-    original = _weights_scheme("ct-w4a16-g32")
+    original = _weights_scheme(G32)
     for change, message in cases:
         _edit_weights(folder, **{**original, **change})
         with pytest.raises(ValueError, match=message):
@@ -256,7 +197,7 @@ def test_unsupported_schemes_are_refused_by_name(tmp_path):
     def activations(qc):
         qc["config_groups"]["group_0"]["input_activations"] = {
             "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
-    _edit_config(folder, activations)
+    edit_quantization_config(folder, activations)
     with pytest.raises(ValueError, match=r"activation quantization \(compressed-tensors "
                                          r"config_groups\.group_0\.input_activations\) is not "
                                          r"supported"):
@@ -265,14 +206,14 @@ def test_unsupported_schemes_are_refused_by_name(tmp_path):
     def other_format(qc):
         qc["config_groups"]["group_0"]["input_activations"] = None
         qc["format"] = qc["config_groups"]["group_0"]["format"] = "marlin-24"
-    _edit_config(folder, other_format)
+    edit_quantization_config(folder, other_format)
     with pytest.raises(ValueError, match="compressed-tensors format 'marlin-24' .* is not "
                                          "supported; supported: pack-quantized"):
         LLM(str(folder), num_kv_blocks=16)
 
 
 def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
-    folder = _copy(tmp_path)
+    folder = copy_fixture(tmp_path, G32)
     _edit_weights(folder, group_size=64)
     with pytest.raises(ValueError, match=r"\.weight_scale: checkpoint tensor of shape "
                                          r"\(\d+, 4\) does not fit parameter of shape \(\d+, 2\)"):
@@ -288,12 +229,12 @@ def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
 def test_a_weight_shape_that_is_not_the_layers_is_caught_at_load(shape, expected, tmp_path):
     """Checked per shard: k_proj's [128, 128] is q_proj's shape, the right
     input size but not k's output size."""
-    folder = _copy(tmp_path)
+    folder = copy_fixture(tmp_path, G32)
     name = "model.layers.1.self_attn.k_proj.weight_shape"
 
     def edit(tensors):
         tensors[name] = torch.tensor(shape, dtype=torch.int64)
-    _edit_tensors(folder, edit)
+    edit_tensors(folder, edit)
     message = (f"{name}: compressed-tensors weight_shape {shape} does not match the "
                f"layer's {expected}")
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -332,4 +273,4 @@ def test_row_parallel_ranks_must_get_whole_groups():
 def test_a_flag_that_names_another_format_is_refused():
     with pytest.raises(ValueError, match="--quantization awq does not match the checkpoint, "
                                          "whose weights are compressed-tensors"):
-        LLM(str(FIXTURES / "ct-w4a16-g32"), quantization="awq", num_kv_blocks=16)
+        LLM(str(FIXTURES / G32), quantization="awq", num_kv_blocks=16)

@@ -8,12 +8,14 @@ dequantized at load as before."""
 import pytest
 import torch
 
-from folio import LLM, SamplingParams
-from folio.model import gguf_loader, native
+from folio import LLM
+from folio.model import gguf_loader
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
 from folio.model.layers.linear import PlainLinearMethod
-from tests.model.quantization.checkpoints import folio_logits
-from tests.parity import assert_greedy_parity, reference_greedy
+from tests.model.quantization.checkpoints import (assert_greedy_tokens_equal,
+                                                  assert_logits_match,
+                                                  assert_tensor_parallel_2_matches,
+                                                  kernel_or_torch, use_kernel)
 from tests.utils import load_reference_model, make_tiny_model, write_tiny_gguf
 
 PROMPTS = [[1, 20, 30, 40, 50, 60, 70, 80], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300]]
@@ -27,29 +29,19 @@ def tiny_ggufs(tmp_path_factory):
                                                                       "Q5_0")}
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@kernel_or_torch
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_packed_layers_match_transformers_on_the_dequantized_model(tiny_ggufs, qtype, kernel,
                                                                     monkeypatch):
-    if kernel and not native.runs_qlinear(torch.zeros(1)):
-        pytest.skip("no quantized linear kernel on this machine")
-    if not kernel:
-        monkeypatch.setattr(native, "runs_qlinear", lambda x: False)
+    use_kernel(kernel, monkeypatch)
     path = tiny_ggufs[qtype]
     llm = LLM(path, dtype="float32", num_kv_blocks=32)
     layer = llm.engine.executor.runner.model.model.layers[1].mlp.gate_up_proj
     assert isinstance(layer.quant_method, IntGroupsLinear)
     assert layer.quant_method.weights.bits == (8 if qtype == "Q8_0" else 4)
     reference = load_reference_model(path, dtype=torch.float32)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            theirs = reference(torch.tensor([prompt])).logits[0, :-1]
-        assert (folio_logits(llm, prompt) - theirs).abs().max().item() < 2e-4
-        ref, gaps = reference_greedy(reference, prompt, 24, ())
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                           use_tqdm=False)[0]
-        assert_greedy_parity(list(out.outputs[0].token_ids), ref, gaps, qtype)
+    assert_logits_match(llm, reference, PROMPTS, 2e-4)
+    assert_greedy_tokens_equal(llm, reference, PROMPTS, qtype)
 
 
 def test_other_types_still_load_as_float(tiny_ggufs):
@@ -83,31 +75,29 @@ def test_a_fused_layer_runs_packed_only_if_its_projections_share_a_type():
 
 
 def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(tiny_ggufs):
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5,
-                            prompt_logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    path = tiny_ggufs["Q4_1"]
-    expect = LLM(path, dtype="float32", num_kv_blocks=32).generate(prompts, params,
-                                                                   use_tqdm=False)
-    two = LLM(path, dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
-    try:
-        got = two.generate(prompts, params, use_tqdm=False)
-    finally:
-        two.shutdown()
-    for a, b in zip(expect, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
-                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
+    assert_tensor_parallel_2_matches(tiny_ggufs["Q4_1"], PROMPTS)
 
 
-def test_the_default_model_keeps_its_linear_weights_in_four_bits():
+def test_the_default_model_keeps_its_weights_in_their_codes():
+    """Q4_1 linear layers and the Q8_0 embedding, which the tied LM head
+    multiplies by: one packed copy, the float table nowhere."""
     llm = LLM(dtype="float32", num_kv_blocks=16)
     model = llm.engine.executor.runner.model
-    methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
-    assert len(methods) == 30 * 4 and all(isinstance(m, IntGroupsLinear) for m in methods)
-    linear_bytes = sum(m.weights.nbytes for m in methods)
+    methods = [m.quant_method for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), IntGroupsLinear)]
+    assert len(methods) == 30 * 4 + 1
+    embedding = model.model.embed_tokens
+    assert embedding.packed_table.bits == 8 and not hasattr(embedding, "weight")
+    assert model.lm_head.tied and not hasattr(model.lm_head, "weight")
+    linear_bytes = sum(m.weights.nbytes for m in methods if m is not embedding.quant_method)
     params = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
     # half a byte a weight, and a float16 scale and min per 32
     assert linear_bytes <= params * (0.5 + 4 / 32) + 30 * 4 * 16 * 1536
+    assert embedding.packed_table.nbytes <= 49152 * 576 * (1 + 4 / 32) + 128     # + bounds
+
+
+def test_rows_of_a_packed_table_are_its_dequantized_rows(tiny_ggufs):
+    llm = LLM(tiny_ggufs["Q8_0"], dtype="float32", num_kv_blocks=16)
+    table = llm.engine.executor.runner.model.model.embed_tokens.packed_table
+    ids = torch.tensor([[0, 5, 383], [17, 17, 2]])
+    assert torch.equal(table.dequantize_rows(ids), table.dequantize()[ids])

@@ -16,16 +16,15 @@ Two references:
 """
 
 import json
-import shutil
 
 import pytest
-import torch
 
-from folio import LLM, SamplingParams
-from folio.model import native
-from tests.model.quantization.checkpoints import (FIXTURES, folio_logits, reference, unpack,
-                                                  write_float_copy)
-from tests.parity import assert_greedy_parity, reference_greedy
+from folio import LLM
+from tests.model.quantization.checkpoints import (
+    FIXTURES, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
+    assert_within_bf16_error, assert_within_the_tools_tolerance, copy_fixture, edit_tensors,
+    float_model, kernel_or_torch, reference, unpack, update_quantization_config, use_kernel,
+    write_float_copy)
 
 NAMES = ["gptq-w4-g32-sym", "gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w8-g32-sym"]
 
@@ -53,62 +52,34 @@ def float_copies(tmp_path_factory):
             for name in NAMES}
 
 
-def _hf(folder):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+def _prompts(name):
+    return [prompt for prompt, _ in reference(name)]
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@kernel_or_torch
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_the_exact_float_copy(name, kernel, float_copies, monkeypatch):
-    if kernel and not native.runs_qlinear(torch.zeros(1)):
-        pytest.skip("no quantized linear kernel on this machine")
-    if not kernel:
-        monkeypatch.setattr(native, "runs_qlinear", lambda x: False)
+    use_kernel(kernel, monkeypatch)
     llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    hf = _hf(float_copies[name])
-    for prompt, _ in reference(name):
-        ours = folio_logits(llm, prompt)
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0, :-1]
-        assert (ours - theirs).abs().max().item() < 2e-4
+    assert_logits_match(llm, float_model(float_copies[name]), _prompts(name), 2e-4)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_within_the_tools_tolerance_of_its_reference(name):
     llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    tolerance = 0.05 if _bits(name) == 4 else 0.005
-    for prompt, logits in reference(name):
-        ref = logits[:-1]
-        ours = folio_logits(llm, prompt)
-        diff = (ours - ref).abs().max().item()
-        assert diff <= tolerance * ref.abs().max().item()
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
-        assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert_within_the_tools_tolerance(llm, name, 0.05 if _bits(name) == 4 else 0.005)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_equal_transformers_on_the_exact_weights(name, float_copies):
     llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    hf = _hf(float_copies[name])
-    for prompt, _ in reference(name):
-        ref, gaps = reference_greedy(hf, prompt, 24, ())
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                           use_tqdm=False)[0]
-        assert_greedy_parity(list(out.outputs[0].token_ids), ref, gaps, name)
+    assert_greedy_tokens_equal(llm, float_model(float_copies[name]), _prompts(name), name)
 
 
 @pytest.mark.parametrize("name", ["gptq-w4-g32-asym", "gptq-w8-g32-sym"])
 def test_bf16_activations_stay_within_bf16_error(name, float_copies):
     llm = LLM(str(FIXTURES / name), dtype="bfloat16", num_kv_blocks=32)
-    hf = _hf(float_copies[name])
-    for prompt, _ in reference(name):
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0, :-1]
-        diff = (folio_logits(llm, prompt) - theirs).abs().max().item()
-        assert diff < 0.06 * theirs.abs().max().item()
+    assert_within_bf16_error(llm, float_model(float_copies[name]), _prompts(name), 0.06)
 
 
 def test_layers_keep_only_the_packed_form():
@@ -127,61 +98,35 @@ def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(name):
     """Column-parallel layers split qweight, zeros and scales along the
     output; row-parallel ones split qweight and g_idx along the input, and
     act-order keeps every group's scales on each rank."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5,
-                            prompt_logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p, _ in reference(name)]
-    one = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
-    expect = one.generate(prompts, params, use_tqdm=False)
-    two = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
-    try:
-        got = two.generate(prompts, params, use_tqdm=False)
-    finally:
-        two.shutdown()
-    for a, b in zip(expect, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
-                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
+    assert_tensor_parallel_2_matches(FIXTURES / name, _prompts(name))
 
 
 # --------------------------------------------------------------------------- bad input
 
-
-def _copy(tmp_path, name="gptq-w4-g32-sym"):
-    folder = tmp_path / name
-    shutil.copytree(FIXTURES / name, folder)
-    return folder
-
-
-def _edit_config(folder, **changes):
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    config["quantization_config"].update(changes)
-    path.write_text(json.dumps(config))
+SYM = "gptq-w4-g32-sym"
 
 
 def test_unsupported_bits_and_options_are_refused_by_name(tmp_path):
-    folder = _copy(tmp_path)
-    _edit_config(folder, bits=3)
+    folder = copy_fixture(tmp_path, SYM)
+    update_quantization_config(folder, bits=3)
     with pytest.raises(ValueError, match="GPTQ with 3-bit weights is not supported; "
                                          "supported: 4, 8 bits"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, bits=4, lm_head=True)
+    update_quantization_config(folder, bits=4, lm_head=True)
     with pytest.raises(ValueError, match="quantized lm_head is not supported"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, lm_head=False, checkpoint_format="marlin")
+    update_quantization_config(folder, lm_head=False, checkpoint_format="marlin")
     with pytest.raises(ValueError, match="checkpoint_format 'marlin' is not supported"):
         LLM(str(folder), num_kv_blocks=16)
 
 
 def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
-    folder = _copy(tmp_path)
-    _edit_config(folder, group_size=64)
+    folder = copy_fixture(tmp_path, SYM)
+    update_quantization_config(folder, group_size=64)
     with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \(4, \d+\) "
                                          r"does not fit parameter of shape \(2, \d+\)"):
         LLM(str(folder), num_kv_blocks=16)
-    _edit_config(folder, group_size=48)
+    update_quantization_config(folder, group_size=48)
     with pytest.raises(ValueError, match="group_size 48 does not divide the layer's 128 "
                                          "input features"):
         LLM(str(folder), num_kv_blocks=16)
@@ -190,21 +135,21 @@ def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
 def test_a_flag_that_names_another_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--quantization awq does not match the checkpoint, "
                                          "whose weights are gptq"):
-        LLM(str(FIXTURES / "gptq-w4-g32-sym"), quantization="awq", num_kv_blocks=16)
+        LLM(str(FIXTURES / SYM), quantization="awq", num_kv_blocks=16)
 
 
 def test_a_corrupt_group_index_is_caught_at_load(tmp_path):
-    from safetensors.torch import load_file, save_file
-    folder = _copy(tmp_path)
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors["model.layers.1.self_attn.o_proj.g_idx"][5] = 9
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    folder = copy_fixture(tmp_path, SYM)
+
+    def corrupt(tensors):
+        tensors["model.layers.1.self_attn.o_proj.g_idx"][5] = 9
+    edit_tensors(folder, corrupt)
     with pytest.raises(ValueError, match="o_proj: GPTQ g_idx holds groups outside 0..3"):
         LLM(str(folder), num_kv_blocks=16)
 
 
 def test_a_truncated_checkpoint_is_caught_at_load(tmp_path):
-    folder = _copy(tmp_path)
+    folder = copy_fixture(tmp_path, SYM)
     path = folder / "model.safetensors"
     path.write_bytes(path.read_bytes()[:200_000])
     with pytest.raises(Exception, match="(?i)safetensors|incomplete|truncat|invalid"):

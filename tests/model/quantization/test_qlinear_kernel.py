@@ -24,10 +24,14 @@ def _cpu_has(*flags):
 
 
 def _builds():
+    """This machine's build; the AVX2 one; and the AVX2 one without AVX-VNNI
+    (vpmaddwd instead of vpdpwssd: AVX2 CPUs before Alder Lake and Zen 5)."""
     yield pytest.param(None, id="native")
-    yield pytest.param(("-mno-avx512f",), id="avx2", marks=pytest.mark.skipif(
+    avx2 = pytest.mark.skipif(
         platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma", "f16c"),
-        reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C"))
+        reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C")
+    yield pytest.param(("-mno-avx512f",), id="avx2", marks=avx2)
+    yield pytest.param(("-mno-avx512f", "-mno-avxvnni"), id="avx2-no-vnni", marks=avx2)
 
 
 def random_weights(n, k, bits, group, act_order, zeros=True, seed=0):

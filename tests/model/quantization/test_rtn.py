@@ -22,12 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from folio import LLM, SamplingParams
+from folio import LLM
 from folio.model import native
 from folio.model.layers.quantization import get_quantization_config
 from folio.model.layers.quantization.rtn import group_of_inputs, quantize
-from tests.model.quantization.checkpoints import FIXTURES, folio_logits
-from tests.parity import assert_greedy_parity, reference_greedy
+from tests.model.quantization.checkpoints import (FIXTURES, assert_greedy_tokens_equal,
+                                                  assert_logits_match,
+                                                  assert_tensor_parallel_2_matches, float_model,
+                                                  folio_logits)
 from tests.utils import make_tiny_model
 
 # hidden 256 so that at tensor-parallel size 2 each rank's o_proj inputs (128)
@@ -121,11 +123,6 @@ def llms(model):
     return made
 
 
-def _hf(folder):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
 def _layers(llm):
     model = llm.engine.executor.runner.model
     for i, block in enumerate(model.model.layers):
@@ -163,23 +160,13 @@ def test_logits_match_transformers_on_the_rtn_weights(bits, path, llms, float_co
                             None)
     if path == "torch":
         monkeypatch.setattr(native, "runs_qlinear", lambda x: False)
-    hf = _hf(float_copies[bits])
-    for prompt in PROMPTS:
-        ours = folio_logits(llms[bits], prompt)
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompt])).logits[0, :-1]
-        assert (ours - theirs).abs().max().item() < 2e-4
+    assert_logits_match(llms[bits], float_model(float_copies[bits]), PROMPTS, 2e-4)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_greedy_tokens_equal_transformers_on_the_rtn_weights(bits, llms, float_copies):
-    hf = _hf(float_copies[bits])
-    for prompt in PROMPTS:
-        ref, gaps = reference_greedy(hf, prompt, 24, ())
-        out = llms[bits].generate([{"prompt_token_ids": prompt}],
-                                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                  use_tqdm=False)[0]
-        assert_greedy_parity(list(out.outputs[0].token_ids), ref, gaps, f"int{bits}")
+    assert_greedy_tokens_equal(llms[bits], float_model(float_copies[bits]), PROMPTS,
+                               f"int{bits}")
 
 
 def test_int8_stays_close_to_the_float_model_and_int4_further_but_finite(llms):
@@ -204,22 +191,7 @@ def test_tensor_parallel_2_gives_the_same_int4_tokens_and_logprobs(model, llms):
     """Column-parallel layers quantize their output slice, row-parallel ones
     their input slice; with every rank's inputs whole groups of 128 the
     quantized weights are those of tensor-parallel size 1."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5,
-                            prompt_logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    expect = llms[4].generate(prompts, params, use_tqdm=False)
-    two = LLM(model, dtype="float32", num_kv_blocks=32, quantization="int4",
-              tensor_parallel_size=2)
-    try:
-        got = two.generate(prompts, params, use_tqdm=False)
-    finally:
-        two.shutdown()
-    for a, b in zip(expect, got):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
-                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
+    assert_tensor_parallel_2_matches(model, PROMPTS, one=llms[4], quantization="int4")
 
 
 @pytest.mark.parametrize("bits", [8, 4])

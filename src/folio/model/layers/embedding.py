@@ -1,4 +1,10 @@
-"""Vocabulary-parallel embedding and LM head (whole vocabulary at world size 1)."""
+"""Vocabulary-parallel embedding and LM head (whole vocabulary at world size 1).
+
+A format may keep the table in its codes (a GGUF's Q8_0 `token_embd`:
+`QuantizationConfig.get_embedding_method`): the embedding then looks up
+rows of the packed form and dequantizes them, and a tied LM head multiplies
+by that same packed form with the quantized kernel, one copy for both.
+"""
 
 from __future__ import annotations
 
@@ -14,25 +20,52 @@ from folio.distributed.parallel_state import all_gather_last_dim, all_reduce, tp
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
+    quant_method = None         # a packed table's method (IntGroupsLinear once loaded)
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = ""):
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.dtype = vocab_size, dtype
         self.tp = tp_size()
         self.shard = -(-vocab_size // self.tp)              # rows per rank (last padded)
         self.start = tp_rank() * self.shard
+        method = None if quant_config is None else quant_config.get_embedding_method(self, prefix)
+        if method is not None:
+            self.quant_method = method
+            method.create_weights(self, hidden, self.shard, dtype)
+            return
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded[self.start:self.start + self.shard]
+        if rows.shape[1:] != param.shape[1:]:
+            raise ValueError(f"checkpoint rows of shape {tuple(rows.shape[1:])} do not fit "
+                             f"parameter rows of shape {tuple(param.shape[1:])}")
         param.data[:rows.shape[0]].copy_(rows.to(param.dtype))
+
+    @property
+    def packed_table(self):
+        """The IntGroups of a table kept in its codes, once loaded (else None)."""
+        method = self.quant_method
+        return getattr(method, "weights", None)
+
+    def process_weights_after_loading(self) -> None:
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.packed_table
+        if table is None:
+            return F.embedding(ids, self.weight)
+        return table.dequantize_rows(ids, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0), self.tp)
 
 
@@ -45,16 +78,26 @@ class ParallelLMHead(VocabParallelEmbedding):
     tied = False
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype,
-                 quant_config: Optional[QuantizationConfig] = None):
-        super().__init__(vocab_size, hidden, dtype)
-        # the head stays float (a quantized format packs the decoder's layers);
-        # only the storage choice of the CPU kernels applies
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "lm_head",
+                 tied: bool = False):
+        # a tied head has no table of its own (tie() gives it the embedding's)
+        super().__init__(vocab_size, hidden, dtype, None if tied else quant_config, prefix)
+        # a float head: only the storage choice of the CPU kernels applies
         self.store = None if quant_config is None else quant_config.weight_dtype
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight, self.tied = embedding.weight, True
+        self.tied, self.embedding = True, embedding
+        if embedding.quant_method is None:
+            self.weight = embedding.weight
+        else:
+            del self.weight
 
     def process_weights_after_loading(self) -> None:
+        if self.tied and self.embedding.quant_method is not None:
+            return                      # the embedding's packed table serves both
+        if self.quant_method is not None:
+            super().process_weights_after_loading()
+            return
         # A tied head's plain weight stays (the embedding reads it); an untied
         # one keeps only the packed copy, as the linear layers do.
         self.packed = pack_weight(self.weight, self.store)
@@ -65,7 +108,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[num_sampled, vocab] in the weight dtype (the sampler casts to fp32
         where it needs to: greedy batches read bf16 directly); fp32 across
         tensor-parallel ranks, for the gather."""
-        local = linear(hidden, self.weight, self.packed)
+        source = self.embedding if self.tied else self
+        if source.quant_method is not None:
+            local = source.quant_method.apply(source, hidden)
+        else:
+            local = linear(hidden, self.weight, self.packed)
         if self.tp > 1:
             local = local.float()
         return all_gather_last_dim(local, self.tp)[..., :self.vocab_size]

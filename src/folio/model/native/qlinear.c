@@ -416,7 +416,8 @@ static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next) {
 
 /* ---------------------------------------------------------------- entry */
 
-int folio_qlinear_available(void) { return 1; }
+/* 2: the AVX-512 build, 1: the AVX2 one (0: neither, below). */
+int folio_qlinear_available(void) { return VL == 16 ? 2 : 1; }
 
 /* out [m][n] (contiguous, x's dtype: 0 fp32, 1 bf16) = x [m][k] (rows
  * x_stride apart) @ W^T + bias (fp32 or NULL); kp positions (perm: the input

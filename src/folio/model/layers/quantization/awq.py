@@ -32,7 +32,8 @@ from torch import nn
 from folio.distributed.parallel_state import tp_size
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import IntGroups, hand_over, unpack_int32
+from folio.model.layers.quantization.int_groups import (IntCheckpointMethod, check_input_groups,
+                                                        check_packs, unpack_int32)
 
 _BITS = (4,)
 # the output feature (within its word's 8) of the code in the word's i-th nibble
@@ -70,26 +71,20 @@ class AWQConfig(QuantizationConfig):
         return AWQLinearMethod(self, prefix)
 
 
-class AWQLinearMethod(LinearMethod):
+class AWQLinearMethod(IntCheckpointMethod):
+    checkpoint_tensors = ("qweight", "qzeros", "scales")
+
     def __init__(self, config: AWQConfig, prefix: str):
-        self.config, self.prefix = config, prefix
+        self.config, self.prefix, self.bits = config, prefix, config.bits
 
     def create_weights(self, layer, in_features, out_features, dtype):
-        bits, per = self.config.bits, 32 // self.config.bits
+        per = 32 // self.bits
         row_parallel = getattr(layer, "input_is_parallel", False)
         full_in = in_features * (tp_size() if row_parallel else 1)
         group = self.config.group_size if self.config.group_size != -1 else full_in
         where = f"{self.prefix}: AWQ"
-        if full_in % group:
-            raise ValueError(f"{where} group_size {group} does not divide the layer's "
-                             f"{full_in} input features")
-        if in_features % group:
-            raise ValueError(f"{where} group_size {group}: each of the {tp_size()} "
-                             f"tensor-parallel ranks gets {in_features} of the layer's "
-                             f"{full_in} input features, not whole groups")
-        if out_features % per:
-            raise ValueError(f"{where} {bits}-bit packs {per} output features per int32; "
-                             f"{out_features} is not a multiple")
+        check_input_groups(where, group, in_features, full_in)
+        check_packs(where, self.bits, out_features, "output")
         self.group = group
         groups = in_features // group
         weight_param(layer, "qweight", (in_features, out_features // per), torch.int32,
@@ -101,7 +96,7 @@ class AWQLinearMethod(LinearMethod):
 
     def _parts(self, layer) -> tuple[torch.Tensor, ...]:
         """(codes [N, K], group of each k [K], scale [N, G], zero [N, G])."""
-        bits = self.config.bits
+        bits = self.bits
         codes = unpack_int32(layer.qweight.data, bits, 1, order=AWQ_ORDER).t()
         scale = layer.scales.data.t().float()
         if self.config.zero_point:
@@ -110,17 +105,3 @@ class AWQLinearMethod(LinearMethod):
             zero = torch.full_like(scale, float(1 << (bits - 1)))
         groups = torch.arange(codes.shape[1]) // self.group
         return codes, groups, scale, zero
-
-    def dequantize(self, layer) -> torch.Tensor:
-        """The float weight [N, K] straight from the checkpoint tensors (the
-        reference the packed form is tested against)."""
-        codes, groups, scale, zero = self._parts(layer)
-        return (codes.float() - zero[:, groups]) * scale[:, groups]
-
-    def process_weights_after_loading(self, layer):
-        codes, groups, scale, zero = self._parts(layer)
-        weights = IntGroups.from_codes(codes, groups, scale, self.config.bits, zero=zero)
-        hand_over(layer, weights, "qweight", "qzeros", "scales")
-
-    def apply(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x, self.dequantize(layer).to(x.dtype), bias)

@@ -82,3 +82,8 @@ class QuantizationConfig:
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         raise NotImplementedError
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethod]:
+        """The method of an embedding table (or LM head) kept in the format's
+        codes, or None: a float table (what GPTQ and AWQ checkpoints keep)."""
+        return None

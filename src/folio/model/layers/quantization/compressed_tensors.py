@@ -44,7 +44,8 @@ from folio.model.layers.linear import PlainLinearMethod
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
 from folio.model.layers.quantization.gguf import FUSED
-from folio.model.layers.quantization.int_groups import IntGroups, hand_over, unpack_int32
+from folio.model.layers.quantization.int_groups import (IntCheckpointMethod, check_input_groups,
+                                                        check_packs, unpack_int32)
 
 _FORMATS = ("pack-quantized",)
 _BITS = (4, 8)
@@ -167,9 +168,14 @@ def _full_shape(layer: nn.Module, shard_id) -> list[int]:
     return [out, full_in]
 
 
-class CompressedTensorsLinearMethod(LinearMethod):
+class CompressedTensorsLinearMethod(IntCheckpointMethod):
     def __init__(self, scheme: WeightScheme, prefix: str):
-        self.scheme, self.prefix = scheme, prefix
+        self.scheme, self.prefix, self.bits = scheme, prefix, scheme.bits
+
+    @property
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        names = ("weight_packed", "weight_scale", "weight_shape")
+        return names if self.scheme.symmetric else names + ("weight_zero_point",)
 
     def create_weights(self, layer, in_features, out_features, dtype):
         s = self.scheme
@@ -179,19 +185,11 @@ class CompressedTensorsLinearMethod(LinearMethod):
         where = f"{self.prefix}: compressed-tensors"
         if s.strategy == "group":
             group = s.group_size
-            if full_in % group:
-                raise ValueError(f"{where} group_size {group} does not divide the layer's "
-                                 f"{full_in} input features")
-            if in_features % group:
-                raise ValueError(f"{where} group_size {group}: each of the {tp_size()} "
-                                 f"tensor-parallel ranks gets {in_features} of the layer's "
-                                 f"{full_in} input features, not whole groups")
+            check_input_groups(where, group, in_features, full_in)
             groups, group_dim = in_features // group, 1
         else:                                   # channel: one group, whole on every rank
             group, groups, group_dim = in_features, 1, None
-        if in_features % per:
-            raise ValueError(f"{where} {bits}-bit packs {per} input features per int32; "
-                             f"{in_features} is not a multiple")
+        check_packs(where, bits, in_features, "input")
         if not s.symmetric and out_features % per:
             raise ValueError(f"{where} {bits}-bit zero points pack {per} output features per "
                              f"int32; {out_features} is not a multiple")
@@ -229,20 +227,3 @@ class CompressedTensorsLinearMethod(LinearMethod):
             zero = unpack_int32(layer.weight_zero_point.data, bits, 0).float()
         groups = torch.arange(codes.shape[1]) // self.group
         return codes, groups, scale, zero
-
-    def dequantize(self, layer) -> torch.Tensor:
-        """The float weight [N, K] straight from the checkpoint tensors (the
-        reference the packed form is tested against)."""
-        codes, groups, scale, zero = self._parts(layer)
-        return (codes.float() - zero[:, groups]) * scale[:, groups]
-
-    def process_weights_after_loading(self, layer):
-        codes, groups, scale, zero = self._parts(layer)
-        weights = IntGroups.from_codes(codes, groups, scale, self.scheme.bits, zero=zero)
-        names = ["weight_packed", "weight_scale", "weight_shape"]
-        if not self.scheme.symmetric:
-            names.append("weight_zero_point")
-        hand_over(layer, weights, *names)
-
-    def apply(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x, self.dequantize(layer).to(x.dtype), bias)

@@ -18,7 +18,9 @@ dequantizes them (every product and sum there is exact in fp32). Which
 tensors are kept packed is decided once, when the config is read
 (`gguf_loader.packed_linear_tensors`: a fused layer's projections must share
 one packable type); the others, K-quants among them, are dequantized to
-float at load and run as plain weights.
+float at load and run as plain weights. The embedding table (`token_embd`,
+often Q8_0) is kept in its codes the same way: the embedding dequantizes the
+rows it looks up and a tied LM head multiplies by the same packed form.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import nn
 from folio.model.layers.linear import PlainLinearMethod
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import IntGroups, hand_over
+from folio.model.layers.quantization.int_groups import IntCheckpointMethod, IntGroups
 
 BLOCK = 32
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
@@ -63,8 +65,18 @@ class GGUFConfig(QuantizationConfig):
             return GGUFLinearMethod(kinds.pop(), prefix)
         return PlainLinearMethod(self.weight_dtype)
 
+    def get_embedding_method(self, layer: nn.Module, prefix: str):
+        """`token_embd` (and an untied `output`) of a packable type: rows of
+        the table are output features, its blocks run along the hidden size."""
+        kind = self.packed.get(f"{prefix}.weight")
+        return None if kind is None else GGUFLinearMethod(kind, prefix)
 
-class GGUFLinearMethod(LinearMethod):
+
+class GGUFLinearMethod(IntCheckpointMethod):
+    """Offsets rather than zero points: its own `dequantize` and `int_groups`."""
+
+    checkpoint_tensors = ("qcodes", "qscales", "qoffsets")
+
     def __init__(self, kind: str, prefix: str):
         self.kind, self.bits, self.prefix = kind, BITS[kind], prefix
 
@@ -90,12 +102,8 @@ class GGUFLinearMethod(LinearMethod):
         return (self._codes(layer).float() * layer.qscales.data[:, groups]
                 + layer.qoffsets.data[:, groups])
 
-    def process_weights_after_loading(self, layer):
+    def int_groups(self, layer) -> IntGroups:
         codes = self._codes(layer)
         groups = torch.arange(codes.shape[1]) // BLOCK
-        weights = IntGroups.from_codes(codes, groups, layer.qscales.data, self.bits,
-                                       offset=layer.qoffsets.data)
-        hand_over(layer, weights, "qcodes", "qscales", "qoffsets")
-
-    def apply(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x, self.dequantize(layer).to(x.dtype), bias)
+        return IntGroups.from_codes(codes, groups, layer.qscales.data, self.bits,
+                                    offset=layer.qoffsets.data)

@@ -29,7 +29,8 @@ from torch import nn
 from folio.distributed.parallel_state import tp_rank, tp_size
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import IntGroups, hand_over, unpack_int32
+from folio.model.layers.quantization.int_groups import (IntCheckpointMethod, check_input_groups,
+                                                        check_packs, unpack_int32)
 
 _BITS = (4, 8)
 
@@ -62,23 +63,22 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self, prefix)
 
 
-class GPTQLinearMethod(LinearMethod):
+class GPTQLinearMethod(IntCheckpointMethod):
+    checkpoint_tensors = ("qweight", "qzeros", "scales", "g_idx")
+
     def __init__(self, config: GPTQConfig, prefix: str):
-        self.config, self.prefix = config, prefix
+        self.config, self.prefix, self.bits = config, prefix, config.bits
 
     def create_weights(self, layer, in_features, out_features, dtype):
-        bits, per = self.config.bits, 32 // self.config.bits
+        per = 32 // self.bits
         row_parallel = getattr(layer, "input_is_parallel", False)
         full_in = in_features * (tp_size() if row_parallel else 1)
         group = self.config.group_size if self.config.group_size != -1 else full_in
         where = f"{self.prefix}: GPTQ"
-        if full_in % group:
-            raise ValueError(f"{where} group_size {group} does not divide the layer's "
-                             f"{full_in} input features")
-        for size, what in ((in_features, "input"), (out_features, "output")):
-            if size % per:
-                raise ValueError(f"{where} {bits}-bit packs {per} {what} features per int32; "
-                                 f"{size} is not a multiple")
+        # a rank's inputs may split groups: each rank then keeps every group (below)
+        check_input_groups(where, group, in_features, full_in, whole_on_each_rank=False)
+        check_packs(where, self.bits, in_features, "input")
+        check_packs(where, self.bits, out_features, "output")
         # scales and zeros follow the rank's inputs only where those are whole
         # groups in order
         split_groups = not self.config.desc_act and in_features % group == 0
@@ -96,7 +96,7 @@ class GPTQLinearMethod(LinearMethod):
 
     def _parts(self, layer) -> tuple[torch.Tensor, ...]:
         """(codes [N, K], group of each k [K], scale [N, G], zero [N, G])."""
-        bits = self.config.bits
+        bits = self.bits
         codes = unpack_int32(layer.qweight.data, bits, 0).t()
         zeros = unpack_int32(layer.qzeros.data, bits, 1).t().float()
         if self.config.zero_minus_one:
@@ -107,17 +107,3 @@ class GPTQLinearMethod(LinearMethod):
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
             raise ValueError(f"{self.prefix}: GPTQ g_idx holds groups outside 0..{groups - 1}")
         return codes, g_idx, layer.scales.data.t().float(), zeros
-
-    def dequantize(self, layer) -> torch.Tensor:
-        """The float weight [N, K] straight from the checkpoint tensors (the
-        reference the packed form is tested against)."""
-        codes, g_idx, scale, zero = self._parts(layer)
-        return (codes.float() - zero[:, g_idx]) * scale[:, g_idx]
-
-    def process_weights_after_loading(self, layer):
-        codes, g_idx, scale, zero = self._parts(layer)
-        weights = IntGroups.from_codes(codes, g_idx, scale, self.config.bits, zero=zero)
-        hand_over(layer, weights, "qweight", "qzeros", "scales", "g_idx")
-
-    def apply(self, layer, x, bias=None):
-        return torch.nn.functional.linear(x, self.dequantize(layer).to(x.dtype), bias)

@@ -115,8 +115,11 @@ class IntGroups:
         tiles = -(-n // TILE)
         pad = tiles * TILE - n
         placed = torch.zeros(tiles * TILE, positions, dtype=torch.uint8)
-        real = feature >= 0
-        placed[:n, real] = codes[:, feature[real]].to(torch.uint8)
+        if perm is None:
+            placed[:n] = codes
+        else:
+            real = feature >= 0
+            placed[:n, real] = codes[:, feature[real]].to(torch.uint8)
         octets = placed.view(tiles, TILE, positions // OCTET, OCTET)
         if bits == 4:       # byte b of a word: positions b and b + 4 of the octet
             words = octets[..., :4] | (octets[..., 4:] << 4)              # [t, 16, o, 4]
@@ -160,19 +163,39 @@ class IntGroups:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the checkpoint's order of k."""
+        return self.dequantize_rows(None, dtype)
+
+    def dequantize_rows(self, rows: Optional[torch.Tensor],
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Output features `rows` (any shape of indices; None: all) of the float
+        weight: [*rows.shape, K] (an embedding table's lookup)."""
         lengths = (self.bounds[1:] - self.bounds[:-1]).to(torch.int64)
         per_position = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        spread = lambda t: t.float().transpose(1, 2).reshape(-1, t.shape[1])[:, per_position]
-        scale, offset = spread(self.scales), spread(self.offsets)
+        if rows is None:
+            codes = self.unpacked_codes()[:self.out_features]
+            scale, offset = (t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features]
+                             for t in (self.scales, self.offsets))
+        else:
+            flat = rows.reshape(-1)
+            tile, lane = flat // TILE, flat % TILE
+            if self.bits == 4:
+                words = self.codes[tile, :, lane]                        # [R, o, 4]
+                codes = torch.cat([words & 0xF, words >> 4], dim=-1)
+            else:
+                codes = self.codes[tile, :, :, lane]                     # [R, o, 2, 4]
+            codes = codes.reshape(len(flat), self.positions)
+            scale, offset = self.scales[tile, :, lane], self.offsets[tile, :, lane]
+        scale, offset = scale.float()[:, per_position], offset.float()[:, per_position]
         if self.zeros:
             offset = -offset * scale
-        w = (self.unpacked_codes().float() * scale + offset)[:self.out_features]
-        if self.perm is None:
-            return w.to(dtype)
-        real = self.perm >= 0
-        out = torch.empty(self.out_features, self.in_features)
-        out[:, self.perm[real]] = w[:, real]
-        return out.to(dtype)
+        w = codes.float() * scale + offset
+        if self.perm is not None:
+            real = self.perm >= 0
+            out = torch.empty(w.shape[0], self.in_features)
+            out[:, self.perm[real]] = w[:, real]
+            w = out
+        w = w.to(dtype)
+        return w if rows is None else w.view(*rows.shape, self.in_features)
 
 
 class IntGroupsLinear(LinearMethod):
@@ -218,3 +241,67 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order=None) -> torch
         codes = codes[..., torch.argsort(torch.tensor(order))]
     codes = codes.flatten(-2)
     return codes.movedim(-1, dim)
+
+
+# --------------------------------------------------------------------------- checkpoint formats
+
+
+def check_input_groups(where: str, group: int, in_features: int, full_in: int, *,
+                       whole_on_each_rank: bool = True) -> None:
+    """Refuse a group size that does not divide a layer's `full_in` input
+    features, or (`whole_on_each_rank`) that a row-parallel rank's
+    `in_features` of them do not hold whole groups of. `where`: the layer
+    and format the messages name."""
+    if full_in % group:
+        raise ValueError(f"{where} group_size {group} does not divide the layer's "
+                         f"{full_in} input features")
+    if whole_on_each_rank and in_features % group:
+        raise ValueError(f"{where} group_size {group}: each of the {full_in // in_features} "
+                         f"tensor-parallel ranks gets {in_features} of the layer's "
+                         f"{full_in} input features, not whole groups")
+
+
+def check_packs(where: str, bits: int, features: int, what: str) -> None:
+    """Refuse `features` (`what`: input or output) that do not fill whole
+    int32 words of `bits`-bit codes."""
+    per = 32 // bits
+    if features % per:
+        raise ValueError(f"{where} {bits}-bit packs {per} {what} features per int32; "
+                         f"{features} is not a multiple")
+
+
+class IntCheckpointMethod(LinearMethod):
+    """The method of a format whose checkpoint stores `bits`-bit integer codes
+    and a scale and zero point per group (GPTQ, AWQ, compressed-tensors): it
+    reads the tensors as stored and, once they are loaded, hands the layer
+    over to `IntGroupsLinear`.
+
+    A subclass creates the tensors (`create_weights`), names them in
+    `checkpoint_tensors` (emptied by the hand-over) and reads them back in
+    `_parts`. A format with offsets rather than zero points (GGUF) overrides
+    `dequantize` and `int_groups`."""
+
+    bits: int
+    checkpoint_tensors: tuple[str, ...] = ()
+
+    def _parts(self, layer) -> tuple[torch.Tensor, ...]:
+        """(codes [N, K], group of each k [K], scale [N, G], zero [N, G])."""
+        raise NotImplementedError
+
+    def dequantize(self, layer) -> torch.Tensor:
+        """The float weight [N, K] straight from the checkpoint tensors (the
+        reference the packed form is tested against)."""
+        codes, groups, scale, zero = self._parts(layer)
+        return (codes.float() - zero[:, groups]) * scale[:, groups]
+
+    def int_groups(self, layer) -> IntGroups:
+        """The packed form of the loaded checkpoint tensors."""
+        codes, groups, scale, zero = self._parts(layer)
+        return IntGroups.from_codes(codes, groups, scale, self.bits, zero=zero)
+
+    def process_weights_after_loading(self, layer):
+        hand_over(layer, self.int_groups(layer), *self.checkpoint_tensors)
+
+    def apply(self, layer, x, bias=None):
+        # only before the weights are processed (the layer is handed over then)
+        return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
