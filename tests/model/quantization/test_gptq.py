@@ -18,6 +18,7 @@ Two references:
 import json
 
 import pytest
+import torch
 
 from folio import LLM
 from tests.model.quantization.checkpoints import (
@@ -126,10 +127,32 @@ def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
     with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \(4, \d+\) "
                                          r"does not fit parameter of shape \(2, \d+\)"):
         LLM(str(folder), num_kv_blocks=16)
+    # in groups of 48: 128 inputs make three groups (the last of 32), not the
+    # four stored; 256 make six, not eight
     update_quantization_config(folder, group_size=48)
-    with pytest.raises(ValueError, match="group_size 48 does not divide the layer's 128 "
-                                         "input features"):
+    with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \((4|8), \d+\) "
+                                         r"does not fit parameter of shape \((3|6), \d+\)"):
         LLM(str(folder), num_kv_blocks=16)
+
+
+def test_a_last_group_shorter_than_the_others_follows_the_formula():
+    """gptqmodel writes 576 inputs in groups of 128 as five groups, the last of
+    64 (SmolLM2's hidden size): here 80 inputs in groups of 32."""
+    from folio.model.layers.linear import ColumnParallelLinear, process_weights_after_loading
+    from folio.model.layers.quantization import get_quantization_config
+    config = get_quantization_config("gptq", {"bits": 4, "group_size": 32, "sym": False})
+    layer = ColumnParallelLinear(80, 16, False, torch.float32, config, "x.q_proj")
+    g = torch.Generator().manual_seed(0)
+    words = lambda *shape: torch.randint(-2 ** 31, 2 ** 31 - 1, shape, generator=g,
+                                         dtype=torch.int64).to(torch.int32)
+    tensors = {"qweight": words(10, 16), "qzeros": words(3, 2),
+               "scales": torch.rand(3, 16, generator=g).half(),
+               "g_idx": (torch.arange(80) // 32).to(torch.int32)}
+    for name, value in tensors.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), value)
+    expect = gptq_formula(4)({f"x.{k}": v for k, v in tensors.items()}, "x", "qweight")
+    process_weights_after_loading(layer)
+    assert torch.equal(layer.quant_method.weights.dequantize(), expect)
 
 
 def test_a_flag_that_names_another_format_is_refused(tmp_path):

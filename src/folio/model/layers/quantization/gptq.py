@@ -29,7 +29,7 @@ from torch import nn
 from folio.distributed.parallel_state import tp_rank, tp_size
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import (IntCheckpointMethod, check_input_groups,
+from folio.model.layers.quantization.int_groups import (IntCheckpointMethod,
                                                         check_packs, unpack_int32)
 
 _BITS = (4, 8)
@@ -75,14 +75,14 @@ class GPTQLinearMethod(IntCheckpointMethod):
         full_in = in_features * (tp_size() if row_parallel else 1)
         group = self.config.group_size if self.config.group_size != -1 else full_in
         where = f"{self.prefix}: GPTQ"
-        # a rank's inputs may split groups: each rank then keeps every group (below)
-        check_input_groups(where, group, in_features, full_in, whole_on_each_rank=False)
         check_packs(where, self.bits, in_features, "input")
         check_packs(where, self.bits, out_features, "output")
         # scales and zeros follow the rank's inputs only where those are whole
-        # groups in order
+        # groups in order; else (act-order, a rank's inputs splitting a group,
+        # a last group shorter than the others as gptqmodel writes for 576
+        # inputs in groups of 128) each rank keeps every group's
         split_groups = not self.config.desc_act and in_features % group == 0
-        groups = in_features // group if split_groups else full_in // group
+        groups = in_features // group if split_groups else -(-full_in // group)
         group_dim = 0 if split_groups else None
         weight_param(layer, "qweight", (in_features // per, out_features), torch.int32,
                      output_dim=1, input_dim=0, packed_dim=0, pack_factor=per)
