@@ -22,7 +22,7 @@ needs_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8
 
 @needs_kernel
 def test_bf16_weights_are_as_close_to_fp32_as_bf16_and_halve_the_weights(monkeypatch):
-    reference = LLM(dtype="float32", num_kv_blocks=128)
+    reference = LLM(dtype="float32", num_kv_blocks=128, quantization="none")
     texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in reference.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     exact = _scores(reference, texts)
@@ -30,12 +30,12 @@ def test_bf16_weights_are_as_close_to_fp32_as_bf16_and_halve_the_weights(monkeyp
     reference.shutdown()
     # a real bf16 run (emulated where the CPU has no bf16): the accuracy class
     monkeypatch.setattr(device, "split_cpu_bf16", lambda dtype, dev: (dtype, None))
-    bf16 = LLM(dtype="bfloat16", num_kv_blocks=128)
+    bf16 = LLM(dtype="bfloat16", num_kv_blocks=128, quantization="none")
     expected = _scores(bf16, texts)
     bf16.shutdown()
     monkeypatch.undo()
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
-    split = LLM(dtype="bfloat16", num_kv_blocks=128)
+    split = LLM(dtype="bfloat16", num_kv_blocks=128, quantization="none")
     config, model = split.engine.config, split.engine.executor.runner.model
     assert (config.dtype, config.weight_dtype) == ("float32", "bfloat16")
     layers = [m for m in model.modules() if getattr(m, "packed", None) is not None]

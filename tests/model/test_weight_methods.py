@@ -127,9 +127,9 @@ def test_packed_tensors_shard_along_their_packed_axis(rank_1_of_2):
 def test_a_checkpoint_format_that_is_not_supported_is_named(tmp_path):
     folder = make_tiny_model(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "AWQ", "bits": 4}
+    config["quantization_config"] = {"quant_method": "HQQ", "nbits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantization method 'awq' is not supported"):
+    with pytest.raises(ValueError, match="quantization method 'hqq' is not supported"):
         LLM(folder, num_kv_blocks=16)
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         LLM(folder, num_kv_blocks=16, quantization="none")

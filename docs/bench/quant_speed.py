@@ -1,0 +1,101 @@
+"""Quantized formats beside the float paths and llama.cpp, in one run (issue 16).
+
+The two workloads of docs/bench/cpu_baselines.py (standard: 32 requests,
+prompt 32-384, output 32-192 tokens; one request: 256 in, 256 out, two
+requests one after the other), each against one server at a time, 2 threads:
+
+- Folio on the default GGUF (SmolLM2-135M-Instruct, Q4_1 linear layers and a
+  Q8_0 embedding): its own 4-bit codes, and `--quantization none` (everything
+  dequantized to float at load, the path before issue 16), each in float32
+  and bfloat16;
+- Folio with `--quantization int8` (round to nearest at load) on the same
+  weights dequantized and written as a Hugging Face folder, float32 and
+  bfloat16;
+- Folio on GPTQ and AWQ 4-bit g128 checkpoints of the same model, where
+  scripts/make_smollm_quant.sh has made them (build/quant-smollm/), bfloat16;
+- llama.cpp's llama-server on the same GGUF file (16 slots, 2 threads), built
+  by scripts/install_llama_cpp.sh.
+
+    .venv/bin/python docs/bench/quant_speed.py [--avx2-sim] [--rounds N] [--save FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_baselines as cb  # noqa: E402
+
+QUANT = cb.ROOT / "build" / "quant-smollm"
+
+
+def folio(args, tmp: Path, name: str, *flags: str) -> dict:
+    port = cb.free_port()
+    return cb.serve(args, name, [*cb.folio_cmd(args), "serve", *flags, "--port", str(port)],
+                    port, tmp / f"{name.replace(' ', '_')}.log")
+
+
+def one_round(args, tmp: Path, dense: Path) -> dict:
+    rows: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        rows[f"folio GGUF Q4_1 codes, {dtype}"] = folio(args, tmp, f"gguf {dtype}",
+                                                       "--dtype", dtype)
+        rows[f"folio dequantized (-q none), {dtype}"] = folio(
+            args, tmp, f"none {dtype}", "--dtype", dtype, "--quantization", "none")
+        rows[f"folio int8 at load, {dtype}"] = folio(
+            args, tmp, f"int8 {dtype}", str(dense), "--dtype", dtype, "--quantization", "int8")
+    for fmt in ("gptq-w4-g128", "awq-w4-g128", "awq-w4-g64"):
+        folder = QUANT / fmt
+        if folder.is_dir():
+            rows[f"folio {fmt}, bfloat16"] = folio(args, tmp, f"{fmt} bfloat16", str(folder),
+                                                  "--dtype", "bfloat16")
+        else:
+            print(f"  no {folder}: run scripts/make_smollm_quant.sh first", flush=True)
+    server = cb.ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / \
+        "bin" / "llama-server"
+    if server.exists():
+        port = cb.free_port()
+        rows["llama.cpp (same GGUF)"] = cb.serve(args, "llama.cpp", [
+            str(server), "-m", cb.gguf_path(), "-t", "2", "-tb", "2", "-np", "16",
+            "-c", str(16 * 1024), "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
+            port, tmp / "llama.log")
+    else:
+        print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--avx2-sim", action="store_true",
+                   help="run as an AVX2-only CPU would (see scripts/avx2_sim.py)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--save", type=Path, default=None, help="write every round's rates as JSON")
+    args = p.parse_args()
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
+            "cpu": cb.cpu_summary(), "avx2_sim": args.avx2_sim, "machine": platform.node()}
+    print(f"{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}", flush=True)
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dense = cb.dense_folder(Path(tmp))
+        for i in range(args.rounds):
+            print(f"round {i + 1}", flush=True)
+            rounds.append(one_round(args, Path(tmp), dense))
+    if args.save:
+        args.save.write_text(json.dumps({**meta, "rounds": rounds}, indent=1))
+    print("\n| round | system | standard output tok/s | one request output tok/s |")
+    print("|---|---|---|---|")
+    for i, rows in enumerate(rounds, 1):
+        for name, rates in rows.items():
+            cells = [f"{rates[w]:.1f}" if w in rates else rates.get("error", "")[:40]
+                     for w in cb.WORKLOADS]
+            print(f"| {i} | {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
