@@ -11,7 +11,8 @@ requests one after the other), each against one server at a time, 2 threads:
 - Folio with `--quantization int8` (round to nearest at load) on the same
   weights dequantized and written as a Hugging Face folder, float32 and
   bfloat16;
-- Folio on GPTQ and AWQ 4-bit g128 checkpoints of the same model, where
+- Folio on the GPTQ 4-bit g128 and AWQ 4-bit g64 checkpoints of the same
+  model (AWQ cannot make groups of 128 on its 576 inputs), where
   scripts/make_smollm_quant.sh has made them (build/quant-smollm/), bfloat16;
 - llama.cpp's llama-server on the same GGUF file (16 slots, 2 threads), built
   by scripts/install_llama_cpp.sh.
@@ -50,7 +51,7 @@ def one_round(args, tmp: Path, dense: Path) -> dict:
             args, tmp, f"none {dtype}", "--dtype", dtype, "--quantization", "none")
         rows[f"folio int8 at load, {dtype}"] = folio(
             args, tmp, f"int8 {dtype}", str(dense), "--dtype", dtype, "--quantization", "int8")
-    for fmt in ("gptq-w4-g128", "awq-w4-g128", "awq-w4-g64"):
+    for fmt in ("gptq-w4-g128", "awq-w4-g64"):
         folder = QUANT / fmt
         if folder.is_dir():
             rows[f"folio {fmt}, bfloat16"] = folio(args, tmp, f"{fmt} bfloat16", str(folder),
