@@ -250,6 +250,11 @@ def main() -> None:
             rounds.append(one_round(args, Path(tmp)))
     if args.save:
         args.save.write_text(json.dumps({**meta, "rounds": rounds}, indent=1))
+    print_table(rounds)
+
+
+def print_table(rounds: list[dict]) -> None:
+    """Every round's rates, a markdown row per system."""
     print("\n| round | system | standard output tok/s | one request output tok/s |")
     print("|---|---|---|---|")
     for i, rows in enumerate(rounds, 1):

@@ -89,13 +89,7 @@ def main() -> None:
             rounds.append(one_round(args, Path(tmp), dense))
     if args.save:
         args.save.write_text(json.dumps({**meta, "rounds": rounds}, indent=1))
-    print("\n| round | system | standard output tok/s | one request output tok/s |")
-    print("|---|---|---|---|")
-    for i, rows in enumerate(rounds, 1):
-        for name, rates in rows.items():
-            cells = [f"{rates[w]:.1f}" if w in rates else rates.get("error", "")[:40]
-                     for w in cb.WORKLOADS]
-            print(f"| {i} | {name} | {' | '.join(cells)} |")
+    cb.print_table(rounds)
 
 
 if __name__ == "__main__":
