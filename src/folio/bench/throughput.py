@@ -33,10 +33,15 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                         "finished; both: continuous, then static on the same engine")
     p.add_argument("--batch-size", type=positive_int, metavar="N", default=8,
                    help="requests per batch of --batching static|both")
-    p.add_argument("--baseline", action="append", choices=["hf-seq", "hf-static"], default=[],
-                   help="transformers baseline(s) in the same run (repeatable)")
+    p.add_argument("--baseline", action="append", choices=["hf-seq", "hf-static", "llama-cpp"],
+                   default=[], help="baseline(s) in the same run (repeatable): transformers "
+                                    "one at a time or in static batches, or llama.cpp's "
+                                    "llama-server on the same GGUF file")
     p.add_argument("--baseline-batch", type=positive_int, metavar="N", default=8,
-                   help="batch size of the hf-static baseline")
+                   help="batch size of the hf-static baseline; slots of the llama-cpp one")
+    p.add_argument("--llama-server", metavar="PATH", default=None,
+                   help="the llama-server binary of the llama-cpp baseline; without it, one on "
+                        "PATH, else the checkout's scripts/install_llama_cpp.sh build")
     p.add_argument("--baseline-limit", type=positive_int, metavar="K", default=None,
                    help="run the baselines on the first K requests only (rates are compared)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -90,21 +95,35 @@ def _bar(total: int, desc: str, enabled: bool):
     return bar, bar.update
 
 
-def run_baselines(args, engine, requests) -> list[dict]:
+def check_baselines(args, engine) -> str | None:
+    """The llama-server binary when the llama-cpp baseline is asked for; a bad
+    baseline is refused before anything is timed."""
+    if "llama-cpp" not in args.baseline:
+        return None
+    from folio.bench.llama_cpp import check_gguf, find_llama_server
+    check_gguf(engine.config.model.format, engine.config.model.path)
+    return find_llama_server(args.llama_server)
+
+
+def run_baselines(args, engine, requests, llama_server: str | None = None) -> list[dict]:
     import torch
 
     from folio.bench.baselines import load_hf_model, run_hf_seq, run_hf_static
-    if not args.baseline:
-        return []
-    model = load_hf_model(engine.config.model, getattr(torch, engine.config.dtype))
+    from folio.bench.llama_cpp import run_llama_cpp
+    model = None
+    if any(name.startswith("hf-") for name in args.baseline):
+        model = load_hf_model(engine.config.model, getattr(torch, engine.config.dtype))
     subset = requests[:args.baseline_limit] if args.baseline_limit else requests
     results = []
     for name in args.baseline:
         bar, tick = _bar(len(subset), name, not args.json)
         if name == "hf-seq":
             tokens, seconds = run_hf_seq(model, subset, tick)
-        else:
+        elif name == "hf-static":
             tokens, seconds = run_hf_static(model, subset, args.baseline_batch, tick)
+        else:
+            tokens, seconds = run_llama_cpp(llama_server, engine.config.model.path, subset,
+                                            args.baseline_batch, torch.get_num_threads(), tick)
         if bar:
             bar.close()
         results.append({"name": name, "requests": len(subset), "output_tokens": tokens,
@@ -128,6 +147,7 @@ def bench_throughput(args, engine) -> dict:
     import torch
 
     from folio.bench.flops import measure_ceiling, workload_flops
+    llama_server = check_baselines(args, engine)
     requests = build_requests(args, engine)
     m, dtype = engine.config.model, getattr(torch, engine.config.dtype)
     ceiling = measure_ceiling(m, dtype, engine.config.device)
@@ -151,7 +171,7 @@ def bench_throughput(args, engine) -> dict:
         result["static_output_tokens_per_s"] = sum(static_produced) / static_seconds
         result["continuous_over_static"] = (result["output_tokens_per_s"]
                                             / result["static_output_tokens_per_s"])
-    baselines = run_baselines(args, engine, requests)
+    baselines = run_baselines(args, engine, requests, llama_server)
     for b in baselines:
         b["speedup"] = result["output_tokens_per_s"] / b["output_tokens_per_s"]
     if baselines:
