@@ -3,11 +3,18 @@ its blocks must be back at reference count 0 and in the free queue."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
 
 from folio.core.block_pool import BlockPool
+
+# Without a GPU, Triton kernels run in triton's interpreter on the CPU. Triton
+# reads this as it defines each function, so it is set here, before any test
+# module can import triton.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _POOLS: "weakref.WeakSet[BlockPool]" = weakref.WeakSet()
 _original_init = BlockPool.__init__

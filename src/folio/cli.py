@@ -82,8 +82,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "plain weights). none on a GGUF dequantizes its blocks to float at "
                         "load; int8/int4: round-to-nearest at load of a float checkpoint")
     g.add_argument("--attention-backend", default=None, metavar="NAME",
-                   help="CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
-                        "default: the first of these that runs on the device and dtype")
+                   help="TRITON (Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), "
+                        "CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
+                        "default: TRITON on CUDA, else the first of the others that runs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

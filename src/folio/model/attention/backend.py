@@ -42,6 +42,8 @@ class AttentionBackend:
     # what the one-call native decoder needs from the attention of a layer:
     # "paged_cpu" (native/paged_attention.c on this layout); None: not there
     native_kind: ClassVar[Optional[str]] = None
+    # said when it is named where it does not run: what it needs
+    requirement: ClassVar[str] = ""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads = num_heads
@@ -53,6 +55,12 @@ class AttentionBackend:
     def supports(cls, device: str, dtype: torch.dtype) -> bool:
         """Whether this backend runs on `device` in `dtype`."""
         raise NotImplementedError
+
+    @classmethod
+    def selectable(cls, device: str, dtype: torch.dtype) -> bool:
+        """Whether the default choice may take it (a backend may run somewhere
+        only when named: Triton's CPU interpreter, for tests)."""
+        return cls.supports(device, dtype)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -13,6 +13,7 @@ from folio.model.attention.backend import AttentionBackend
 
 # name -> "module:class", most preferred first
 _BACKENDS = {
+    "TRITON": "folio.model.attention.triton_backend:TritonAttentionBackend",
     "CPU_NATIVE": "folio.model.attention.cpu_native:CPUNativeAttentionBackend",
     "TORCH_SDPA": "folio.model.attention.torch_backend:TorchAttentionBackend",
 }
@@ -37,10 +38,10 @@ def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
         backend = _load(name)
         if not backend.supports(device, dtype):
             raise ValueError(f"attention backend {name} does not run on {device} in "
-                             f"{str(dtype).removeprefix('torch.')}")
+                             f"{str(dtype).removeprefix('torch.')}{backend.requirement}")
         return backend
     for candidate in _BACKENDS:
         backend = _load(candidate)
-        if backend.supports(device, dtype):
+        if backend.selectable(device, dtype):
             return backend
     raise ValueError(f"no attention backend runs on {device} in {dtype}")

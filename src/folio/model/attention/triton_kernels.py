@@ -1,0 +1,231 @@
+"""Triton kernels of the TRITON attention backend, on the common paged layout
+(per layer [2, num_blocks, block_size, num_kv_heads, head_dim]).
+
+- `store_kv`: the step's keys and values into their slots (a negative slot is
+  a padding token and writes nothing).
+- `paged_decode`: one query token per sequence over its block table. A
+  program takes one sequence, one KV head and one split of the context: it
+  reads that head's keys once for all the query heads of its group, keeps an
+  online softmax in fp32, and writes its partial result; `_combine_kernel`
+  then merges the splits (flash-decoding), so a few long sequences still
+  give the GPU enough programs.
+- `paged_prefill`: the step's prompt chunks, every sequence in one launch. A
+  program takes BLOCK_M query tokens of one chunk and one KV head (its rows
+  are tokens x query heads of the group) and walks the keys through the
+  block table up to the tile's last position; the mask is causal by absolute
+  position, so a chunk that resumes mid-prompt (or after a prefix-cache hit)
+  sees every key before it, all read from the cache the step just wrote.
+
+Keys are taken BLOCK_N at a time, each key's block looked up from its own
+position, so any block size works. Arithmetic is fp32; the matmuls of the
+prefill take fp16/bf16 inputs as they are on a GPU (`DOT_FP32` upcasts them,
+for fp32 models and for the CPU interpreter, `TRITON_INTERPRET=1`, whose bf16
+arithmetic is not right).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, k_stride, v_stride,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    mask = (offs < ROW) & (slot >= 0)
+    k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
+    v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
+    tl.store(k_cache + slot * ROW + offs, k, mask=mask)
+    tl.store(v_cache + slot * ROW + offs, v, mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with each token's heads contiguous (a view of the
+    fused projection is); otherwise a contiguous copy."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] -> k_cache, v_cache [num_blocks, block_size, Hkv, D] at slot_mapping."""
+    k, v = _rows(k), _rows(v)
+    row = k.shape[1] * k.shape[2]
+    if k.shape[0]:
+        _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
+                                        v.stride(0), ROW=row, ROW_PAD=_pow2(row))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_lens, scale,
+                   q_stride, table_stride, tokens_per_split,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+                   G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    ctx = tl.load(ctx_lens + s)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    n = tl.arange(0, BLOCK_N)
+    gm, dm = g < G, d < D
+    heads = kvh * G + g
+    q = tl.load(q_ptr + s * q_stride + heads[:, None] * D + d[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32) * scale
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, ctx)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + n
+        valid = pos < end
+        block = tl.load(tables + s * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
+        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * D
+        kv_mask = valid[:, None] & dm[None, :]
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    part = (s * NUM_HEADS + heads) * num_splits + split                  # [G_PAD]
+    tl.store(m_ptr + part, m_i, mask=gm)
+    tl.store(l_ptr + part, l_i, mask=gm)
+    tl.store(out_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gm[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_out, part_m, part_l, out_ptr, out_stride, num_splits,
+                    NUM_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    spm = sp < num_splits
+    part = (s * NUM_HEADS + h) * num_splits + sp
+    m = tl.load(part_m + part, mask=spm, other=float("-inf"))
+    l_ = tl.load(part_l + part, mask=spm, other=0.0)
+    top = tl.max(m, axis=0)                   # split 0 always holds a key: finite
+    w = tl.where(spm & (l_ > 0), tl.exp(m - top), 0.0)
+    acc = tl.load(part_out + part[:, None] * D_PAD + d[None, :], mask=spm[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
+    tl.store(out_ptr + s * out_stride + h * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                 num_splits: int, tokens_per_split: int, block_n: int = 32) -> None:
+    """q [S, H, D] (one token per sequence) -> out [S, H, D] (rows contiguous)."""
+    q = _rows(q)
+    S, H, D = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    G, d_pad = H // hkv, _pow2(D)
+    part_out = torch.empty(S * H * num_splits, d_pad, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(S * H * num_splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    _decode_kernel[(S, hkv, num_splits)](
+        q, k_cache, v_cache, part_out, part_m, part_l, tables, ctx_lens, scale, q.stride(0),
+        tables.stride(0), tokens_per_split, NUM_HEADS=H, NUM_KV_HEADS=hkv, G=G, G_PAD=_pow2(G),
+        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n)
+    _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
+                            NUM_HEADS=H, D=D, D_PAD=d_pad, SPLITS_PAD=_pow2(num_splits))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0, q_starts,
+                    q_lens, start_positions, scale, q_stride, out_stride, table_stride,
+                    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    i = tl.load(tile_seq + tile)
+    q0 = tl.load(tile_q0 + tile)
+    q_start = tl.load(q_starts + i)
+    q_len = tl.load(q_lens + i)
+    start_pos = tl.load(start_positions + i)
+    r = tl.arange(0, BLOCK_M * G_PAD)         # rows: tokens x query heads of the group
+    tok = q0 + r // G_PAD
+    head = kvh * G + r % G_PAD
+    d = tl.arange(0, D_PAD)
+    n = tl.arange(0, BLOCK_N)
+    rm = (tok < q_len) & (r % G_PAD < G)
+    dm = d < D
+    q_pos = start_pos + tok                   # absolute positions
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * q_stride + head[:, None] * D + d[None, :],
+                mask=rm[:, None] & dm[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
+    end = start_pos + tl.minimum(q0 + BLOCK_M, q_len)      # keys 0 .. the tile's last position
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + n
+        valid = pos < end
+        block = tl.load(tables + i * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
+        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * D
+        kv_mask = valid[:, None] & dm[None, :]
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        causal = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        scores = tl.where(causal, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))    # key 0 is in every row's first tile
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * out_stride + head[:, None] * D + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor, tables: torch.Tensor, tile_seq: torch.Tensor,
+                  tile_q0: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                  start_positions: torch.Tensor, scale: float, block_m: int,
+                  block_n: int = 32, dot_fp32: bool = False) -> None:
+    """The prompt chunks of q [T, H, D] -> the same rows of out [T, H, D]; chunk
+    i is rows q_starts[i] .. + q_lens[i] at positions start_positions[i] ..,
+    its keys in the cache through tables[i]; one program per (tile, KV head),
+    tile t the `block_m` tokens of chunk tile_seq[t] from tile_q0[t] (with
+    block_m x query heads per group >= 16 rows, the smallest triton matmul).
+    `dot_fp32` upcasts half-precision matmul inputs (the interpreter needs it)."""
+    q = _rows(q)
+    H, D = q.shape[1], q.shape[2]
+    _, bs, hkv, _ = k_cache.shape
+    G = H // hkv
+    g_pad = _pow2(G)
+    fp32 = q.dtype == torch.float32 or dot_fp32
+    _prefill_kernel[(tile_seq.shape[0], hkv)](
+        q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
+        start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
+        NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs, BLOCK_M=block_m,
+        BLOCK_N=max(block_n, 16), DOT_FP32=fp32)

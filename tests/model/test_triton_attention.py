@@ -1,0 +1,132 @@
+"""The TRITON attention backend against the portable torch backend, on random
+steps: every kernel (store, split decode and its combine, paged prefill) on
+the CPU under triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py
+sets without a GPU), or on a GPU where there is one. Shapes are small: the
+interpreter runs each program in Python."""
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton", reason="the TRITON backend needs triton (the dev extra pins it)")
+
+from folio.model.attention.backend import StepDescription
+from folio.model.attention.torch_backend import TorchAttentionBackend
+from folio.model.attention.triton_backend import (
+    TritonAttentionBackend, split_plan)
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_step(seqs, block_size, num_blocks, rng):
+    """seqs: (start_pos, query_len) per sequence, decodes (query_len 1) first.
+    Each gets distinct random blocks covering start + query."""
+    free = list(rng.permutation(num_blocks))
+    tables, slots, positions = [], [], []
+    for start, n in seqs:
+        need = -(-(start + n) // block_size)
+        table = np.array([free.pop() for _ in range(need)], dtype=np.int64)
+        p = np.arange(start, start + n, dtype=np.int64)
+        tables.append(table)
+        slots.append(table[p // block_size] * block_size + p % block_size)
+        positions.append(p)
+    return StepDescription(
+        query_lens=[n for _, n in seqs], start_positions=[s for s, _ in seqs],
+        block_tables=tables, slot_mapping=np.concatenate(slots),
+        positions=np.concatenate(positions), num_decodes=sum(n == 1 for _, n in seqs),
+        device=DEVICE)
+
+
+def run_both(seqs, *, block_size=16, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
+             seed=0, backend=TritonAttentionBackend):
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
+    step = make_step(seqs, block_size, num_blocks, rng)
+    g = torch.Generator().manual_seed(seed)
+    T = len(step.slot_mapping)
+    # q, k, v as views of one fused projection, as the model gives them
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = (x.view(T, -1, head_dim).to(DEVICE) for x in (q, k, v))
+    shape = TorchAttentionBackend.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    cache = torch.randn(shape, generator=g).to(dtype).to(DEVICE)   # the earlier tokens' keys
+    scale = head_dim ** -0.5
+    ref_cache = cache.float().clone()
+    ref = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
+        q.float(), k.float(), v.float(), ref_cache, TorchAttentionBackend.build_metadata(step))
+    got_cache = cache.clone()
+    got = backend(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, got_cache, backend.build_metadata(step))
+    return got, ref, got_cache, ref_cache
+
+
+def assert_close(got, ref, dtype):
+    assert got.dtype == dtype and got.shape == ref.shape
+    err = (got.float() - ref).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, ref.abs().max().item()), err
+
+
+class ForcedSplits(TritonAttentionBackend):
+    """Many programs wanted, splits of 32 keys: short contexts cross split points."""
+    target_programs = 1 << 20
+    min_split_tokens = 32
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2)])
+def test_decode_over_block_tables_and_splits(block_size, heads, kv_heads):
+    # contexts of 1 key, one block exactly, across blocks and across splits
+    seqs = [(0, 1), (block_size - 1, 1), (block_size, 1), (3 * block_size + 5, 1), (100, 1)]
+    got, ref, got_cache, ref_cache = run_both(seqs, block_size=block_size, heads=heads,
+                                              kv_heads=kv_heads, backend=ForcedSplits)
+    assert_close(got, ref, torch.float32)
+    torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=0)   # written exactly
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_decodes_and_chunks_after_earlier_keys(head_dim):
+    # decodes; a whole prompt; a chunk resuming mid-prompt (or after a prefix
+    # hit) whose tiles start off block boundaries; a one-block chunk
+    seqs = [(40, 1), (7, 1), (0, 37), (45, 20), (16, 16)]
+    got, ref, *_ = run_both(seqs, heads=6, kv_heads=2, head_dim=head_dim)
+    assert_close(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    seqs = [(70, 1), (3, 1), (0, 21), (33, 18)]
+    got, ref, got_cache, ref_cache = run_both(seqs, heads=4, kv_heads=1, dtype=dtype,
+                                              block_size=32, backend=ForcedSplits)
+    assert_close(got, ref, dtype)
+    assert torch.equal(got_cache.float(), ref_cache)
+
+
+def test_any_block_size_and_odd_head_dim():
+    """Block size 8 (what small tests use) and a head size that is not a power of 2."""
+    got, ref, *_ = run_both([(9, 1), (0, 11), (5, 13)], block_size=8, heads=3, kv_heads=1,
+                            head_dim=40)
+    assert_close(got, ref, torch.float32)
+
+
+def test_split_plan():
+    # one long sequence on a GPU of 132 SMs: many splits, none under 256 keys
+    assert split_plan(1, 8, 8192, 264, 256, 32) == (32, 256)
+    # a full batch needs no split
+    assert split_plan(256, 8, 8192, 264, 256, 32) == (1, 8192)
+    # short contexts are never split below the minimum
+    assert split_plan(1, 8, 300, 264, 256, 32) == (2, 160)
+    splits, per = split_plan(3, 2, 1000, 1 << 20, 64, 32)
+    assert per % 32 == 0 and (splits - 1) * per < 1000 <= splits * per
+
+
+def test_padding_slots_write_nothing():
+    from folio.model.attention.triton_kernels import store_kv
+    cache = torch.zeros(2, 4, 8, 2, 16, device=DEVICE)
+    k = torch.randn(3, 2, 16, device=DEVICE)
+    v = torch.randn(3, 2, 16, device=DEVICE)
+    store_kv(k, v, cache[0], cache[1], torch.tensor([5, -1, 30], device=DEVICE))
+    flat = cache.view(2, -1, 2, 16)
+    assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[1, 30], v[2])
+    assert flat.abs().sum(dim=(2, 3)).count_nonzero() == 4    # two slots, keys and values
