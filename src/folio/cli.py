@@ -46,7 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV cache block, a power of two")
     g.add_argument("--kv-cache-memory-bytes", type=memory_size, metavar="SIZE", default=None,
                    help="memory for the KV cache, in bytes or as 4GiB, 512MiB, 2GB "
-                        "(default: 2GiB on CPU, half the memory free after loading on CUDA)")
+                        "(default: 2GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=probability, metavar="F", default=0.9,
+                   help="CUDA: the share of the card's memory that weights, the activations' "
+                        "profiled peak and the KV cache take together")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                    type=positive_int, default=None, metavar="N",
                    help="the exact number of KV cache blocks, instead of sizing them from "
@@ -85,6 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="TRITON (Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), "
                         "CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
                         "default: TRITON on CUDA, else the first of the others that runs")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -98,7 +103,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 scheduling_policy=args.scheduling_policy,
                 tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
-                quantization=args.quantization, attention_backend=args.attention_backend)
+                quantization=args.quantization, attention_backend=args.attention_backend,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager)
 
 
 # (flag, type, metavar, help); each dest is the SamplingParams field of the same name.

@@ -89,7 +89,7 @@ def positive_float(text: str) -> float:
 
 
 def probability(text: str) -> float:
-    """A top-p: in (0, 1] (0 would keep no token at all)."""
+    """A top-p (0 would keep no token at all) or a share of GPU memory: in (0, 1]."""
     value = _float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")

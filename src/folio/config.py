@@ -77,6 +77,8 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = None   # None: a device-dependent default
     num_kv_blocks: Optional[int] = None           # overrides the memory sizing
     enable_prefix_caching: bool = True            # reuse cached blocks of shared prompt prefixes
+    gpu_memory_utilization: float = 0.9           # CUDA: the card's share weights, activations
+                                                  # and KV cache may take together
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class FolioConfig:
     seed: int = 0
     max_logprobs: int = 20          # the most top logprobs a request may ask for
     attention_backend: Optional[str] = None   # None: chosen by device and dtype
+    enforce_eager: bool = False     # CUDA: no CUDA graphs for decode steps
 
     @property
     def max_model_len(self) -> int:

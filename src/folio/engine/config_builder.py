@@ -28,7 +28,9 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp",
                  quantization: Optional[str] = None,
-                 attention_backend: Optional[str] = None) -> FolioConfig:
+                 attention_backend: Optional[str] = None,
+                 gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False) -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it)."""
@@ -77,6 +79,9 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if distributed_executor_backend not in ("mp", "ray"):
         raise ValueError(f"unknown distributed executor backend "
                          f"{distributed_executor_backend!r}: use mp or ray")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                         f"{gpu_memory_utilization}")
     if long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0")
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
@@ -84,7 +89,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         model=model_config,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem,
                           num_kv_blocks=num_kv_blocks,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching,
+                          gpu_memory_utilization=gpu_memory_utilization),
         scheduler=SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -94,4 +100,5 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
         dtype=run_dtype, weight_dtype=weight_dtype, device=device, seed=seed,
-        max_logprobs=max_logprobs, attention_backend=attention_backend)
+        max_logprobs=max_logprobs, attention_backend=attention_backend,
+        enforce_eager=enforce_eager)

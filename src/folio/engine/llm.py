@@ -31,7 +31,8 @@ class LLM:
                  max_logprobs: int = 20, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp",
-                 quantization: Optional[str] = None, attention_backend: Optional[str] = None):
+                 quantization: Optional[str] = None, attention_backend: Optional[str] = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -44,7 +45,8 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             scheduling_policy=scheduling_policy,
             distributed_executor_backend=distributed_executor_backend,
-            quantization=quantization, attention_backend=attention_backend)
+            quantization=quantization, attention_backend=attention_backend,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

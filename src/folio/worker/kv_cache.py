@@ -10,7 +10,7 @@ from folio.config import FolioConfig
 from folio.model.attention.backend import AttentionBackend
 
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
-CUDA_DEFAULT_FRACTION = 0.5             # of the memory free after loading the model
+# (CUDA without a size given: worker/gpu_memory.py, by --gpu-memory-utilization)
 
 
 def _shape(config: FolioConfig, num_blocks: int, num_kv_heads: int,
@@ -30,9 +30,6 @@ def bytes_per_block(config: FolioConfig, num_kv_heads: int,
 def kv_memory_budget(config: FolioConfig) -> int:
     if config.cache.kv_cache_memory_bytes is not None:
         return config.cache.kv_cache_memory_bytes
-    if config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        return int(free * CUDA_DEFAULT_FRACTION)
     return CPU_DEFAULT_KV_BYTES
 
 

@@ -7,6 +7,7 @@ scheduler sends only what changed each step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -15,13 +16,16 @@ import torch
 
 from folio.config import FolioConfig, cpu_count
 from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
-from folio.model.attention.backend import StepDescription
+from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.device import torch_dtype
-from folio.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+
+logger = logging.getLogger("folio")
 
 
 @dataclass
@@ -48,12 +52,39 @@ class ModelRunner:
         self.model.load_weights(iter_weights(config.model))
         self.model.build_native_decoder()
         num_kv_heads = self.model.num_kv_heads_per_rank
-        self.num_blocks = num_kv_blocks(config, num_kv_heads, self.attn_backend)
+        self.num_blocks = self._size_kv_cache(num_kv_heads)
         self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads,
                                             self.attn_backend)
+        self.graphs = self._capture_graphs()
         self.states: dict[int, SeqState] = {}
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
+
+    def _size_kv_cache(self, num_kv_heads: int) -> int:
+        """Blocks: as asked, or on CUDA by --gpu-memory-utilization after a
+        profiling forward (worker/gpu_memory.py)."""
+        cache = self.config.cache
+        if (self.device.type == "cuda" and cache.num_kv_blocks is None
+                and cache.kv_cache_memory_bytes is None):
+            from folio.worker.gpu_memory import measure
+            per_block = bytes_per_block(self.config, num_kv_heads, self.attn_backend)
+            return measure(self, per_block, cache.gpu_memory_utilization).num_blocks
+        return num_kv_blocks(self.config, num_kv_heads, self.attn_backend)
+
+    def _capture_graphs(self) -> Optional[DecodeGraphs]:
+        """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
+        decode plan, unless --enforce-eager (worker/cuda_graphs.py)."""
+        if (self.device.type != "cuda" or self.config.enforce_eager
+                or not self.attn_backend.supports_graphs):
+            return None
+        sched = self.config.scheduler
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.attn_backend,
+                              capture_sizes(sched.max_num_seqs),
+                              -(-sched.max_model_len // self.block_size), sched.max_model_len,
+                              self.device)
+        graphs.capture()
+        logger.info("CUDA graphs captured for decode batches of %s", graphs.sizes)
+        return graphs
 
     # Test-only fault injection: called as fault_hook(stage, seq) with stage
     # "prepare" (seq: the ScheduledSeq) or "sample" (seq: its id); whatever it
@@ -96,9 +127,14 @@ class ModelRunner:
         # Decodes (one query token) first, batched; then prefill chunks.
         ordered = [s for s in so.seqs if len(s.token_ids) == 1] + \
                   [s for s in so.seqs if len(s.token_ids) > 1]
-        input_ids, positions, meta, last_rows = self._prepare(ordered)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self.num_computed_tokens_total += input_ids.shape[0]
+        ids, step, last_rows = self._describe(ordered)
+        if self.graphs is not None and self.graphs.fits(step):
+            hidden = self.graphs.run(step, ids)
+        else:
+            meta = self.attn_backend.build_metadata(step)
+            hidden = self.model(self._tensor(ids), self._tensor(step.positions),
+                                self.kv_caches, meta)
+        self.num_computed_tokens_total += len(ids)
         out = ModelRunnerOutput()
         self._score_prompts(hidden, ordered, last_rows, out)
         targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
@@ -228,7 +264,9 @@ class ModelRunner:
         for cache in self.kv_caches:
             self.attn_backend.copy_blocks(cache, src, dst)
 
-    def _prepare(self, ordered: list[ScheduledSeq]):
+    def _describe(self, ordered: list[ScheduledSeq]
+                  ) -> tuple[np.ndarray, StepDescription, list[int]]:
+        """(input ids, the step for the attention backend, each sequence's last row)."""
         bs = self.block_size
         ids, pos, slots, last_rows, tables = [], [], [], [], []
         num_decodes = row = 0
@@ -249,12 +287,10 @@ class ModelRunner:
             start_positions=[s.start_pos for s in ordered], block_tables=tables,
             slot_mapping=np.concatenate(slots), positions=positions, num_decodes=num_decodes,
             device=self.device)
-        meta = self.attn_backend.build_metadata(step)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, self._tensor(positions), meta, last_rows
+        return np.asarray(ids, dtype=np.int64), step, last_rows
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device)
+        return to_device(a, self.device)
 
     def _sampling_batch(self, seq_ids: list[int]) -> SamplingBatch:
         states = [self.states[seq_id] for seq_id in seq_ids]

@@ -44,6 +44,9 @@ class AttentionBackend:
     native_kind: ClassVar[Optional[str]] = None
     # said when it is named where it does not run: what it needs
     requirement: ClassVar[str] = ""
+    # decode steps may be replayed from CUDA graphs: `graph_metadata` gives a
+    # fixed plan on persistent buffers (worker/cuda_graphs.py)
+    supports_graphs: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads = num_heads
@@ -76,10 +79,29 @@ class AttentionBackend:
     def build_metadata(cls, step: StepDescription) -> AttentionMetadata:
         raise NotImplementedError
 
+    @classmethod
+    def graph_metadata(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, max_context: int) -> AttentionMetadata:
+        """A decode-only step on persistent buffers whose launches do not depend
+        on the values in them (contexts up to `max_context`)."""
+        raise NotImplementedError
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the step's tokens -> [T, H, D]."""
         raise NotImplementedError
+
+
+def staged(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`a` as a host tensor to copy from: pinned when the copy goes to CUDA, so
+    that it runs without the host waiting for it."""
+    t = torch.from_numpy(a)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` (non-blocking from pinned memory on CUDA)."""
+    return staged(a, device).to(device, non_blocking=True)
 
 
 def padded_tables(step: StepDescription) -> np.ndarray:

@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from folio.model.attention.backend import AttentionBackend, StepDescription, padded_tables
+from folio.model.attention.backend import (AttentionBackend, StepDescription, padded_tables,
+                                           to_device)
 from folio.model.attention.metadata import AttentionMetadata
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,6 +62,7 @@ def split_plan(num_seqs: int, num_kv_heads: int, max_context: int, target_progra
 
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON"
+    supports_graphs = True
     requirement = (" (it needs triton, and CUDA, or on the CPU triton's interpreter: "
                    "TRITON_INTERPRET=1, slow, for tests)")
     block_m = 16              # query tokens per prefill program
@@ -90,7 +92,7 @@ class TritonAttentionBackend(AttentionBackend):
         tile_arr = np.asarray(tiles, dtype=np.int64).reshape(-1, 2)
         parts = [step.slot_mapping, tables.ravel(), (starts + lens)[:d], rows[d:], lens[d:],
                  starts[d:], tile_arr[:, 0], tile_arr[:, 1]]
-        flat = _to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]),
+        flat = to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]),
                           step.device)
         views, at = [], 0
         for p in parts:
@@ -104,6 +106,12 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_block_tables=tab[d:], prefill_starts=q_starts, prefill_lens=q_lens,
             prefill_positions=positions, tile_seqs=tile_seqs, tile_starts=tile_starts,
             num_tiles=len(tiles))
+
+    @classmethod
+    def graph_metadata(cls, slot_mapping, block_tables, context_lens, max_context):
+        return TritonMetadata(slot_mapping=slot_mapping, num_decodes=slot_mapping.shape[0],
+                              decode_block_tables=block_tables,
+                              decode_context_lens=context_lens, max_decode_context=max_context)
 
     def _target(self, device: torch.device) -> int:
         if self.target_programs is not None:
@@ -132,9 +140,3 @@ class TritonAttentionBackend(AttentionBackend):
                              self.block_m, self.block_n, dot_fp32=interpreting())
         return out
 
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

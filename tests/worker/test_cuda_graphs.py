@@ -1,0 +1,83 @@
+"""Decode steps from CUDA graphs: the buckets, the padding and the persistent
+buffers are tested on the CPU, where an eager stand-in takes the capture's
+place (it replays by calling the captured function again on the same
+buffers, which is what a graph replays); the capture itself runs on a GPU."""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="graphs replay the TRITON backend (the dev extra pins it)")
+
+from folio import LLM, SamplingParams
+from folio.model.attention.triton_backend import TritonAttentionBackend
+from folio.worker.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes
+from tests.utils import make_tiny_model
+
+
+def test_buckets():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    sizes = capture_sizes(6)
+    assert [bucket_for(n, sizes) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 2, 4, 4, 6, 6, None]
+
+
+class EagerReplay:
+    """A CPU stand-in for torch.cuda.graph: 'replay' runs the captured function
+    again and writes into the output tensor the capture returned."""
+
+    def __init__(self):
+        self.captured = []
+
+    def capture(self, fn):
+        out = fn()
+        self.captured.append(out.shape[0])
+        return (lambda: out.copy_(fn())), out
+
+
+def workload():
+    rng = random.Random(3)
+    return [{"prompt_token_ids": [rng.randrange(5, 384) for _ in range(n)]}
+            for n in (5, 23, 2, 40, 11)]
+
+
+def test_padded_replays_give_the_eager_tokens(tmp_path, monkeypatch):
+    # every decode split plan fixed for 128-token contexts: 4 splits of 32
+    monkeypatch.setattr(TritonAttentionBackend, "target_programs", 1 << 20)
+    monkeypatch.setattr(TritonAttentionBackend, "min_split_tokens", 32)
+    folder = make_tiny_model(tmp_path)
+    # lengths that end at different steps: batches of 3 pad to the bucket of 4
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (10, 7, 13, 4, 9)]
+    kwargs = dict(dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
+                  max_num_seqs=4, max_num_batched_tokens=48)
+    eager = [o.outputs[0].token_ids for o in LLM(folder, attention_backend="TORCH_SDPA",
+                                                 **kwargs).generate(workload(), params)]
+    llm = LLM(folder, attention_backend="TRITON", **kwargs)
+    runner = llm.engine.executor.runner
+    assert runner.graphs is None                 # no CUDA: eager unless given graphs
+    factory = EagerReplay()
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.attn_backend,
+                                 capture_sizes(4), 128 // 8, 128, runner.device, factory)
+    runner.graphs.capture()
+    assert factory.captured == [4, 2, 1]         # largest first
+    got = [o.outputs[0].token_ids for o in llm.generate(workload(), params)]
+    assert got == eager
+    assert runner.graphs.replays > 0 and runner.graphs.padded_rows > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_graphs_on_a_gpu_give_the_eager_tokens(tmp_path):
+    folder = make_tiny_model(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(folder, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+                  enforce_eager=eager)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(workload(), params)])
+        graphs = llm.engine.executor.runner.graphs
+        assert (graphs is None) == eager and (eager or graphs.replays > 0)
+    assert runs[0] == runs[1]
