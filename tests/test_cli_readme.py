@@ -26,6 +26,7 @@ COMMANDS = {
     "bench serve": ("`folio bench serve`", ()),
     "bench memory": ("`folio bench memory`", ("Engine flags", )),
     "bench weights": ("`folio bench weights`", ("Engine flags", )),
+    "bench gpu": ("`folio bench gpu`", ()),
     "env": ("`folio env`", ()),
 }
 

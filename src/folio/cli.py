@@ -262,6 +262,12 @@ def cmd_bench_weights(args: argparse.Namespace) -> int:
     return _run_bench(args, bench_weights, print_weights)
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from folio.bench.gpu import bench_gpu, markdown
+    print(markdown(bench_gpu(args)), end="")
+    return 0
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from folio.bench.serve_cli import cmd_bench_serve
     return cmd_bench_serve(args)
@@ -352,6 +358,8 @@ def _add_bench(sub) -> None:
                  cmd_bench_memory).defer(_memory_flags)
     _add_command(kinds, "weights", "bytes of weights as loaded, and the same formats' "
                  "bytes for Llama-3-8B and -70B shapes", cmd_bench_weights).defer(_weights_flags)
+    _add_command(kinds, "gpu", "the GPU path on a random Llama-3-8B: correctness, batch-1 "
+                 "decode, throughput against transformers, memory", _bench_gpu).defer(_gpu_flags)
 
 
 def _throughput_flags(p: argparse.ArgumentParser) -> None:
@@ -375,6 +383,11 @@ def _weights_flags(p: argparse.ArgumentParser) -> None:
     from folio.bench.weights import add_weights_args
     add_weights_args(p)
     add_engine_args(p)
+
+
+def _gpu_flags(p: argparse.ArgumentParser) -> None:
+    from folio.bench.gpu import add_gpu_args
+    add_gpu_args(p)
 
 
 def _add_env(sub) -> None:

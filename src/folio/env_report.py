@@ -17,7 +17,8 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq
                      "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def _cpu() -> tuple[str, list[str]]:
+def cpu_info() -> tuple[str, list[str]]:
+    """(the CPU model, its flags) from /proc/cpuinfo."""
     model, flags = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo") as f:
@@ -71,7 +72,7 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     elif native.packs_linear(t):
         linear = "native bf16 kernel (AVX512-BF16)"
     elif pack_onednn(t) is not None:
-        linear = "oneDNN packed weights" + (" (AMX)" if "amx_bf16" in _cpu()[1] else "")
+        linear = "oneDNN packed weights" + (" (AMX)" if "amx_bf16" in cpu_info()[1] else "")
     elif dtype == "bfloat16":
         linear = "F.linear on plain weights (oneDNN packs no bf16 weight on this CPU)"
     else:
@@ -100,7 +101,7 @@ def collect() -> dict:
 
     from folio import __version__
     from folio.worker.device import cpu_has_native_bf16, resolve_device, resolve_dtype
-    model, flags = _cpu()
+    model, flags = cpu_info()
     device = resolve_device(None)
     auto = resolve_dtype("auto", device)
     report = {

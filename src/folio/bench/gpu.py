@@ -1,0 +1,304 @@
+"""`folio bench gpu` (benchmarks/gpu.sh): the GPU path measured in one run.
+
+On one GPU, with no network, from the source tree: a random-weight model of
+Llama-3-8B's shapes in bf16 is made on the GPU and written as a Hugging Face
+folder (safetensors, a word-level tokenizer of its vocabulary), then:
+
+1. correctness: greedy tokens of the TRITON backend against the torch
+   backend on a few prompts (tokens agreeing, of all);
+2. batch-1 decode: one request of 256 prompt and 256 output tokens (16 with
+   --tiny); ms per
+   output token, and the weight bytes each decode step reads over that time
+   as a fraction of the card's memory bandwidth, measured by a copy;
+3. offline throughput on `--num-prompts` requests (prompt 256-1,024, output
+   128-512, random ids, EOS ignored), output tokens/s, against transformers
+   `generate` in static batches on the same weights (`--hf-limit` requests);
+4. peak memory against the --gpu-memory-utilization budget.
+
+It writes result.json and result.md into `--out`. `--tiny` runs the same
+steps on tiny shapes in seconds; without a GPU it runs on the CPU with the
+kernels in triton's interpreter, so that the script is known to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from folio.cli_types import positive_int
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 max_position_embeddings=8192, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
+            rope_theta=10000.0)
+
+
+def add_gpu_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes and few requests: a dry run in seconds (on the CPU "
+                        "without a GPU, kernels in triton's interpreter)")
+    p.add_argument("--out", type=Path, metavar="DIR", default=Path("bench-gpu"),
+                   help="where result.json and result.md are written")
+    p.add_argument("--work", type=Path, metavar="DIR", default=None,
+                   help="where the random model folder is written (default: a temporary "
+                        "folder, removed after)")
+    p.add_argument("--num-prompts", type=positive_int, metavar="N", default=None,
+                   help="requests of the throughput workload (default 1000; 4 with --tiny)")
+    p.add_argument("--hf-limit", type=positive_int, metavar="K", default=None,
+                   help="requests the transformers baseline runs (default 64; 2 with --tiny)")
+    p.add_argument("--hf-batch", type=positive_int, metavar="B", default=16,
+                   help="static batch size of the transformers baseline")
+
+
+def make_model(folder: Path, shape: dict, dtype, device: str, seed: int = 0):
+    """A random Llama of `shape`, made on `device`, written to `folder`; the
+    transformers model is returned (moved to the CPU) for the baseline."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.save_pretrained(folder)
+    write_wordlevel_tokenizer(folder, shape["vocab_size"])
+    return model.to("cpu")
+
+
+def write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer whose every id is a word `t<id>`: the benchmark sends ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t1", "eos_token": "t2",
+         "unk_token": "t0"}))
+
+
+def memory_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, bytes read and written counted."""
+    import torch
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    t0, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * src.numel() * 4 * reps / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def correctness(folder: Path, dtype: str, device: str, vocab: int, lengths) -> dict:
+    """Greedy tokens of TRITON and TORCH_SDPA on the same prompts."""
+    import random
+
+    from folio import LLM, SamplingParams
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
+               for n in lengths]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    runs = {}
+    for name in ("TRITON", "TORCH_SDPA"):
+        llm = LLM(str(folder), dtype=dtype, device=device, attention_backend=name,
+                  kv_cache_memory_bytes="2GiB", max_model_len=1024, enforce_eager=True)
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+        llm.shutdown()
+        del llm
+        _free(device)
+    pairs = [(a, b) for ta, tb in zip(runs["TRITON"], runs["TORCH_SDPA"])
+             for a, b in zip(ta, tb)]
+    first = [next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), len(ta))
+             for ta, tb in zip(runs["TRITON"], runs["TORCH_SDPA"])]
+    return {"tokens": len(pairs), "agree": sum(a == b for a, b in pairs),
+            "first_difference": first}
+
+
+def _weight_bytes(engine) -> int:
+    model = engine.executor.runner.model
+    return sum(t.numel() * t.element_size()
+               for t in list(model.parameters()) + list(model.buffers()))
+
+
+def batch1_decode(engine, vocab: int, bandwidth: float, length: int) -> dict:
+    """One request, `length` prompt + `length` output tokens; decode ms per
+    token from the time after the first token."""
+    from folio import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+    engine.add_tokenized_request("b1", None, [(7 * i) % (vocab - 3) + 3 for i in range(length)],
+                                 params)
+    t0 = time.perf_counter()
+    first, n = None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            if first is None and n:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    ms = (end - first) / (n - 1) * 1e3
+    read = _weight_bytes(engine)          # every weight is read once per decode step
+    return {"ttft_s": first - t0, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
+            "weight_bytes": read, "bandwidth_fraction": read / (ms / 1e3) / bandwidth}
+
+
+def _cpu_name() -> str:
+    from folio.env_report import cpu_info
+    model, flags = cpu_info()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    return f"CPU {model} ({' '.join(f for f in wanted if f in flags)})"
+
+
+def run(args) -> dict:
+    import torch
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    shape = TINY if args.tiny else LLAMA3_8B
+    dtype_name = "bfloat16" if cuda else "float32"
+    dtype = getattr(torch, dtype_name)
+    n_prompts = args.num_prompts or (4 if args.tiny else 1000)
+    hf_limit = args.hf_limit or (2 if args.tiny else 64)
+    lens = ((8, 40), (4, 12)) if args.tiny else ((256, 1024), (128, 512))
+    result: dict = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
+        "device": torch.cuda.get_device_name() if cuda else _cpu_name(),
+        "torch": torch.__version__, "dtype": dtype_name, "tiny": args.tiny,
+        "shape": shape, "requests": n_prompts}
+    steps: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.work or tmp) / "model"
+        folder.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        hf_model = make_model(folder, shape, dtype, device)
+        steps["make_model_s"] = time.perf_counter() - t
+        bandwidth = memory_bandwidth(device, 1 << (32 if cuda else 26))
+        result["copy_bandwidth_bytes_per_s"] = bandwidth
+        t = time.perf_counter()
+        result["correctness"] = correctness(folder, dtype_name, device, shape["vocab_size"],
+                                            (5, 20, 40) if args.tiny else (7, 64, 200, 513))
+        steps["correctness_s"] = time.perf_counter() - t
+        result.update(_engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens,
+                                   bandwidth, steps))
+        _free(device)
+        t = time.perf_counter()
+        result["transformers"] = _hf_run(hf_model.to(device), result["_requests"][:hf_limit],
+                                         args.hf_batch)
+        steps["transformers_s"] = time.perf_counter() - t
+    del result["_requests"]
+    result["speedup_over_transformers"] = (result["throughput"]["output_tokens_per_s"]
+                                           / result["transformers"]["output_tokens_per_s"])
+    result["steps"] = steps
+    return result
+
+
+def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandwidth,
+                 steps) -> dict:
+    import torch
+
+    from folio.bench.datasets import random_requests
+    from folio.bench.throughput import run_engine
+    from folio.engine.llm_engine import LLMEngine
+    b1 = 16 if args.tiny else 256
+    t = time.perf_counter()
+    engine = LLMEngine.from_args(str(folder), dtype=dtype_name, device=device,
+                                 attention_backend="TRITON",
+                                 max_model_len=max(lens[0][1] + lens[1][1], 2 * b1) + 16)
+    steps["engine_start_s"] = time.perf_counter() - t
+    out: dict = {}
+    runner = engine.executor.runner
+    out["kv_blocks"] = runner.num_blocks
+    out["cuda_graphs"] = runner.graphs.sizes if runner.graphs is not None else None
+    t = time.perf_counter()
+    out["batch1"] = batch1_decode(engine, shape["vocab_size"], bandwidth, b1)
+    steps["batch1_s"] = time.perf_counter() - t
+    requests = random_requests(n_prompts, lens[0], lens[1], shape["vocab_size"], [0, 1, 2], 0)
+    engine.reset_prefix_cache()
+    t = time.perf_counter()
+    produced, seconds = run_engine(engine, requests, True, "continuous", 0)
+    steps["throughput_s"] = time.perf_counter() - t
+    out["throughput"] = {"requests": len(requests), "output_tokens": sum(produced),
+                         "seconds": seconds, "output_tokens_per_s": sum(produced) / seconds}
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        util = engine.config.cache.gpu_memory_utilization
+        out["memory"] = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                         "in_use_bytes": total - free, "budget_bytes": int(total * util),
+                         "total_bytes": total}
+    engine.shutdown()
+    del engine, runner
+    out["_requests"] = requests
+    return out
+
+
+def _hf_run(model, requests, batch: int) -> dict:
+    from folio.bench.baselines import run_hf_static
+    model.generation_config.eos_token_id = None
+    tokens, seconds = run_hf_static(model, requests, batch)
+    return {"requests": len(requests), "batch": batch, "output_tokens": tokens,
+            "seconds": seconds, "output_tokens_per_s": tokens / seconds}
+
+
+def markdown(r: dict) -> str:
+    c, b, t, h = r["correctness"], r["batch1"], r["throughput"], r["transformers"]
+    rows = [
+        ("device", r["device"]), ("torch", r["torch"]), ("dtype", r["dtype"]),
+        ("model", "tiny" if r["tiny"] else "Llama-3-8B shapes, random weights"),
+        ("greedy tokens TRITON = torch backend", f"{c['agree']} of {c['tokens']} "
+                                                  f"(first differences at {c['first_difference']})"),
+        ("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"),
+        ("batch-1 decode", f"{b['ms_per_token']:.2f} ms/token, {b['tokens_per_s']:.0f} tok/s, "
+                           f"{100 * b['bandwidth_fraction']:.0f}% of the copy bandwidth"),
+        ("throughput", f"{t['output_tokens_per_s']:.0f} output tok/s on {t['requests']} "
+                       f"requests"),
+        ("transformers static", f"{h['output_tokens_per_s']:.0f} output tok/s on "
+                                f"{h['requests']} requests, batch {h['batch']}"),
+        ("speedup", f"{r['speedup_over_transformers']:.2f}x"),
+        ("KV blocks; CUDA graphs", f"{r['kv_blocks']}; {r['cuda_graphs']}"),
+    ]
+    if "memory" in r:
+        m = r["memory"]
+        rows.append(("peak memory / budget", f"{m['peak_allocated_bytes'] / 2**30:.1f} GiB / "
+                                             f"{m['budget_bytes'] / 2**30:.1f} GiB"))
+    lines = [f"{r['date']}", "", "| what | measured |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bench_gpu(args) -> dict:
+    import torch
+    if not torch.cuda.is_available():
+        if not args.tiny:
+            raise ValueError("folio bench gpu needs a CUDA device (or --tiny for a dry run "
+                             "on the CPU)")
+        # triton reads this as it defines its kernels: before they are imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1))
+    (args.out / "result.md").write_text(markdown(result))
+    return result

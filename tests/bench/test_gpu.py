@@ -1,0 +1,45 @@
+"""benchmarks/gpu.sh (`folio bench gpu`) dry-run: --tiny runs every step of
+the GPU benchmark on tiny shapes, here on the CPU with the Triton kernels in
+triton's interpreter, and writes its JSON and markdown. (The figures of a real
+GPU run go to docs/benchmarks.md; none are asserted here.)"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from folio.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_script_dry_runs_every_step(tmp_path):
+    pytest.importorskip("triton", reason="the benchmark runs the TRITON backend")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    done = subprocess.run([str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", "--out", str(out),
+                           "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    c = result["correctness"]
+    assert c["tokens"] == 3 * 32 and c["agree"] == c["tokens"]    # fp32: TRITON = torch
+    assert result["batch1"]["ms_per_token"] > 0 and result["throughput"]["requests"] == 4
+    assert 4 * 4 <= result["throughput"]["output_tokens"] <= 4 * 12     # output 4..12 each
+    assert result["transformers"]["requests"] == 2
+    assert result["speedup_over_transformers"] == pytest.approx(
+        result["throughput"]["output_tokens_per_s"]
+        / result["transformers"]["output_tokens_per_s"])
+    table = (out / "result.md").read_text()
+    assert "| batch-1 decode |" in table and table == done.stdout
+    assert (tmp_path / "work" / "model" / "config.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_full_run_needs_a_gpu(tmp_path, capsys):
+    assert main(["bench", "gpu", "--out", str(tmp_path)]) == 1
+    assert "needs a CUDA device (or --tiny" in capsys.readouterr().err
