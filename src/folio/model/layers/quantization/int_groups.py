@@ -39,13 +39,15 @@ The product: y = sum over groups g of  scale[n,g] * sum_{k in g} x[k] q[n,k]
 + offset[n,g] * sum_{k in g} x[k]. The native kernel computes it from the
 codes, either in fp32 (its sums in another order than a dequantized float
 matmul, hence a tolerance, tested) or, for bf16 activations, with x quantized
-to int8 per block of 32 and integer dot products (llama.cpp's way; about 4x
-fewer instructions a weight, and x's int8 rounding). The torch path
-dequantizes per call and multiplies.
+to int16 per block of 32 and integer dot products (int8, llama.cpp's way, was
+measured at 4x bf16's own rounding error and dropped: native/qlinear.c). On
+CUDA the Triton kernel (triton_qlinear.py) reads the same form. The torch
+path dequantizes per call and multiplies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -81,7 +83,11 @@ class IntGroups:
         [N, G]; one of the two)."""
         if (zero is None) == (offset is None):
             raise ValueError("give one of zero and offset")
-        offset = zero if offset is None else offset
+        # packed on the CPU, then moved to where the checkpoint tensors were
+        device = codes.device
+        codes, groups, scale = codes.cpu(), groups.cpu(), scale.cpu()
+        zero = None if zero is None else zero.cpu()
+        offset = zero if offset is None else offset.cpu()
         if bits not in (4, 8):
             raise ValueError(f"{bits}-bit weights are not supported (4 and 8 are)")
         n, k = codes.shape
@@ -129,7 +135,14 @@ class IntGroups:
         as_tiles = lambda t: F.pad(t.float(), (0, 0, 0, pad)).to(torch.float16).view(
             tiles, TILE, -1).transpose(1, 2).contiguous()                 # [tiles, G, 16]
         return cls(packed.contiguous(), as_tiles(scale), as_tiles(offset), bounds,
-                   perm, bits, n, k, zero is not None)
+                   perm, bits, n, k, zero is not None).to(device)
+
+    def to(self, device) -> "IntGroups":
+        """The same weights with every tensor on `device`."""
+        move = lambda t: None if t is None else t.to(device)
+        return dataclasses.replace(self, codes=move(self.codes), scales=move(self.scales),
+                                   offsets=move(self.offsets), bounds=move(self.bounds),
+                                   perm=move(self.perm))
 
     @property
     def positions(self) -> int:
@@ -170,7 +183,8 @@ class IntGroups:
         """Output features `rows` (any shape of indices; None: all) of the float
         weight: [*rows.shape, K] (an embedding table's lookup)."""
         lengths = (self.bounds[1:] - self.bounds[:-1]).to(torch.int64)
-        per_position = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        per_position = torch.repeat_interleave(
+            torch.arange(len(lengths), device=lengths.device), lengths)
         if rows is None:
             codes = self.unpacked_codes()[:self.out_features]
             scale, offset = (t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features]
@@ -191,7 +205,7 @@ class IntGroups:
         w = codes.float() * scale + offset
         if self.perm is not None:
             real = self.perm >= 0
-            out = torch.empty(w.shape[0], self.in_features)
+            out = torch.empty(w.shape[0], self.in_features, device=w.device)
             out[:, self.perm[real]] = w[:, real]
             w = out
         w = w.to(dtype)
@@ -199,9 +213,9 @@ class IntGroups:
 
 
 class IntGroupsLinear(LinearMethod):
-    """A layer whose weights are `IntGroups`: the native kernel where the CPU
-    has one, else dequantized per call (the reference the kernel is tested
-    against)."""
+    """A layer whose weights are `IntGroups`: on CUDA the Triton kernel
+    (triton_qlinear.py), on the CPU the native one where the CPU has it, else
+    dequantized per call (the reference both kernels are tested against)."""
 
     native_kind = "int"     # the one-call decoder runs these (native/decoder.py)
 
@@ -213,10 +227,19 @@ class IntGroupsLinear(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         w = self.weights
+        if x.is_cuda and _has_triton():
+            from folio.model.layers.quantization.triton_qlinear import qlinear
+            return qlinear(x, w, bias)
         if native.runs_qlinear(x):
             # bf16 activations already carry bf16 rounding: the int8 path
             return native.qlinear(x, w, bias, quantize_x=x.dtype == torch.bfloat16)
         return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
 
 
 def hand_over(layer, weights: IntGroups, *names: str) -> None:
