@@ -18,6 +18,7 @@ requests one after the other), each against one server at a time, 2 threads:
   by scripts/install_llama_cpp.sh.
 
     .venv/bin/python docs/bench/quant_speed.py [--avx2-sim] [--rounds N] [--save FILE]
+                                               [--only SUBSTRING,...]
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ import cpu_baselines as cb  # noqa: E402
 QUANT = cb.ROOT / "build" / "quant-smollm"
 
 
+def wanted(args, row: str) -> bool:
+    return not args.only or any(s in row for s in args.only.split(","))
+
+
 def folio(args, tmp: Path, name: str, *flags: str) -> dict:
     port = cb.free_port()
     return cb.serve(args, name, [*cb.folio_cmd(args), "serve", *flags, "--port", str(port)],
@@ -45,22 +50,27 @@ def folio(args, tmp: Path, name: str, *flags: str) -> dict:
 def one_round(args, tmp: Path, dense: Path) -> dict:
     rows: dict = {}
     for dtype in ("float32", "bfloat16"):
-        rows[f"folio GGUF Q4_1 codes, {dtype}"] = folio(args, tmp, f"gguf {dtype}",
-                                                       "--dtype", dtype)
-        rows[f"folio dequantized (-q none), {dtype}"] = folio(
-            args, tmp, f"none {dtype}", "--dtype", dtype, "--quantization", "none")
-        rows[f"folio int8 at load, {dtype}"] = folio(
-            args, tmp, f"int8 {dtype}", str(dense), "--dtype", dtype, "--quantization", "int8")
+        runs = {f"folio GGUF Q4_1 codes, {dtype}": ("--dtype", dtype),
+                f"folio dequantized (-q none), {dtype}": ("--dtype", dtype, "--quantization",
+                                                          "none"),
+                f"folio int8 at load, {dtype}": (str(dense), "--dtype", dtype,
+                                                 "--quantization", "int8")}
+        for row, flags in runs.items():
+            if wanted(args, row):
+                rows[row] = folio(args, tmp, row.removeprefix("folio "), *flags)
     for fmt in ("gptq-w4-g128", "awq-w4-g64"):
-        folder = QUANT / fmt
+        folder, row = QUANT / fmt, f"folio {fmt}, bfloat16"
+        if not wanted(args, row):
+            continue
         if folder.is_dir():
-            rows[f"folio {fmt}, bfloat16"] = folio(args, tmp, f"{fmt} bfloat16", str(folder),
-                                                  "--dtype", "bfloat16")
+            rows[row] = folio(args, tmp, f"{fmt} bfloat16", str(folder), "--dtype", "bfloat16")
         else:
             print(f"  no {folder}: run scripts/make_smollm_quant.sh first", flush=True)
     server = cb.ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / \
         "bin" / "llama-server"
-    if server.exists():
+    if not wanted(args, "llama.cpp (same GGUF)"):
+        pass
+    elif server.exists():
         port = cb.free_port()
         rows["llama.cpp (same GGUF)"] = cb.serve(args, "llama.cpp", [
             str(server), "-m", cb.gguf_path(), "-t", "2", "-tb", "2", "-np", "16",
@@ -77,6 +87,7 @@ def main() -> None:
                    help="run as an AVX2-only CPU would (see scripts/avx2_sim.py)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--save", type=Path, default=None, help="write every round's rates as JSON")
+    p.add_argument("--only", default="", help="comma-separated substrings of the rows to run")
     args = p.parse_args()
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
             "cpu": cb.cpu_summary(), "avx2_sim": args.avx2_sim, "machine": platform.node()}
