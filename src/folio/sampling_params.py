@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from folio.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # Seeds and top-k reach torch as int64: a larger value would fail inside the
 # engine step instead of here.
@@ -39,12 +41,23 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None   # token id -> added to its logit
     min_tokens: int = 0                     # no EOS or stop token before this many
     include_stop_str_in_output: bool = False
+    # what the output must match (JSON schema, regex, choice, grammar); a dict
+    # of StructuredOutputsParams' fields is taken too
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be StructuredOutputsParams or a dict of "
+                             "its fields")
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

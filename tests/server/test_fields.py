@@ -20,8 +20,8 @@ def refused(server, path: str, body: dict, param: str) -> dict:
     return err["error"]
 
 
-NOT_YET = ["response_format", "tools", "tool_choice", "functions", "guided_json",
-           "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+NOT_YET = ["tools", "tool_choice", "functions", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar",
            "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
            "logits_processors", "request_id", "return_tokens_as_token_ids",
            "spaces_between_special_tokens"]

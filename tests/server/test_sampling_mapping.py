@@ -14,7 +14,7 @@ CHANGED = {"n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "st
            "stop_token_ids": [3], "ignore_eos": True, "skip_special_tokens": False,
            "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.5,
            "min_p": 0.1, "logit_bias": {"5": 2.0}, "min_tokens": 2,
-           "include_stop_str_in_output": True}
+           "include_stop_str_in_output": True, "structured_outputs": {"regex": "[ab]+"}}
 
 
 def test_every_sampling_field_but_the_derived_three_is_mapped():

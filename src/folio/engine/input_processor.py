@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 from folio.config import FolioConfig
 from folio.core.beam import BeamSearchParams
+from folio.engine.grammar import Grammars
 from folio.request import Request, Sequence, next_seq_id
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or config.model.eos_token_ids
         self._rng = random.Random(config.seed)   # seeds for requests that give none
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token ids). Token ids are used verbatim."""
@@ -74,6 +76,8 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {limit}: "
                 f"it must leave room for at least one generated token")
+        if params.structured_outputs is not None:     # last: the one check that costs
+            self.grammars.compile(params.structured_outputs)
 
     def validate_beam(self, prompt_ids: list[int], params: BeamSearchParams) -> None:
         """A beam search's checks: its width against max_logprobs, then those of

@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, 
                       model_validator)
 
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from folio.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("folio")
 
@@ -45,9 +46,9 @@ class InvalidRequest(ValueError):
 _NONE, _NONE_OR_EMPTY = (None,), (None, [])
 # OpenAI and vLLM fields Folio does not have -> the values that mean "not used".
 _NOT_YET: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}),      # plain text: what Folio gives
+    # vLLM's older names of structured_outputs' fields
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "structured_outputs", "structural_tag",
+                     "guided_grammar", "guided_decoding_backend", "structural_tag",
                      "truncate_prompt_tokens", "prompt_logprobs", "mm_processor_kwargs",
                      "kv_transfer_params", "cache_salt", "vllm_xargs", "request_id"), _NONE),
     **dict.fromkeys(("tools", "functions", "allowed_token_ids", "bad_words",
@@ -111,6 +112,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False     # usage (so far) in every chunk too
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema, as the openai client sends it."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def structured_outputs(self) -> Optional[dict[str, Any]]:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequest("response_format json_schema needs its json_schema",
+                                     "response_format")
+            return {"json": self.json_schema.json_schema or {}}
+        return {"json_object": True} if self.type == "json_object" else None
+
+
 class _Sampling(_Request):
     model: Optional[str] = None
     temperature: Optional[float] = None
@@ -137,11 +161,24 @@ class _Sampling(_Request):
     logit_bias: Optional[dict[str, float]] = None
     min_tokens: Count = 0
     include_stop_str_in_output: bool = False
+    # vLLM's: exactly one of json (a schema), regex, choice, grammar, json_object
+    structured_outputs: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None      # OpenAI's
 
     def _check(self) -> None:
         super()._check()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options needs stream: true", "stream_options")
+        constrained = self.constraint()
+        if constrained is not None:
+            try:
+                StructuredOutputsParams(**constrained)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequest(str(e), "structured_outputs" if self.structured_outputs
+                                     is not None else "response_format") from e
+            if self.use_beam_search:
+                raise InvalidRequest("structured outputs do not work with beam search",
+                                     "use_beam_search")
         if self.use_beam_search:
             self._check_beam()
             return
@@ -163,6 +200,15 @@ class _Sampling(_Request):
                 raise InvalidRequest(f"'{name}' is not used by beam search: leave it out "
                                      "with use_beam_search", name)
 
+    def constraint(self) -> Optional[dict[str, Any]]:
+        """What the output must match: structured_outputs or response_format
+        (one of the two)."""
+        fmt = self.response_format.structured_outputs() if self.response_format else None
+        if fmt is not None and self.structured_outputs is not None:
+            raise InvalidRequest("give one of response_format and structured_outputs",
+                                 "structured_outputs")
+        return self.structured_outputs if fmt is None else fmt
+
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """The request's SamplingParams: every field of the same name, by name
@@ -170,6 +216,7 @@ class _Sampling(_Request):
         form differs per endpoint given here."""
         named = {name: getattr(self, name) for name in _SAMPLING_FIELDS
                  if name in type(self).model_fields}
+        named["structured_outputs"] = self.constraint()
         return SamplingParams(**{k: v for k, v in named.items() if v is not None},
                               max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)

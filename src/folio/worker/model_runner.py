@@ -23,6 +23,7 @@ from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.device import torch_dtype
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 
 logger = logging.getLogger("folio")
@@ -34,6 +35,7 @@ class SeqState:
     sampling: SamplingInfo
     generator: Optional[torch.Generator]
     history: Optional[list[int]] = None    # every token computed, for penalties / min_tokens
+    grammar: Optional[GrammarState] = None   # structured outputs: the sequence's matcher
 
 
 class ModelRunner:
@@ -167,12 +169,14 @@ class ModelRunner:
         exceptional path is worth.)"""
         try:
             self._check_fault(seq_ids)
+            self._constrain(logits, seq_ids)
             rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids)))]
         except Exception:               # noqa: BLE001 - find the row at fault below
             rows = []
             for i, seq_id in enumerate(seq_ids):
                 try:
                     self._check_fault([seq_id])
+                    self._constrain(logits[i:i + 1], [seq_id])
                     rows.append(([seq_id], sample(logits[i:i + 1],
                                                   self._sampling_batch([seq_id]))))
                 except Exception as e:  # noqa: BLE001 - this sequence's fault
@@ -182,6 +186,14 @@ class ModelRunner:
             out.token_ids.extend(result.tokens.tolist())
             out.logprobs.extend(result.logprobs.tolist())
             out.top_logprobs.extend(self._top_lists(ids, result))
+
+    def _constrain(self, logits: torch.Tensor, seq_ids: list[int]) -> None:
+        """Rows with structured outputs: what their grammar allows next."""
+        states = [self.states[i] for i in seq_ids]
+        if any(s.grammar is not None for s in states):
+            apply_grammars(logits, [s.grammar for s in states],
+                           [None if s.grammar is None else s.history[s.sampling.num_prompt_tokens:]
+                            for s in states])
 
     def _check_fault(self, seq_ids: list[int]) -> None:
         if self.fault_hook is not None:
@@ -193,7 +205,19 @@ class ModelRunner:
         scheduler shares the same blocks; copy-on-write comes later)."""
         parent = self.states[parent_id]
         self.states[child_id] = SeqState(list(parent.block_table), info, self._generator(info),
-                                         None if parent.history is None else list(parent.history))
+                                         None if parent.history is None else list(parent.history),
+                                         self._grammar(info))
+
+    def _grammar(self, info: SamplingInfo) -> Optional[GrammarState]:
+        """A matcher of its own for a sequence with structured outputs (on the
+        rank that samples: the grammar was compiled when the request was
+        validated)."""
+        spec = info.params.structured_outputs
+        if spec is None or not self.is_driver:
+            return None
+        if spec.compiled is None:
+            raise RuntimeError("structured outputs reached the runner uncompiled")
+        return GrammarState(spec.compiled)
 
     def _generator(self, info: SamplingInfo) -> Optional[torch.Generator]:
         if info.temperature <= 0:
@@ -247,13 +271,14 @@ class ModelRunner:
         if state is None:
             if s.sampling is None or s.block_ids is None:
                 raise RuntimeError(f"sequence {s.seq_id} scheduled before it was started")
-            state = SeqState(list(s.block_ids), s.sampling, self._generator(s.sampling))
+            state = SeqState(list(s.block_ids), s.sampling, self._generator(s.sampling),
+                             grammar=self._grammar(s.sampling))
             self.states[s.seq_id] = state
         elif s.block_ids is not None:   # resumed after preemption, or table rewritten
             state.block_table = list(s.block_ids)
         else:
             state.block_table.extend(s.new_block_ids)
-        if state.sampling.needs_history:
+        if state.sampling.needs_history or state.grammar is not None:
             if s.start_pos == 0 or s.history_prefix is not None:
                 state.history = list(s.history_prefix or [])
             state.history.extend(s.token_ids)

@@ -1,0 +1,55 @@
+"""A constrained sequence's place in its grammar, and the logits mask.
+
+Each sequence with structured outputs keeps an xgrammar matcher. The matcher
+follows the sequence's own tokens: before each sample it is fed the outputs
+it has not seen yet (the token sampled last step, or, for a sequence
+recomputed after preemption or a forked sample, every output so far), read
+from the runner's record of the sequence's tokens. So preemption, prefix-cache
+hits and n > 1 need nothing else. The mask sets the logits of every token the
+grammar does not allow next to -inf, on the constrained rows only; the other
+rows of the batch are not touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+class GrammarState:
+    def __init__(self, compiled: Any):
+        import xgrammar as xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.fed = 0            # outputs the matcher has accepted
+
+    def catch_up(self, outputs: list[int]) -> None:
+        for token in outputs[self.fed:]:
+            if self.matcher.is_terminated():
+                break           # EOS accepted: the rest (ignore_eos) is past the grammar
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"token {token} does not follow the grammar")
+            self.fed += 1
+        self.fed = len(outputs)
+
+
+def apply_grammars(logits: torch.Tensor, states: list[Optional[GrammarState]],
+                   outputs: list[Optional[list[int]]]) -> None:
+    """Mask `logits` [S, V] in place: row i to what states[i] allows after
+    outputs[i] (rows whose state is None are left as they are)."""
+    import xgrammar as xgr
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
+    for i in rows:
+        state = states[i]
+        state.catch_up(outputs[i])
+        if state.matcher.is_terminated():
+            bitmask[i].zero_()
+            for t in state.matcher.stop_token_ids:
+                bit = 1 << (t % 32)
+                bitmask[i, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit   # int32
+        else:
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
