@@ -20,7 +20,7 @@ def refused(server, path: str, body: dict, param: str) -> dict:
     return err["error"]
 
 
-NOT_YET = ["tools", "tool_choice", "functions", "guided_json",
+NOT_YET = ["functions", "guided_json",
            "guided_regex", "guided_choice", "guided_grammar",
            "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
            "logits_processors", "request_id", "return_tokens_as_token_ids",
@@ -35,6 +35,13 @@ VALUES = {"tool_choice": "auto", "allowed_token_ids": [1, 2], "bad_words": ["x"]
 @pytest.mark.parametrize("name", NOT_YET)
 def test_a_feature_folio_lacks_is_refused_by_name(server, path, base, name):
     err = refused(server, path, {**base, name: VALUES.get(name, {"type": "json_object"})}, name)
+    assert err["message"] == f"'{name}' is not supported by Folio yet"
+
+
+@pytest.mark.parametrize("name", ["tools", "tool_choice"])
+def test_tools_are_chat_only(server, name):
+    body = {**CMPL, name: VALUES.get(name, [{"type": "function", "function": {"name": "f"}}])}
+    err = refused(server, "/v1/completions", body, name)
     assert err["message"] == f"'{name}' is not supported by Folio yet"
 
 

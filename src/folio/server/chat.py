@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from folio.chat_template import ChatTemplateError
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, random_id
+from folio.server.tools import template_messages, tool_calls
 from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, choice_usage, collect,
                                   holdback, merged, sse, sse_error, token_text, usage)
 
@@ -69,13 +70,24 @@ def _logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> dict:
     return {"content": content}
 
 
+def _message(req: ChatCompletionRequest, c: CompletionOutput) -> tuple[dict, Optional[str]]:
+    """(the choice's message, its finish_reason): a forced tool call that
+    ended is `tool_calls`; one cut short stays text, as it is."""
+    forced = req.forced_tool
+    if forced is not None and c.finish_reason == "stop":
+        return ({"role": "assistant", "content": None,
+                 "tool_calls": tool_calls(c.text, forced)}, "tool_calls")
+    return {"role": "assistant", "content": c.text}, c.finish_reason
+
+
 def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput) -> dict:
-    choices = [{"index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": (_logprobs(served.tokenizer, c, 0, req.top_logprobs or 0)
-                             if req.logprobs else None),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, finish = _message(req, c)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": (_logprobs(served.tokenizer, c, 0, req.top_logprobs or 0)
+                                     if req.logprobs else None),
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": out.request_id, "object": "chat.completion", "created": now(),
             "model": served.name, "choices": choices, "usage": usage([out])}
 
@@ -99,6 +111,16 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
             last = out
             for c in out.outputs:
                 if c.index in done:
+                    continue
+                if req.forced_tool is not None:
+                    if c.finished:      # the calls, whole, once they are known to parse
+                        message, finish = _message(req, c)
+                        delta = {"role": "assistant", "content": message["content"]}
+                        if "tool_calls" in message:
+                            delta["tool_calls"] = [dict(tc, index=i) for i, tc in
+                                                   enumerate(message["tool_calls"])]
+                        yield chunk(c.index, delta, None, finish, choice_usage(out, c))
+                        done.add(c.index)
                     continue
                 chars, toks = sent.get(c.index, (0, 0))
                 upto = len(c.text) if c.finished else max(chars, len(c.text) - keep)
@@ -125,8 +147,13 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
     served.check_model(req.model)
     served.check_priority(req.priority)
-    ids = await asyncio.to_thread(render_chat_ids, served, req.messages, req.template_kwargs())
-    [call] = served.validated([_call(served, req, ids)])
+    kwargs = req.template_kwargs()
+    if req.tools:
+        kwargs["tools"] = req.template_tools()
+    ids = await asyncio.to_thread(render_chat_ids, served, template_messages(req.messages),
+                                  kwargs)
+    # validating compiles a constraint's grammar: off the event loop too
+    [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids)])
     if req.stream:
         return StreamingResponse(_stream(served, req, call, now()),
                                  media_type="text/event-stream")

@@ -197,7 +197,9 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
     served.check_model(req.model)
     served.check_priority(req.priority)
-    calls = served.validated(_calls(served, req, await _prompts(served, req.prompt)))
+    prompts = await _prompts(served, req.prompt)
+    # validating compiles a constraint's grammar: off the event loop
+    calls = await asyncio.to_thread(served.validated, _calls(served, req, prompts))
     if req.stream:
         return StreamingResponse(_stream(served, req, calls, now()),
                                  media_type="text/event-stream")

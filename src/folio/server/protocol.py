@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, 
                       model_validator)
 
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from folio.server.tools import NamedToolChoice, Tool, ToolChoice, forced_constraint
 from folio.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("folio")
@@ -59,7 +60,8 @@ _NOT_YET: dict[str, tuple] = {
 }
 _NOT_YET_COMPLETION = {**_NOT_YET, "suffix": (None, ""), "prompt_embeds": _NONE,
                        "add_special_tokens": (None, True)}
-_NOT_YET_CHAT = {**_NOT_YET, "documents": _NONE_OR_EMPTY, "reasoning_effort": _NONE,
+_NOT_YET_CHAT = {**{k: v for k, v in _NOT_YET.items() if k not in ("tools", "tool_choice")},
+                 "documents": _NONE_OR_EMPTY, "reasoning_effort": _NONE,
                  "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE,
                  "web_search_options": _NONE, "add_special_tokens": (None, False)}
 
@@ -324,8 +326,48 @@ class ChatCompletionRequest(_Sampling, _Templated):
     logprobs: bool = False
     top_logprobs: Optional[Count] = None
     echo: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def forced_tool(self) -> Optional[ToolChoice]:
+        """The tool_choice that forces a call (a named function, "required")."""
+        choice = self.tool_choice
+        return choice if self.tools and (choice == "required" or
+                                         isinstance(choice, NamedToolChoice)) else None
+
+    def constraint(self) -> Optional[dict[str, Any]]:
+        forced = self.forced_tool
+        if forced is None:
+            return super().constraint()
+        if self.response_format is not None and self.response_format.type != "text" \
+                or self.structured_outputs is not None:
+            raise InvalidRequest("a forced tool call is generated under its own schema: "
+                                 "give no response_format or structured_outputs with it",
+                                 "tool_choice")
+        return forced_constraint(self.tools, forced, self.parallel_tool_calls)
+
+    def _check_tools(self) -> None:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise InvalidRequest("tools: two tools have the same name", "tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not "
+                                 f"among the tools ({', '.join(names) or 'none given'})",
+                                 "tool_choice")
+        if choice == "required" and not names:
+            raise InvalidRequest("tool_choice 'required' needs tools", "tool_choice")
+        if names and choice in (None, "auto"):
+            raise InvalidRequest("tool_choice 'auto' (the default with tools) is not supported "
+                                 "by Folio yet: give 'required', a named function or 'none'",
+                                 "tool_choice")
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def _check(self) -> None:
+        self._check_tools()
         if self.use_beam_search:
             raise InvalidRequest("use_beam_search is not supported on /v1/chat/completions "
                                  "(it is on /v1/completions)", "use_beam_search")
