@@ -189,6 +189,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return _run_bench(args, bench_throughput, print_report)
 
 
+def _tool_parser(args: argparse.Namespace) -> Optional[str]:
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return args.tool_call_parser
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (0, after draining) or a fatal error: a model that fails to
     load or an engine that dies prints one line and ends the process with 1."""
@@ -201,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or served_name_for(model),
         api_key=args.api_key or os.environ.get("FOLIO_API_KEY") or None,
         allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout,
-        trust_request_chat_template=args.trust_request_chat_template)
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=_tool_parser(args))
     kwargs = dict(engine_kwargs(args), max_logprobs=args.max_logprobs)
     template = _read_template(args.chat_template) if args.chat_template else None
 
@@ -314,6 +321,14 @@ def _add_serve(sub) -> None:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="run a chat_template that a request sends (a template is a "
                             "program: off, only the model's or --chat-template's run)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="serve tool_choice 'auto' (the default with tools): the model's "
+                            "own tool-call text is parsed into tool_calls (needs "
+                            "--tool-call-parser)")
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                       help="the format of the model's tool-call text for "
+                            "--enable-auto-tool-choice: hermes (<tool_call> JSON blocks, as "
+                            "Hermes and Qwen2.5 write them)")
     serve.add_argument("--max-logprobs", type=non_negative_int, metavar="N", default=20,
                        help="the most top logprobs a request may ask for")
     serve.add_argument("--allowed-origins", action=AppendCommaSeparated, default=None,

@@ -44,6 +44,7 @@ from folio.server.responses import (ChatCompletionResponse, ChatCompletionStream
                                     DetokenizeResponse, ModelList, TokenizeResponse,
                                     VersionResponse)
 from folio.server.serving import HTTPError, ServedModel
+from folio.server.tools import HermesParser
 
 logger = logging.getLogger("folio")
 OPEN_PATHS = ("/health", "/metrics")
@@ -54,6 +55,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     drain_timeout: float = 30.0
     trust_request_chat_template: bool = False
+    tool_call_parser: Optional[str] = None      # tool_choice "auto": whose call format
 
 
 class ServerState:
@@ -79,8 +81,9 @@ class ServerState:
             except ValueError:
                 engine.shutdown()                   # tensor-parallel workers go too
                 raise
+            parser = HermesParser() if self.config.tool_call_parser == "hermes" else None
             self.served = ServedModel(engine, self.config.served_model_name,
-                                      self.config.trust_request_chat_template)
+                                      self.config.trust_request_chat_template, parser)
             logger.info("serving %s", self.config.served_model_name)
         except BaseException as e:       # noqa: BLE001 - every failure ends the process
             self.load_error = e

@@ -51,8 +51,10 @@ def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int]) -> En
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = served.max_tokens_for(len(ids), asked)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return EngineCall(random_id("chatcmpl"), None, ids,
-                      req.sampling_params(max_tokens, logprobs), req.priority)
+    params = req.sampling_params(max_tokens, logprobs)
+    if req.auto_tools:      # a model's call markers may be special tokens: keep them
+        params.skip_special_tokens = False
+    return EngineCall(random_id("chatcmpl"), None, ids, params, req.priority)
 
 
 def _entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -70,26 +72,52 @@ def _logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> dict:
     return {"content": content}
 
 
-def _message(req: ChatCompletionRequest, c: CompletionOutput) -> tuple[dict, Optional[str]]:
+def _message(served: ServedModel, req: ChatCompletionRequest,
+             c: CompletionOutput) -> tuple[dict, Optional[str]]:
     """(the choice's message, its finish_reason): a forced tool call that
-    ended is `tool_calls`; one cut short stays text, as it is."""
+    ended is `tool_calls`; one cut short stays text, as it is. Under "auto"
+    the calls the model wrote are parsed from its text."""
     forced = req.forced_tool
     if forced is not None and c.finish_reason == "stop":
         return ({"role": "assistant", "content": None,
                  "tool_calls": tool_calls(c.text, forced)}, "tool_calls")
+    if req.auto_tools and c.finish_reason == "stop":
+        content, calls = served.tool_parser.parse(c.text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": c.text}, c.finish_reason
 
 
 def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput) -> dict:
     choices = []
     for c in out.outputs:
-        message, finish = _message(req, c)
+        message, finish = _message(served, req, c)
         choices.append({"index": c.index, "message": message,
                         "logprobs": (_logprobs(served.tokenizer, c, 0, req.top_logprobs or 0)
                                      if req.logprobs else None),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": out.request_id, "object": "chat.completion", "created": now(),
             "model": served.name, "choices": choices, "usage": usage([out])}
+
+
+def _tool_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
+                chars: int, keep: int) -> Optional[tuple[dict, int, Optional[str]]]:
+    """A streamed choice of a request with tools: (delta, chars of text sent,
+    finish) or None. Text streams while it cannot be a call (none with a
+    forced call); the calls come whole in the last chunk, once parsed."""
+    if not c.finished:
+        if req.forced_tool is not None:
+            return None
+        upto = min(len(c.text) - keep, served.tool_parser.safe_prefix(c.text))
+        return ({"content": c.text[chars:upto]}, upto, None) if upto > chars else None
+    message, finish = _message(served, req, c)
+    content = message["content"] or ""
+    delta = {"content": content[chars:] if content.startswith(c.text[:chars]) else ""}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(message["tool_calls"])]
+        if req.forced_tool is not None:
+            delta["content"] = None
+    return delta, len(c.text), finish
 
 
 async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineCall,
@@ -112,14 +140,15 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
             for c in out.outputs:
                 if c.index in done:
                     continue
-                if req.forced_tool is not None:
-                    if c.finished:      # the calls, whole, once they are known to parse
-                        message, finish = _message(req, c)
-                        delta = {"role": "assistant", "content": message["content"]}
-                        if "tool_calls" in message:
-                            delta["tool_calls"] = [dict(tc, index=i) for i, tc in
-                                                   enumerate(message["tool_calls"])]
+                if req.forced_tool is not None or req.auto_tools:
+                    step = _tool_delta(served, req, c, sent.get(c.index, (0, 0))[0], keep)
+                    if step is not None:
+                        delta, upto, finish = step
+                        if c.index not in sent:
+                            delta = {"role": "assistant", **delta}
                         yield chunk(c.index, delta, None, finish, choice_usage(out, c))
+                        sent[c.index] = (upto, len(c.token_ids))
+                    if c.finished:
                         done.add(c.index)
                     continue
                 chars, toks = sent.get(c.index, (0, 0))
@@ -147,6 +176,10 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
     served.check_model(req.model)
     served.check_priority(req.priority)
+    if req.auto_tools and served.tool_parser is None:
+        raise InvalidRequest("tool_choice 'auto' (the default with tools) needs the server "
+                             "started with --enable-auto-tool-choice --tool-call-parser hermes; "
+                             "or give 'required', a named function or 'none'", "tool_choice")
     kwargs = req.template_kwargs()
     if req.tools:
         kwargs["tools"] = req.template_tools()

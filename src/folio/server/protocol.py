@@ -358,10 +358,11 @@ class ChatCompletionRequest(_Sampling, _Templated):
                                  "tool_choice")
         if choice == "required" and not names:
             raise InvalidRequest("tool_choice 'required' needs tools", "tool_choice")
-        if names and choice in (None, "auto"):
-            raise InvalidRequest("tool_choice 'auto' (the default with tools) is not supported "
-                                 "by Folio yet: give 'required', a named function or 'none'",
-                                 "tool_choice")
+
+    @property
+    def auto_tools(self) -> bool:
+        """Tools the model may call or not: its calls are parsed from its text."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None

@@ -93,9 +93,25 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob]
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str                      # a JSON object, as text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]              # null when the answer is tool calls alone
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class ToolCallDelta(ToolCall):
+    index: int
 
 
 class ChatChoice(_Response):
@@ -118,6 +134,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None    # whole, in a choice's last chunk
 
 
 class ChatStreamChoice(_Response):

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -43,6 +43,7 @@ class ServedModel:
     engine: EngineClient
     name: str
     trust_request_chat_template: bool = False   # run templates that requests send
+    tool_parser: Any = None     # server/tools.py's parser of tool_choice "auto", when enabled
 
     @property
     def tokenizer(self):

@@ -7,8 +7,10 @@ is a JSON array of one call or more (one only with `parallel_tool_calls:
 false`), each `{"name": <one of the tools>, "arguments": <its parameters>}`,
 generated under the schema that says so. Either way the arguments always
 parse and match. `"none"`: the tools are shown to the template and the model
-answers in text. (`"auto"`, which needs a parser of the model's own tool-call
-text, is not there yet.)
+answers in text. `"auto"` (the default with tools; the server needs
+`--enable-auto-tool-choice --tool-call-parser hermes`): the model answers as
+it likes, and the calls it writes in its template's format are read back
+(`HermesParser`: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,53 @@ def tool_calls(text: str, choice: ToolChoice) -> list[dict[str, Any]]:
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+PARSERS = ("hermes",)
+
+
+class HermesParser:
+    """Calls written as Hermes-2-Pro and Qwen2.5 templates ask: each a JSON
+    object {"name", "arguments"} between <tool_call> and </tool_call> (the
+    last one may lack its closing tag when EOS cut it). Text before the first
+    call is the message's content."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
+        """(content, calls); no call found (or one that does not parse): (text, [])."""
+        start = text.find(self.OPEN)
+        if start < 0:
+            return text, []
+        calls, at = [], start
+        while at >= 0:
+            body_at = at + len(self.OPEN)
+            end = text.find(self.CLOSE, body_at)
+            body = text[body_at:end if end >= 0 else len(text)]
+            try:
+                value = json.loads(body)
+                name, arguments = value["name"], value.get("arguments", {})
+                if not isinstance(name, str):
+                    raise TypeError(name)
+            except (ValueError, KeyError, TypeError):
+                return text, []          # not a call after all: the text as it is
+            calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
+            at = text.find(self.OPEN, end + len(self.CLOSE)) if end >= 0 else -1
+        content = text[:start].rstrip()
+        return (content or None), calls
+
+    def safe_prefix(self, text: str) -> int:
+        """How much of a growing text may stream as content: all of it up to the
+        first call, or up to a tail that could still begin one."""
+        start = text.find(self.OPEN)
+        if start < 0:
+            start = len(text)
+            for keep in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+                if self.OPEN.startswith(text[-keep:]):
+                    start = len(text) - keep
+                    break
+        # whitespace before a call is not part of the content: hold it back too
+        return len(text[:start].rstrip())
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
