@@ -51,6 +51,28 @@ def test_default_model_tp3(default_llm):
     assert got == expected
 
 
+def test_structured_outputs_under_tp2_match_one_rank(tiny):
+    """Rank 0 samples under the grammar; the workers get the request's params
+    without the compiled grammar (it is not pickled) and never need it."""
+    import re
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (a dependency)")
+    params = [SamplingParams(temperature=0, max_tokens=12,
+                             structured_outputs={"regex": r"[a-e ]{3,8}"}),
+              SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=12,
+                             structured_outputs={"choice": ["yes", "no"]})]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=tp)
+        try:
+            outs = llm.generate(prompts()[:2], params)
+        finally:
+            llm.shutdown()
+        runs.append([[o.text for o in out.outputs] for out in outs])
+    assert runs[0] == runs[1]
+    (regex,), choices = runs[0]
+    assert re.fullmatch(r"[a-e ]{3,8}", regex) and set(choices) <= {"yes", "no"}
+
+
 def test_impossible_splits_are_clear_errors(tiny):
     with pytest.raises(ValueError, match="4 attention heads cannot be split across "
                                          "tensor_parallel_size=3"):
