@@ -171,3 +171,73 @@ def test_equal_constraints_compile_once(llm):
     assert grammars.misses == before + 1
     assert all(isinstance(json.loads(o.outputs[0].text)["x"], int) for o in outs
                if o.outputs[0].finish_reason == "stop")
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "#/if, #/then"),
+    ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, "#/properties/x/not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "#/uniqueItems"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "#/allOf"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "#/dependentRequired"),
+])
+def test_keywords_the_grammar_would_not_hold_to_are_refused(llm, schema, where):
+    with pytest.raises(ValueError, match=f"cannot enforce: {re.escape(where)}"):
+        llm.generate(chat(llm, "Hi."), SamplingParams(max_tokens=4,
+                                                      structured_outputs={"json": schema}))
+
+
+def test_a_property_named_like_a_keyword_is_only_a_name(llm):
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": [1]}},
+              "required": ["not", "if"]}
+    o = llm.generate(chat(llm, "Numbers."), SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs={"json": schema}))[0].outputs[0]
+    assert o.finish_reason == "stop" and json.loads(o.text)["if"] == 1
+
+
+@pytest.mark.parametrize("keyword", ["if/then", "not", "dependentRequired", "uniqueItems",
+                                     "allOf"])
+def test_xgrammar_still_does_not_enforce_what_is_refused(llm, keyword):
+    """The probe behind the refusal: the compiled grammar lets a violating text
+    through. When a newer xgrammar enforces one, this fails: drop it from the
+    refused list then."""
+    import xgrammar as xgr
+    schema, bad = {
+        "if/then": ({"type": "object", "properties": {"a": {"type": "integer"},
+                                                      "b": {"type": "integer"}},
+                     "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+                    '{"a": 1}'),
+        "not": ({"not": {"type": "string"}}, '"x"'),
+        "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"},
+                                                                "b": {"type": "integer"}},
+                               "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+        "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                        "[1, 1]"),
+        "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "1"),
+    }[keyword]
+    compiler = llm.engine.input_processor.grammars._get_compiler()
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema),
+                                                              any_whitespace=False))
+    eos = llm.get_tokenizer().eos_token_ids[0]
+    assert matcher.accept_string(bad) and matcher.accept_token(eos)
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= "The answer is " ("yes" | "no") "."',                     # EBNF (GBNF style)
+    'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"',         # Lark
+])
+def test_a_grammar_holds(llm, grammar):
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=20,
+                            structured_outputs={"grammar": grammar})
+    out = llm.generate(chat(llm, "Is the sky blue?"), params, use_tqdm=False)[0]
+    assert {o.text for o in out.outputs} <= {"The answer is yes.", "The answer is no."}
+
+
+def test_stop_strings_and_prefix_hits_under_a_constraint(llm):
+    prompt = chat(llm, "Count from one to ten in words, separated by commas.")
+    params = SamplingParams(temperature=0, max_tokens=60, stop=[", four"],
+                            structured_outputs={"regex": "[a-z]+(, [a-z]+)*"})
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    o = first.outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == ", four" and ", four" not in o.text
+    assert re.fullmatch("[a-z]+(, [a-z]+)*", o.text)
+    assert again.num_cached_tokens > 0 and again.outputs[0].text == o.text
