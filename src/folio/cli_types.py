@@ -230,3 +230,10 @@ def subcommand_parsers(parser: argparse.ArgumentParser, prefix: str = "") -> dic
                 leaves = subcommand_parsers(sub, f"{prefix}{name} ")
                 found.update(leaves or {f"{prefix}{name}": sub})
     return found
+
+
+def add_command(sub, name: str, help_text: str, func) -> FolioArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:])
+    if func is not None:
+        p.set_defaults(func=func)
+    return p

