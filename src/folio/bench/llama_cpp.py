@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from folio.bench.datasets import BenchRequest
+from folio.worker.multiproc import free_local_port
 
 INSTALL_HINT = ("build one with scripts/install_llama_cpp.sh in the Folio checkout, or "
                 "give its path with --llama-server")
@@ -53,12 +53,6 @@ def check_gguf(model_format: str, path: str) -> None:
                          "one (llama.cpp reads GGUF only)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -71,7 +65,7 @@ class LlamaServer:
 
     def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int, threads: int,
                  startup_timeout: float = 300.0):
-        self.port = _free_port()
+        self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()     # noqa: SIM115 - closed by close()
         self.cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads),

@@ -26,7 +26,9 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, 
                       model_validator)
 
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from folio.server.tools import NamedToolChoice, Tool, ToolChoice, forced_constraint
+from folio.server.response_format import ResponseFormat
+from folio.server.tools import (NamedToolChoice, Tool, ToolChoice, forced_constraint,
+                                tool_choice_problem)
 from folio.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("folio")
@@ -112,29 +114,6 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False     # usage (so far) in every chunk too
-
-
-class JsonSchemaFormat(BaseModel):
-    """response_format.json_schema, as the openai client sends it."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=64)
-    description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None
-
-    def structured_outputs(self) -> Optional[dict[str, Any]]:
-        if self.type == "json_schema":
-            if self.json_schema is None:
-                raise InvalidRequest("response_format json_schema needs its json_schema",
-                                     "response_format")
-            return {"json": self.json_schema.json_schema or {}}
-        return {"json_object": True} if self.type == "json_object" else None
 
 
 class _Sampling(_Request):
@@ -348,17 +327,6 @@ class ChatCompletionRequest(_Sampling, _Templated):
                                  "tool_choice")
         return forced_constraint(self.tools, forced, self.parallel_tool_calls)
 
-    def _check_tools(self) -> None:
-        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            raise InvalidRequest("tools: two tools have the same name", "tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not "
-                                 f"among the tools ({', '.join(names) or 'none given'})",
-                                 "tool_choice")
-        if choice == "required" and not names:
-            raise InvalidRequest("tool_choice 'required' needs tools", "tool_choice")
-
     @property
     def auto_tools(self) -> bool:
         """Tools the model may call or not: its calls are parsed from its text."""
@@ -368,7 +336,9 @@ class ChatCompletionRequest(_Sampling, _Templated):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def _check(self) -> None:
-        self._check_tools()
+        problem = tool_choice_problem(self.tools or [], self.tool_choice)
+        if problem is not None:
+            raise InvalidRequest(*problem)
         if self.use_beam_search:
             raise InvalidRequest("use_beam_search is not supported on /v1/chat/completions "
                                  "(it is on /v1/completions)", "use_beam_search")

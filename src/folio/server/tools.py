@@ -49,6 +49,20 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
+def tool_choice_problem(tools: list[Tool], choice: Optional[ToolChoice]
+                        ) -> Optional[tuple[str, str]]:
+    """(what is wrong, the field) with the tools and tool_choice, or None."""
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        return "tools: two tools have the same name", "tools"
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        return (f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                f"({', '.join(names) or 'none given'})", "tool_choice")
+    if choice == "required" and not names:
+        return "tool_choice 'required' needs tools", "tool_choice"
+    return None
+
+
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 

@@ -18,25 +18,28 @@ import torch
 
 
 class GrammarState:
-    def __init__(self, compiled: Any):
+    def __init__(self, compiled: Any, start: int = 0):
         import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.start = start      # where the outputs begin in the sequence's tokens
         self.fed = 0            # outputs the matcher has accepted
 
-    def catch_up(self, outputs: list[int]) -> None:
-        for token in outputs[self.fed:]:
+    def catch_up(self, tokens: list[int]) -> None:
+        """Feed the outputs among `tokens` (the sequence's, prompt first) not fed yet."""
+        seen = self.start + self.fed
+        for token in tokens[seen:]:
             if self.matcher.is_terminated():
                 break           # EOS accepted: the rest (ignore_eos) is past the grammar
             if not self.matcher.accept_token(token):
                 raise RuntimeError(f"token {token} does not follow the grammar")
             self.fed += 1
-        self.fed = len(outputs)
+        self.fed = len(tokens) - self.start
 
 
 def apply_grammars(logits: torch.Tensor, states: list[Optional[GrammarState]],
-                   outputs: list[Optional[list[int]]]) -> None:
-    """Mask `logits` [S, V] in place: row i to what states[i] allows after
-    outputs[i] (rows whose state is None are left as they are)."""
+                   tokens: list[Optional[list[int]]]) -> None:
+    """Mask `logits` [S, V] in place: row i to what states[i] allows after the
+    sequence's tokens[i] (rows whose state is None are left as they are)."""
     import xgrammar as xgr
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
@@ -44,7 +47,7 @@ def apply_grammars(logits: torch.Tensor, states: list[Optional[GrammarState]],
     bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
     for i in rows:
         state = states[i]
-        state.catch_up(outputs[i])
+        state.catch_up(tokens[i])
         if state.matcher.is_terminated():
             bitmask[i].zero_()
             for t in state.matcher.stop_token_ids:

@@ -191,9 +191,7 @@ class ModelRunner:
         """Rows with structured outputs: what their grammar allows next."""
         states = [self.states[i] for i in seq_ids]
         if any(s.grammar is not None for s in states):
-            apply_grammars(logits, [s.grammar for s in states],
-                           [None if s.grammar is None else s.history[s.sampling.num_prompt_tokens:]
-                            for s in states])
+            apply_grammars(logits, [s.grammar for s in states], [s.history for s in states])
 
     def _check_fault(self, seq_ids: list[int]) -> None:
         if self.fault_hook is not None:
@@ -217,7 +215,7 @@ class ModelRunner:
             return None
         if spec.compiled is None:
             raise RuntimeError("structured outputs reached the runner uncompiled")
-        return GrammarState(spec.compiled)
+        return GrammarState(spec.compiled, info.num_prompt_tokens)
 
     def _generator(self, info: SamplingInfo) -> Optional[torch.Generator]:
         if info.temperature <= 0:

@@ -72,7 +72,8 @@ def _main_not_rerun():
         main.__spec__ = saved
 
 
-def _free_port() -> int:
+def free_local_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -120,7 +121,7 @@ class MultiprocExecutor:
     def __init__(self, config: FolioConfig):
         check_tensor_parallel(config)
         tp = config.parallel.tensor_parallel_size
-        port = _free_port()
+        port = free_local_port()
         ctx = mp.get_context("spawn")
         self.workers, self.pipes = [], []
         threads = threads_per_rank(config)       # passed to each worker, which sets its own

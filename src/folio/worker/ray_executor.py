@@ -14,7 +14,7 @@ import os
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
-from folio.worker.multiproc import (_free_port, _init_rank, check_tensor_parallel,
+from folio.worker.multiproc import (_init_rank, check_tensor_parallel, free_local_port,
                                     threads_per_rank)
 
 logger = logging.getLogger("folio")
@@ -51,7 +51,7 @@ class RayExecutor:
         # One node: everything on loopback; several: rank 0's address on the cluster.
         master = ("127.0.0.1" if len(ray.nodes()) == 1
                   else ray.util.get_node_ip_address())
-        port = _free_port()
+        port = free_local_port()
         threads = threads_per_rank(config)
         # passed to each actor: its OpenMP pool starts at that size, and init sets torch's
         actor = ray.remote(num_cpus=1,
