@@ -141,6 +141,8 @@ def dense_folder(tmp: Path) -> Path:
     """The GGUF's weights, dequantized as Folio and the transformers baseline read
     them, written as a Hugging Face folder (float32) for vLLM."""
     folder = tmp / "smollm2-dense"
+    if (folder / "config.json").exists():          # made already in this run
+        return folder
     code = f"""
 import os, torch
 from transformers import AutoTokenizer
@@ -189,22 +191,15 @@ def cpu_summary() -> str:
 
 
 def one_round(args, tmp: Path) -> dict:
-    gguf = gguf_path()
     rows: dict = {}
     for dtype in ("float32", "bfloat16"):
         port = free_port()
         rows[f"folio {dtype}"] = serve(
             args, f"folio {dtype}", [*folio_cmd(args), "serve", "--dtype", dtype,
                                      "--port", str(port)], port, tmp / f"folio-{dtype}.log")
-    server = ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / "bin" / \
-        "llama-server"
-    if server.exists():
-        port = free_port()
-        rows["llama.cpp"] = serve(args, "llama.cpp", [
-            str(server), "-m", gguf, "-t", "2", "-tb", "2", "-np", "16", "-c", str(16 * 1024),
-            "--host", "127.0.0.1", "--port", str(port), "--no-webui"], port, tmp / "llama.log")
-    else:
-        print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
+    llama = llama_cpp_row(args, tmp)
+    if llama is not None:
+        rows["llama.cpp"] = llama
     vllm = ROOT / ".venv-vllm" / "bin" / "python"
     if vllm.exists() and not args.no_vllm:
         folder = dense_folder(tmp)
@@ -232,14 +227,33 @@ def one_round(args, tmp: Path) -> dict:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def llama_cpp_row(args, tmp: Path):
+    """llama-server on the default GGUF (16 slots, 2 threads), or None where
+    scripts/install_llama_cpp.sh has not built it."""
+    server = ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / "bin" / \
+        "llama-server"
+    if not server.exists():
+        print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
+        return None
+    port = free_port()
+    return serve(args, "llama.cpp", [
+        str(server), "-m", gguf_path(), "-t", "2", "-tb", "2", "-np", "16", "-c", str(16 * 1024),
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui"], port, tmp / "llama.log")
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every script of this kind takes."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--avx2-sim", action="store_true",
                    help="run as an AVX2-only CPU would (see scripts/avx2_sim.py)")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--save", type=Path, default=None, help="write every round's rates as JSON")
-    args = p.parse_args()
+    return p
+
+
+def run_rounds(args, one_round) -> None:
+    """`one_round(args, tmp)` --rounds times in one temporary folder, then the
+    table (and --save's JSON, with the date and the CPU)."""
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
             "cpu": cpu_summary(), "avx2_sim": args.avx2_sim, "machine": platform.node()}
     print(f"{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}", flush=True)
@@ -251,6 +265,12 @@ def main() -> None:
     if args.save:
         args.save.write_text(json.dumps({**meta, "rounds": rounds}, indent=1))
     print_table(rounds)
+
+
+def main() -> None:
+    p = bench_parser(__doc__)
+    p.add_argument("--no-vllm", action="store_true")
+    run_rounds(p.parse_args(), one_round)
 
 
 def print_table(rounds: list[dict]) -> None:

@@ -23,12 +23,7 @@ requests one after the other), each against one server at a time, 2 threads:
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
-import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,8 +42,9 @@ def folio(args, tmp: Path, name: str, *flags: str) -> dict:
                     port, tmp / f"{name.replace(' ', '_')}.log")
 
 
-def one_round(args, tmp: Path, dense: Path) -> dict:
+def one_round(args, tmp: Path) -> dict:
     rows: dict = {}
+    dense = cb.dense_folder(tmp)
     for dtype in ("float32", "bfloat16"):
         runs = {f"folio GGUF Q4_1 codes, {dtype}": ("--dtype", dtype),
                 f"folio dequantized (-q none), {dtype}": ("--dtype", dtype, "--quantization",
@@ -66,42 +62,17 @@ def one_round(args, tmp: Path, dense: Path) -> dict:
             rows[row] = folio(args, tmp, f"{fmt} bfloat16", str(folder), "--dtype", "bfloat16")
         else:
             print(f"  no {folder}: run scripts/make_smollm_quant.sh first", flush=True)
-    server = cb.ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / \
-        "bin" / "llama-server"
-    if not wanted(args, "llama.cpp (same GGUF)"):
-        pass
-    elif server.exists():
-        port = cb.free_port()
-        rows["llama.cpp (same GGUF)"] = cb.serve(args, "llama.cpp", [
-            str(server), "-m", cb.gguf_path(), "-t", "2", "-tb", "2", "-np", "16",
-            "-c", str(16 * 1024), "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
-            port, tmp / "llama.log")
-    else:
-        print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
+    if wanted(args, "llama.cpp (same GGUF)"):
+        llama = cb.llama_cpp_row(args, tmp)
+        if llama is not None:
+            rows["llama.cpp (same GGUF)"] = llama
     return rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--avx2-sim", action="store_true",
-                   help="run as an AVX2-only CPU would (see scripts/avx2_sim.py)")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--save", type=Path, default=None, help="write every round's rates as JSON")
+    p = cb.bench_parser(__doc__)
     p.add_argument("--only", default="", help="comma-separated substrings of the rows to run")
-    args = p.parse_args()
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-            "cpu": cb.cpu_summary(), "avx2_sim": args.avx2_sim, "machine": platform.node()}
-    print(f"{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}", flush=True)
-    rounds = []
-    with tempfile.TemporaryDirectory() as tmp:
-        dense = cb.dense_folder(Path(tmp))
-        for i in range(args.rounds):
-            print(f"round {i + 1}", flush=True)
-            rounds.append(one_round(args, Path(tmp), dense))
-    if args.save:
-        args.save.write_text(json.dumps({**meta, "rounds": rounds}, indent=1))
-    cb.print_table(rounds)
-
+    cb.run_rounds(p.parse_args(), one_round)
 
 if __name__ == "__main__":
     sys.exit(main())
