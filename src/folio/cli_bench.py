@@ -1,4 +1,4 @@
-"""`folio bench throughput | serve | memory | weights | gpu`: each benchmark's
+"""`folio bench throughput | serve | memory | weights | gpu | autoscale`: each benchmark's
 flags are defined when its command is used, so no other command waits for
 the benchmarks' imports."""
 
@@ -49,6 +49,11 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return cmd_bench_serve(args)
 
 
+def _bench_autoscale(args: argparse.Namespace) -> int:
+    from folio.bench.autoscale_cli import cmd_bench_autoscale
+    return cmd_bench_autoscale(args)
+
+
 def add_bench(sub) -> None:
     bench = add_command(sub, "bench", "benchmarks", None)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -63,6 +68,9 @@ def add_bench(sub) -> None:
                  "bytes for Llama-3-8B and -70B shapes", cmd_bench_weights).defer(_weights_flags)
     add_command(kinds, "gpu", "the GPU path on a random Llama-3-8B: correctness, batch-1 "
                  "decode, throughput against transformers, memory", _bench_gpu).defer(_gpu_flags)
+    add_command(kinds, "autoscale", "a replica pool on the measured service curve: fixed, "
+                 "queue-keyed and utilization-keyed scaling side by side",
+                 _bench_autoscale).defer(_autoscale_flags)
 
 
 def _throughput_flags(p: argparse.ArgumentParser) -> None:
@@ -91,3 +99,8 @@ def _weights_flags(p: argparse.ArgumentParser) -> None:
 def _gpu_flags(p: argparse.ArgumentParser) -> None:
     from folio.bench.gpu import add_gpu_args
     add_gpu_args(p)
+
+
+def _autoscale_flags(p: argparse.ArgumentParser) -> None:
+    from folio.bench.autoscale_cli import add_autoscale_args
+    add_autoscale_args(p)

@@ -84,3 +84,15 @@ def format_range(lengths: tuple[int, int]) -> str:
     """(32, 384) -> '32:384', (7, 7) -> '7': the form the flags take."""
     lo, hi = lengths
     return str(lo) if lo == hi else f"{lo}:{hi}"
+
+
+def write_result(args, result: dict) -> bool:
+    """--save-result FILE and --json, as every benchmark that has them does them:
+    True when the result went to stdout as JSON (so no table follows)."""
+    import json
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.json:
+        print(json.dumps(result))
+    return bool(args.json)

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
-from folio.bench.args import format_range
+from folio.bench.args import format_range, write_result
 from folio.bench.datasets import jsonl_requests, random_requests
 from folio.bench.serve import _drive, summarize
 
@@ -145,9 +145,5 @@ def cmd_bench_serve(args) -> int:
         from folio.bench.sweep_plot import plot_sweep
         plot_sweep(summaries, args.plot, _title(result))
         result["plot"] = args.plot
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.json:
-        print(json.dumps(result))
+    write_result(args, result)
     return 0 if all(s["failed"] == 0 for s in summaries) else 1

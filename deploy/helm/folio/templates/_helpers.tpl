@@ -1,0 +1,61 @@
+{{/* The release's name for every object: the release name, with the chart's if it lacks it. */}}
+{{- define "folio.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "folio.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "folio.labels" -}}
+{{ include "folio.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The waiting requests of this release's pods, summed: the KEDA trigger's
+     query (KEDA divides it by the replica count for an AverageValue target). */}}
+{{- define "folio.waitingQuery" -}}
+sum(folio:num_requests_waiting{namespace="{{ .Release.Namespace }}",pod=~"{{ include "folio.fullname" . }}-.*"})
+{{- end -}}
+
+{{/* The HPA behaviour, shared by the HPA and KEDA's HPA. */}}
+{{- define "folio.behavior" -}}
+scaleUp:
+  stabilizationWindowSeconds: {{ .Values.autoscaling.scaleUp.stabilizationWindowSeconds }}
+  policies:
+    - type: Pods
+      value: {{ .Values.autoscaling.scaleUp.pods }}
+      periodSeconds: {{ .Values.autoscaling.scaleUp.periodSeconds }}
+scaleDown:
+  stabilizationWindowSeconds: {{ .Values.autoscaling.scaleDown.stabilizationWindowSeconds }}
+  policies:
+    - type: Pods
+      value: {{ .Values.autoscaling.scaleDown.pods }}
+      periodSeconds: {{ .Values.autoscaling.scaleDown.periodSeconds }}
+{{- end -}}
+
+{{- define "folio.checkValues" -}}
+{{- $a := .Values.autoscaling -}}
+{{- if not (has $a.mode (list "hpa" "keda" "none")) -}}
+{{- fail (printf "autoscaling.mode must be hpa, keda or none, not %q" $a.mode) -}}
+{{- end -}}
+{{- if and (ne $a.mode "none") (lt (int $a.minReplicas) 1) -}}
+{{- fail "autoscaling.minReplicas must be at least 1: the waiting queue is empty when no pod runs, so it cannot scale from zero (that needs a request-count signal from in front of the pods)" -}}
+{{- end -}}
+{{- if and (ne $a.mode "none") (lt (int $a.maxReplicas) (int $a.minReplicas)) -}}
+{{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" -}}
+{{- end -}}
+{{- if not (has .Values.accelerator (list "cpu" "gpu")) -}}
+{{- fail (printf "accelerator must be cpu or gpu, not %q" .Values.accelerator) -}}
+{{- end -}}
+{{- if not (has .Values.modelVolume.type (list "pvc" "hostPath")) -}}
+{{- fail (printf "modelVolume.type must be pvc or hostPath, not %q" .Values.modelVolume.type) -}}
+{{- end -}}
+{{- end -}}

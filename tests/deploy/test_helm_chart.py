@@ -1,0 +1,181 @@
+"""deploy/helm/folio: it lints, every variant renders, every rendered object
+validates strictly against its schema, the container runs a `folio serve`
+command line that Folio's own parser takes, and impossible values fail the
+render with a message that says why."""
+
+import pytest
+import yaml
+
+from folio.cli import build_parser
+from tests.deploy.manifests import CHART, by_kind, helm, needs_helm, render, validate
+
+pytestmark = needs_helm
+
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+
+VARIANTS = {
+    "hpa on cpu (the defaults)": ((), {"PodDisruptionBudget", "ConfigMap", "Service", "Deployment",
+                                       "HorizontalPodAutoscaler", "PrometheusRule",
+                                       "ServiceMonitor"}),
+    "keda": (("autoscaling.mode=keda",), {"PodDisruptionBudget", "ConfigMap", "Service",
+                                          "Deployment", "ScaledObject", "PrometheusRule",
+                                          "ServiceMonitor"}),
+    "gpu, tp 2, api key, hostPath": (
+        ("accelerator=gpu", "model.tensorParallelSize=2", "apiKey.existingSecret=folio-keys",
+         "modelVolume.type=hostPath", "model.quantization=awq", "model.maxModelLen=8192",
+         "image.tag=cuda"),
+        {"PodDisruptionBudget", "ConfigMap", "Service", "Deployment", "HorizontalPodAutoscaler",
+         "PrometheusRule", "ServiceMonitor"}),
+    "fixed replicas, plain Prometheus": (
+        ("autoscaling.mode=none", "replicaCount=3", "metrics.serviceMonitor.enabled=false",
+         "metrics.prometheusRule.enabled=false", "metrics.grafanaDashboard.enabled=false",
+         "podDisruptionBudget.enabled=false"),
+        {"Service", "Deployment"}),
+}
+
+
+def serve_args(deployment: dict):
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][0] == "serve"
+    return container, build_parser().parse_args(container["args"])
+
+
+def test_the_chart_lints():
+    for sets in ([], ["--set", "autoscaling.mode=keda"], ["--set", "accelerator=gpu"]):
+        out = helm("lint", "--strict", str(CHART), *sets, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_rendered_object_validates_strictly(variant):
+    sets, kinds = VARIANTS[variant]
+    objects = render(*sets)
+    assert {o["kind"] for o in objects} == kinds
+    for o in objects:
+        validate(o)
+
+
+def test_a_misspelt_field_is_caught_by_the_validation():
+    objects = by_kind(render("autoscaling.mode=keda"))
+    deployment = objects["Deployment"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpget"] = {}
+    with pytest.raises(Exception, match="httpget"):
+        validate(deployment)
+    scaled = objects["ScaledObject"]
+    scaled["spec"]["coolDownPeriod"] = 60
+    with pytest.raises(ValueError, match="coolDownPeriod"):
+        validate(scaled)
+    monitor = objects["ServiceMonitor"]
+    monitor["spec"]["endpoints"][0]["interval"] = 15          # a duration is a string
+    with pytest.raises(ValueError, match="interval"):
+        validate(monitor)
+
+
+def test_the_container_runs_a_serve_command_that_folio_parses():
+    container, args = serve_args(by_kind(render())["Deployment"])
+    assert (args.model, args.dtype, args.max_num_seqs, args.port, args.host) == (
+        VALUES["model"]["path"], "auto", VALUES["maxNumSeqs"], VALUES["port"], "0.0.0.0")
+    assert args.drain_timeout == VALUES["drainTimeoutSeconds"] and args.device == "cpu"
+    assert args.tensor_parallel_size == 1 and args.quantization is None
+    assert {e["name"] for e in container["env"]} == {"HOME"}       # no API key unless asked
+
+    container, args = serve_args(by_kind(render(*VARIANTS["gpu, tp 2, api key, hostPath"][0]))
+                                 ["Deployment"])
+    assert (args.tensor_parallel_size, args.quantization, args.max_model_len, args.device) == (
+        2, "awq", 8192, "cuda")
+    key = next(e for e in container["env"] if e["name"] == "FOLIO_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "folio-keys", "key": "api-key"}
+
+
+def test_the_pod_drains_before_it_is_killed_and_starts_slowly_without_restarts():
+    spec = by_kind(render())["Deployment"]["spec"]
+    pod = spec["template"]["spec"]
+    container, args = serve_args(by_kind(render())["Deployment"])
+    sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    # SIGTERM comes after preStop; Folio then waits --drain-timeout for its requests
+    assert pod["terminationGracePeriodSeconds"] > sleep + args.drain_timeout
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300   # minutes to load
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "models")
+    assert mount["readOnly"] is True and args.model.startswith(mount["mountPath"] + "/")
+    volume = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert volume["persistentVolumeClaim"] == {"claimName": "folio-models", "readOnly": True}
+
+
+def test_gpus_are_requested_per_tensor_parallel_rank_and_not_on_cpu():
+    gpu = by_kind(render("accelerator=gpu", "model.tensorParallelSize=4"))["Deployment"]
+    res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 4
+    cpu = by_kind(render())["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in str(cpu["resources"])
+    assert cpu["resources"] == VALUES["resources"]
+
+
+def test_hpa_and_keda_scale_on_the_same_queue_with_the_same_behaviour():
+    hpa = by_kind(render())["HorizontalPodAutoscaler"]["spec"]
+    keda = by_kind(render("autoscaling.mode=keda"))["ScaledObject"]["spec"]
+    auto = VALUES["autoscaling"]
+    target = str(auto["targetWaitingPerReplica"])
+    assert hpa["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "folio_num_requests_waiting"},
+        "target": {"type": "AverageValue", "averageValue": target}}}]
+    trigger, = keda["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == target
+    assert trigger["metadata"]["query"] == (
+        'sum(folio:num_requests_waiting{namespace="ml",pod=~"llm-folio-.*"})')
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (
+        keda["minReplicaCount"], keda["maxReplicaCount"]) == (auto["minReplicas"],
+                                                              auto["maxReplicas"])
+    behaviour = keda["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert hpa["behavior"] == behaviour
+    assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == 300
+    assert behaviour["scaleUp"]["stabilizationWindowSeconds"] == 0
+
+
+def test_scrape_annotations_replace_the_service_monitor_when_it_is_off():
+    pod = by_kind(render("metrics.serviceMonitor.enabled=false"))["Deployment"]["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true",
+                                              "prometheus.io/port": "8000",
+                                              "prometheus.io/path": "/metrics"}
+    assert "annotations" not in by_kind(render())["Deployment"]["spec"]["template"]["metadata"]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("autoscaling.minReplicas=0", "cannot scale from zero"),
+    ("autoscaling.mode=cpu", "autoscaling.mode must be hpa, keda or none"),
+    ("accelerator=tpu", "accelerator must be cpu or gpu"),
+    ("modelVolume.type=nfs", "modelVolume.type must be pvc or hostPath"),
+    ("autoscaling.maxReplicas=0", "maxReplicas must be at least"),
+])
+def test_impossible_values_fail_the_render_saying_why(setting, message):
+    out = helm("template", "x", str(CHART), "--set", setting, check=False)
+    assert out.returncode != 0 and message in out.stderr
+
+
+@pytest.mark.parametrize("variant", ["hpa on cpu (the defaults)", "keda"])
+def test_the_objects_point_at_each_other(variant):
+    o = by_kind(render(*VARIANTS[variant][0]))
+    deployment, service = o["Deployment"], o["Service"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert o["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    monitor = o["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    assert {e["port"] for e in monitor["endpoints"]} <= port_names
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert service["spec"]["ports"][0]["targetPort"] in {p["name"] for p in container["ports"]}
+    scaler = o.get("HorizontalPodAutoscaler") or o["ScaledObject"]
+    assert scaler["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # the KEDA query's pod pattern takes the Deployment's pods (NAME-<hash>-<id>)
+    if "ScaledObject" in o:
+        assert f'pod=~"{deployment["metadata"]["name"]}-.*"' in (
+            scaler["spec"]["triggers"][0]["metadata"]["query"])
+    assert "replicas" not in deployment["spec"]         # the autoscaler owns the count
