@@ -29,6 +29,7 @@ COMMANDS = {
     "bench gpu": ("`folio bench gpu`", ()),
     "bench autoscale": ("`folio bench autoscale`", ()),
     "env": ("`folio env`", ()),
+    "usage": ("`folio usage`", ()),
 }
 
 

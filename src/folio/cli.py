@@ -109,7 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("FOLIO_API_KEY") or None,
         allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
-        tool_call_parser=_tool_parser(args))
+        tool_call_parser=_tool_parser(args), api_keys_file=args.api_keys_file,
+        usage_db=args.usage_db, cost_per_hour=args.cost_per_hour,
+        prompt_token_weight=args.prompt_token_weight)
     kwargs = dict(engine_kwargs(args), max_logprobs=args.max_logprobs)
     template = _read_template(args.chat_template) if args.chat_template else None
 
@@ -170,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(sub)
     add_bench(sub)
     _add_env(sub)
+    _add_usage(sub)
     return parser
 
 
@@ -185,6 +188,20 @@ def _add_serve(sub) -> None:
                        help="require this bearer token on the API, also read from "
                             "FOLIO_API_KEY; /health and /metrics stay open (default: none, "
                             "no key asked)")
+    serve.add_argument("--api-keys-file", default=None, metavar="FILE",
+                       help="tenants: a JSON or YAML file of keys (or their SHA-256), each "
+                            "naming a tenant, with optional requests_per_minute, "
+                            "tokens_per_minute, tokens_per_day and admin (default: none)")
+    serve.add_argument("--usage-db", default=None, metavar="PATH",
+                       help="the SQLite usage ledger: a row per finished request, committed "
+                            "before its response ends (default: none, no ledger)")
+    serve.add_argument("--cost-per-hour", type=positive_float, default=None, metavar="DOLLARS",
+                       help="what the machine costs an hour: /metrics reports "
+                            "folio:cost_per_1k_tokens and the ledger each request's share "
+                            "(default: none)")
+    serve.add_argument("--prompt-token-weight", type=non_negative_float, default=0.25,
+                       metavar="W", help="a prompt token's cost as a share of an output "
+                                         "token's, for --cost-per-hour")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name that clients send and /v1/models lists "
                             "(default: the model id, or the file or folder name)")
@@ -238,6 +255,25 @@ def _add_env(sub) -> None:
     env = add_command(sub, "env", "this machine and the kernel each layer uses, for bug "
                        "reports", cmd_env)
     env.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_usage(sub) -> None:
+    usage = add_command(sub, "usage", "requests, tokens and cost from a server's usage "
+                         "ledger (--usage-db)", cmd_usage)
+    usage.add_argument("--db", required=True, metavar="PATH",
+                       help="the SQLite ledger that `folio serve --usage-db` writes")
+    usage.add_argument("--since", default=None, metavar="DATE",
+                       help="only requests finished since DATE (2026-12-01, 00:00 UTC, or an "
+                            "ISO date-time)")
+    usage.add_argument("--by", choices=["tenant", "day", "model"], default="tenant",
+                       help="what a row sums over")
+    usage.add_argument("--json", action="store_true",
+                       help="print a JSON list of rows instead of the table")
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    from folio.usage_report import cmd_usage as run
+    return run(args)
 
 
 def cmd_env(args: argparse.Namespace) -> int:

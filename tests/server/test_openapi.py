@@ -40,11 +40,12 @@ def test_every_operation_has_real_schemas_and_statuses(doc):
                     assert schema["$ref"].rsplit("/", 1)[1] in schemas, schema
                 if status != "200":
                     assert schema == {"$ref": ERROR_REF}, (name, status)
-    assert seen["POST /v1/completions"] == {"200", "400", "401", "404", "500", "503"}
-    assert seen["POST /v1/chat/completions"] == {"200", "400", "401", "404", "500", "503"}
+    generation = {"200", "400", "401", "404", "429", "500", "503"}
+    assert seen["POST /v1/completions"] == seen["POST /v1/chat/completions"] == generation
     assert seen["POST /tokenize"] == seen["POST /detokenize"] == {"200", "400", "401", "404",
                                                                   "503"}
     assert seen["GET /v1/models"] == {"200", "401", "503"}
+    assert seen["GET /v1/usage"] == {"200", "400", "401", "403", "404"}
     assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
 
 

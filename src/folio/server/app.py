@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import threading
@@ -36,15 +35,20 @@ from folio.errors import is_expected_error
 from folio.server import openapi
 from folio.server.chat import create_chat_completion, render_chat_ids
 from folio.server.completions import create_completion
+from folio.server.accounting import Accounting
+from folio.server.cost import CostMeter
 from folio.server.metrics import ServerMetrics
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, error_body, now)
 from folio.server.responses import (ChatCompletionResponse, ChatCompletionStreamResponse,
                                     CompletionResponse, CompletionStreamResponse,
                                     DetokenizeResponse, ModelList, TokenizeResponse,
-                                    VersionResponse)
+                                    UsageReport, VersionResponse)
 from folio.server.serving import HTTPError, ServedModel
+from folio.server.tenants import KeyBook
 from folio.server.tools import HermesParser
+from folio.server.usage_ledger import UsageLedger
+from folio.usage_report import usage_rows
 
 logger = logging.getLogger("folio")
 OPEN_PATHS = ("/health", "/metrics")
@@ -56,6 +60,10 @@ class ServerConfig:
     drain_timeout: float = 30.0
     trust_request_chat_template: bool = False
     tool_call_parser: Optional[str] = None      # tool_choice "auto": whose call format
+    api_keys_file: Optional[str] = None          # tenants, their keys and limits
+    usage_db: Optional[str] = None               # the SQLite usage ledger
+    cost_per_hour: Optional[float] = None        # dollars an hour the machine costs
+    prompt_token_weight: float = 0.25            # a prompt token's share of an output token's cost
 
 
 class ServerState:
@@ -65,7 +73,13 @@ class ServerState:
     def __init__(self, config: ServerConfig, load_engine: Callable,
                  on_fatal: Optional[Callable[[str], None]] = None):
         self.config = config
-        self.metrics = ServerMetrics(config.served_model_name)
+        cost = (CostMeter(config.cost_per_hour, config.prompt_token_weight)
+                if config.cost_per_hour else None)
+        self.metrics = ServerMetrics(config.served_model_name, cost)
+        # a bad keys file or ledger path is the user's error, before anything loads
+        keys = KeyBook.from_config(config.api_key, config.api_keys_file)
+        ledger = UsageLedger(config.usage_db) if config.usage_db else None
+        self.accounting = Accounting(config.served_model_name, self.metrics, keys, ledger, cost)
         self.served: Optional[ServedModel] = None
         self.load_error: Optional[BaseException] = None
         self.fatal: Optional[str] = None          # why the server must stop, once it must
@@ -83,7 +97,8 @@ class ServerState:
                 raise
             parser = HermesParser() if self.config.tool_call_parser == "hermes" else None
             self.served = ServedModel(engine, self.config.served_model_name,
-                                      self.config.trust_request_chat_template, parser)
+                                      self.config.trust_request_chat_template, parser,
+                                      self.accounting)
             logger.info("serving %s", self.config.served_model_name)
         except BaseException as e:       # noqa: BLE001 - every failure ends the process
             self.load_error = e
@@ -137,6 +152,8 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         if state.served is not None:
             await asyncio.to_thread(state.served.engine.shutdown)
+        if state.accounting.ledger is not None:
+            await asyncio.to_thread(state.accounting.ledger.close)
 
     app = FastAPI(title="Folio", version=__version__, lifespan=lifespan)
     app.state.folio = state
@@ -154,11 +171,12 @@ def _add_middleware(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def auth_and_request_id(request: Request, call_next):
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        key = state.config.api_key
-        if key and request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                response = JSONResponse(error_body("invalid or missing API key", 401), 401)
+        if request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:
+            try:
+                request.state.tenant = state.accounting.authenticate(
+                    request.headers.get("authorization", ""))
+            except HTTPError as e:
+                response = e.response()
                 response.headers["X-Request-Id"] = request_id
                 return response
         response = await call_next(request)
@@ -241,6 +259,20 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def version():
         return JSONResponse({"version": __version__})
 
+    @app.get("/v1/usage", response_model=UsageReport, responses=openapi.errors(400, 401, 403,
+                                                                               404))
+    async def usage_report(raw: Request, since: Optional[str] = None, by: str = "tenant"):
+        if not raw.state.tenant.admin:
+            raise HTTPError(403, "GET /v1/usage needs an admin key (\"admin\": true in "
+                                 "--api-keys-file)")
+        if state.config.usage_db is None:
+            raise HTTPError(404, "this server keeps no usage ledger: start it with --usage-db")
+        try:
+            rows = await asyncio.to_thread(usage_rows, state.config.usage_db, since, by)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "since" if "date" in str(e) else "by") from None
+        return JSONResponse({"object": "list", "by": by, "data": rows})
+
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401, 503))
     async def models():
         served = state.ready()
@@ -251,7 +283,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    errors = openapi.errors(400, 401, 404, 500, 503)
+    errors = openapi.errors(400, 401, 404, 429, 500, 503)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**openapi.streamed(CompletionStreamResponse), **errors})

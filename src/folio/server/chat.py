@@ -121,7 +121,7 @@ def _tool_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOu
 
 
 async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineCall,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, ticket) -> AsyncIterator[str]:
     sent: dict[int, tuple[int, int]] = {}   # choice -> (chars sent, tokens sent)
     done: set[int] = set()
     keep, last = holdback(call.params), None
@@ -136,7 +136,7 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
         return sse(body)
     try:
         async for _, out in merged(served, [call]):
-            last = out
+            last = ticket.seen[0] = out
             for c in out.outputs:
                 if c.index in done:
                     continue
@@ -164,12 +164,17 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
                 sent[c.index] = (upto, len(c.token_ids))
                 if c.finished:
                     done.add(c.index)
+        if last is not None:
+            await ticket.complete([last])
         if req.include_usage and last is not None:
             yield sse({"id": call.request_id, "object": "chat.completion.chunk",
                        "created": created, "model": served.name, "choices": [],
                        "usage": usage([last])})
     except Exception as e:          # noqa: BLE001 - an error after the stream began
+        ticket.abandon()
         yield sse_error(e)
+    finally:
+        ticket.abandon()            # the client left mid-stream (no-op once completed)
     yield SSE_DONE
 
 
@@ -187,8 +192,15 @@ async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest
                                   kwargs)
     # validating compiles a constraint's grammar: off the event loop too
     [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids)])
+    ticket = served.accounting.admit(raw.state.tenant, [call], call.request_id)
     if req.stream:
-        return StreamingResponse(_stream(served, req, call, now()),
+        return StreamingResponse(_stream(served, req, call, now(), ticket),
                                  media_type="text/event-stream")
-    outputs = await collect(served, [call], raw)
-    return JSONResponse(_final(served, req, outputs[0]))
+    try:
+        outputs = await collect(served, [call], raw, ticket.seen)
+    except BaseException:           # the client left, or the call failed
+        ticket.abandon()
+        raise
+    body = _final(served, req, outputs[0])
+    await ticket.complete(outputs)
+    return JSONResponse(body)

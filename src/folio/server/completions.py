@@ -138,10 +138,10 @@ def _final(served: ServedModel, req: CompletionRequest, outputs: list[RequestOut
 
 
 async def _stream(served: ServedModel, req: CompletionRequest, calls: list[EngineCall],
-                  created: int) -> AsyncIterator[str]:
+                  created: int, ticket) -> AsyncIterator[str]:
     rid = calls[0].request_id.rsplit("-", 1)[0]
     sent: dict[int, tuple[int, int]] = {}          # choice -> (chars sent, tokens sent)
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, RequestOutput] = ticket.seen
     keep = holdback(calls[0].params)
 
     def chunk(index: int, text: str, logprobs, finish: Optional[str], so_far: dict) -> str:
@@ -185,12 +185,16 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
                 yield chunk(index, prefix + c.text[chars:upto], lp, c.finish_reason,
                             choice_usage(out, c))
                 sent[index] = (-1, 0) if c.finished else (upto, len(c.token_ids))
+        await ticket.complete([finals[i] for i in sorted(finals)])
         if req.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created,
                        "model": served.name, "choices": [],
                        "usage": usage([finals[i] for i in sorted(finals)])})
     except Exception as e:          # noqa: BLE001 - an error after the stream began
+        ticket.abandon()
         yield sse_error(e)
+    finally:
+        ticket.abandon()            # the client left mid-stream (no-op once completed)
     yield SSE_DONE
 
 
@@ -200,8 +204,16 @@ async def create_completion(served: ServedModel, req: CompletionRequest, raw: Re
     prompts = await _prompts(served, req.prompt)
     # validating compiles a constraint's grammar: off the event loop
     calls = await asyncio.to_thread(served.validated, _calls(served, req, prompts))
+    ticket = served.accounting.admit(raw.state.tenant, calls,
+                                     calls[0].request_id.rsplit("-", 1)[0])
     if req.stream:
-        return StreamingResponse(_stream(served, req, calls, now()),
+        return StreamingResponse(_stream(served, req, calls, now(), ticket),
                                  media_type="text/event-stream")
-    outputs = await collect(served, calls, raw)
-    return JSONResponse(_final(served, req, outputs))
+    try:
+        outputs = await collect(served, calls, raw, ticket.seen)
+    except BaseException:           # the client left, or a call failed
+        ticket.abandon()
+        raise
+    body = _final(served, req, outputs)
+    await ticket.complete(outputs)
+    return JSONResponse(body)

@@ -8,6 +8,8 @@ on.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from folio.engine.protocol import StepStats
@@ -20,7 +22,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, cost=None):
         self.registry = CollectorRegistry(auto_describe=True)
         r, label = self.registry, ["model_name"]
 
@@ -57,6 +59,20 @@ class ServerMetrics:
                              _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        tenant = ["model_name", "tenant"]
+        self.tenant_prompt = Counter("folio:tenant_prompt_tokens", "Prompt tokens by tenant.",
+                                     tenant, registry=r)
+        self.tenant_generation = Counter("folio:tenant_generation_tokens",
+                                         "Generated tokens by tenant.", tenant, registry=r)
+        self.tenant_requests = Counter("folio:tenant_requests", "Finished requests by tenant "
+                                       "and reason.", [*tenant, "finished_reason"], registry=r)
+        self.cost = cost            # server/cost.py's CostMeter, with --cost-per-hour
+        if cost is not None:
+            per_1k = Gauge("folio:cost_per_1k_tokens", "Dollars per 1,000 tokens over the "
+                           "last 5 minutes (--cost-per-hour), prompt and output.",
+                           ["model_name", "kind"], registry=r)
+            per_1k.labels(model_name, "prompt").set_function(lambda: cost.per_1k()[0])
+            per_1k.labels(model_name, "output").set_function(lambda: cost.per_1k()[1])
         self.model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}   # request id -> (tokens, last time)
         self._preemptions_seen = 0
@@ -83,6 +99,8 @@ class ServerMetrics:
         seen, last = self._seen.get(out.request_id, (0, None))
         new = tokens - seen
         if new > 0 and m is not None and m.last_token_time is not None:
+            if self.cost is not None:
+                self.cost.add(len(out.prompt_token_ids) if seen == 0 else 0, new)
             if seen == 0:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -103,6 +121,12 @@ class ServerMetrics:
             self.success.labels(self.model_name, reason or "abort").inc()
             if m is not None and m.finished_time is not None:
                 self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def on_tenant_usage(self, tenant: str, prompt: int, completion: int,
+                        reason: Optional[str]) -> None:
+        self.tenant_prompt.labels(self.model_name, tenant).inc(prompt)
+        self.tenant_generation.labels(self.model_name, tenant).inc(completion)
+        self.tenant_requests.labels(self.model_name, tenant, reason or "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

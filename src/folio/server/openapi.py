@@ -20,8 +20,10 @@ from folio.server.responses import (ChatCompletionStreamResponse, CompletionStre
                                     ErrorResponse)
 
 _WHY = {400: "The request is invalid: the message says why, `param` names the field.",
-        401: "The API key is missing or wrong (only when the server was started with one).",
-        404: "No such model.",
+        401: "The API key is missing or wrong (only when the server was started with keys).",
+        403: "The key is not an admin key (GET /v1/usage).",
+        404: "No such model (or, for /v1/usage, no usage ledger).",
+        429: "The tenant is over a rate limit; Retry-After says in how many seconds to retry.",
         500: "The engine failed this request alone (other requests go on).",
         503: "The model is still loading, or the engine has stopped."}
 

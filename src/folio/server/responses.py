@@ -180,3 +180,21 @@ class DetokenizeResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+
+
+class UsageRow(_Response):
+    tenant: Optional[str] = None
+    day: Optional[str] = None
+    model: Optional[str] = None
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    aborted: int
+    cost: Optional[float]
+
+
+class UsageReport(_Response):
+    object: Literal["list"]
+    by: Literal["tenant", "day", "model"]
+    data: list[UsageRow]

@@ -30,12 +30,15 @@ from folio.server.protocol import error_body
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.status, self.param), self.status)
+        return JSONResponse(error_body(self.message, self.status, self.param), self.status,
+                            headers=self.headers)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class ServedModel:
     name: str
     trust_request_chat_template: bool = False   # run templates that requests send
     tool_parser: Any = None     # server/tools.py's parser of tool_choice "auto", when enabled
+    accounting: Any = None      # server/accounting.py: tenants' limits, usage, the ledger
 
     @property
     def tokenizer(self):
@@ -99,18 +103,21 @@ class EngineCall:
     priority: int = 0
 
 
-async def collect(served: ServedModel, calls: list[EngineCall],
-                  raw: Request) -> list[RequestOutput]:
+async def collect(served: ServedModel, calls: list[EngineCall], raw: Request,
+                  seen: Optional[dict[int, RequestOutput]] = None) -> list[RequestOutput]:
     """Run the calls to completion. A client that disconnects, or one call that
-    fails, aborts them all (cancelling a call's task aborts its engine request)."""
-    async def one(call: EngineCall) -> RequestOutput:
+    fails, aborts them all (cancelling a call's task aborts its engine request).
+    `seen` gets each call's latest output as it comes (what an abort used)."""
+    seen = {} if seen is None else seen
+
+    async def one(i: int, call: EngineCall) -> RequestOutput:
         last = None
         async for last in served.engine.generate(call.request_id, call.prompt, call.prompt_ids,
                                                  call.params, call.priority):
-            pass
+            seen[i] = last
         return last
 
-    tasks = [asyncio.ensure_future(one(c)) for c in calls]
+    tasks = [asyncio.ensure_future(one(i, c)) for i, c in enumerate(calls)]
     try:
         pending = set(tasks)
         while pending:

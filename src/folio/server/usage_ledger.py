@@ -1,0 +1,133 @@
+"""The usage ledger: one SQLite row per finished request, written by one thread.
+
+Handlers hand a row to `record` and, for a request that completed, wait for
+its commit before the last bytes of the response go out: so after a `kill -9`
+every response a client received whole is in the ledger. Rows are committed
+in batches (whatever arrived while the last commit ran, up to 512), off the
+engine's thread and the event loop. WAL mode with synchronous=NORMAL: a
+committed row survives the process dying; only an OS crash or power loss may
+lose the last commits. The request id is the primary key and rows are
+inserted with INSERT OR IGNORE, so a row is in the ledger at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sqlite3
+import threading
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass
+from typing import Optional
+
+logger = logging.getLogger("folio")
+BATCH = 512
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    request_id TEXT PRIMARY KEY,
+    time REAL NOT NULL,                 -- when the request finished, Unix seconds
+    tenant TEXT NOT NULL,
+    model TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    cached_prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    latency_s REAL NOT NULL,
+    finish_reason TEXT,
+    aborted INTEGER NOT NULL,
+    cost REAL                           -- dollars, with --cost-per-hour; else NULL
+);
+CREATE INDEX IF NOT EXISTS usage_time ON usage (time);
+"""
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    request_id: str
+    time: float
+    tenant: str
+    model: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    finish_reason: Optional[str]
+    aborted: bool
+    cost: Optional[float] = None
+
+
+def connect(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA busy_timeout=5000")
+    db.executescript(SCHEMA)
+    return db
+
+
+class UsageLedger:
+    def __init__(self, path: str):
+        try:
+            self._db = connect(path)
+        except sqlite3.Error as e:
+            raise ValueError(f"--usage-db {path}: {e}") from None
+        self.path = path
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="folio-ledger", daemon=True)
+        self._thread.start()
+
+    def submit(self, row: UsageRow) -> Future:
+        """Queue a row; the future is done once its batch is committed."""
+        done: Future = Future()
+        self._queue.put((row, done))
+        return done
+
+    async def record(self, row: UsageRow) -> None:
+        """Queue a row and wait for its commit (the handler's last step before it answers)."""
+        await asyncio.wrap_future(self.submit(row))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            batch = [item]
+            while len(batch) < BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._commit(batch)
+                    self._db.close()
+                    return
+                batch.append(nxt)
+            self._commit(batch)
+        self._db.close()
+
+    def _commit(self, batch) -> None:
+        try:
+            with self._db:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    [astuple(row) for row, _ in batch])
+        except sqlite3.Error as e:
+            logger.error("the usage ledger could not commit %d rows: %s", len(batch), e)
+            for _, done in batch:
+                _resolve(done, RuntimeError(f"the usage ledger failed: {e}"))
+            return
+        for _, done in batch:
+            _resolve(done, None)
+
+
+def _resolve(done: Future, error: Optional[BaseException]) -> None:
+    if done.set_running_or_notify_cancel():      # False: its waiter was cancelled
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
