@@ -30,6 +30,7 @@ COMMANDS = {
     "bench autoscale": ("`folio bench autoscale`", ()),
     "env": ("`folio env`", ()),
     "usage": ("`folio usage`", ()),
+    "plan": ("`folio plan`", ()),
 }
 
 

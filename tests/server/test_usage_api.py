@@ -218,3 +218,22 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_it_generated(tenants_se
     assert len(rows) == 1
     tokens, reason = rows[0]
     assert reason == "abort" and 3 <= tokens < 240
+
+
+def test_bench_serve_reports_the_cost_beside_the_servers(tenants_server, tiny_model, capsys,
+                                                          server):
+    from folio.bench.serve import cost_from_throughput
+    # $3.60 an hour is $0.001 a second: 0.25 x 300 + 100 = 175 weighted tokens/s
+    assert cost_from_throughput({"output_throughput": 100.0, "total_token_throughput": 400.0},
+                                3.6, 0.25) == {"prompt": pytest.approx(0.25 / 175),
+                                               "output": pytest.approx(1 / 175)}
+    common = ["bench", "serve", "--tokenizer", tiny_model, "--num-prompts", "8",
+              "--input-len", "8:16", "--output-len", "8:16", "--cost-per-hour", "3.6", "--json"]
+    assert main([*common, "--base-url", tenants_server.url, "--api-key", "sk-team-a"]) == 0
+    run, = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    costs = run["cost_per_1k"]
+    assert costs["from_throughput"]["output"] > 0 and costs["server"]["output"] > 0
+    assert costs["server"]["prompt"] == pytest.approx(0.25 * costs["server"]["output"], rel=1e-3)
+    # a server started without --cost-per-hour has no figure to compare with
+    assert main([*common, "--base-url", server.url]) == 1
+    assert "start the server with --cost-per-hour" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from typing import Optional
 from folio.bench.args import (checked, dataset, existing_file, http_url, output_path,
                               request_rate, request_rates)
 from folio.bench.datasets import BenchRequest
-from folio.cli_types import length_range, positive_int
+from folio.cli_types import length_range, non_negative_float, positive_float, positive_int
 
 
 @dataclass
@@ -73,6 +73,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="ask the server to generate each request's full max_tokens")
     p.add_argument("--slo", type=slo_targets, metavar="NAME=MS,...", default=None,
                    help="goodput targets in ms, e.g. ttft_ms=500,tpot_ms=50 (also e2e_ms)")
+    p.add_argument("--cost-per-hour", type=positive_float, metavar="DOLLARS", default=None,
+                   help="what the server's machine costs an hour: each run reports the $/1K "
+                        "tokens its own throughput gives beside the server's "
+                        "folio:cost_per_1k_tokens (serve with the same --cost-per-hour)")
+    p.add_argument("--prompt-token-weight", type=non_negative_float, metavar="W", default=0.25,
+                   help="a prompt token's cost as a share of an output token's (as the server's)")
     p.add_argument("--save-result", type=output_path, metavar="FILE", default=None,
                    help="write the result JSON (every run's summary) to this file")
     p.add_argument("--sweep-rates", type=request_rates, metavar="RATES", default=None,
@@ -82,6 +88,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-result", type=existing_file, metavar="FILE", default=None,
                    help="re-plot a sweep saved with --save-result to --plot, sending no request")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def cost_from_throughput(summary: dict, cost_per_hour: float, weight: float) -> dict:
+    """$/1K tokens from a run's own throughput, weighted as the server weighs them:
+    the machine's cost per second over (weight x prompt + output) tokens per second."""
+    out = summary["output_throughput"]
+    prompt = summary["total_token_throughput"] - out
+    units = weight * prompt + out
+    per_output = 1000 * cost_per_hour / 3600 / units if units else None
+    return {"prompt": None if per_output is None else weight * per_output, "output": per_output}
+
+
+def server_cost(metrics_text: str) -> dict:
+    """The server's folio:cost_per_1k_tokens gauges, by kind (absent: not served)."""
+    found = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("folio:cost_per_1k_tokens{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            found[kind] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:

@@ -72,13 +72,33 @@ def _workload(args, model: str, seed: int):
     return requests, texts
 
 
+def _costs(args, summary: dict) -> dict:
+    """The run's $/1K tokens, from its throughput and as the server reports it."""
+    from folio.bench.serve import cost_from_throughput, server_cost
+    url = args.base_url + "/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            served = server_cost(r.read().decode())
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"cannot read {url}: {_reason(getattr(e, 'reason', e))}") from None
+    if not served:
+        raise ValueError(f"{url} has no folio:cost_per_1k_tokens: start the server with "
+                         f"--cost-per-hour")
+    return {"from_throughput": cost_from_throughput(summary, args.cost_per_hour,
+                                                    args.prompt_token_weight),
+            "server": served}
+
+
 def _line(s: dict) -> str:
     return (f"rate {s['request_rate']}: {s['completed']} ok, {s['failed']} failed in "
             f"{s['seconds']:.1f} s | {s['request_throughput']:.2f} req/s, "
             f"{s['output_throughput']:.1f} out tok/s | TTFT median {s['ttft_ms']['median']:.0f} "
             f"p99 {s['ttft_ms']['p99']:.0f} ms | TPOT median {_ms(s['tpot_ms']['median'])} "
             f"p99 {_ms(s['tpot_ms']['p99'])} ms | ITL p99 {_ms(s['itl_ms']['p99'])} ms"
-            + (f" | goodput {s['goodput']:.2f} req/s" if "goodput" in s else ""))
+            + (f" | goodput {s['goodput']:.2f} req/s" if "goodput" in s else "")
+            + (f" | $/1K output tokens: {s['cost_per_1k']['from_throughput']['output']:.5f} "
+               f"from throughput, {s['cost_per_1k']['server'].get('output', float('nan')):.5f} "
+               f"the server's" if "cost_per_1k" in s else ""))
 
 
 def _ms(v) -> str:
@@ -134,6 +154,8 @@ def cmd_bench_serve(args) -> int:
         requests, texts = _workload(args, model, args.seed + i)
         results, seconds = asyncio.run(_drive(args, model, requests, texts, rate))
         summaries.append(summarize(results, seconds, slo, rate))
+        if args.cost_per_hour:
+            summaries[-1]["cost_per_1k"] = _costs(args, summaries[-1])
         if not args.json:
             print(_line(summaries[-1]), flush=True)
     result = {"model": model, "endpoint": args.endpoint, "num_prompts": len(requests),

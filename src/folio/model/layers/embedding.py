@@ -19,6 +19,11 @@ from folio.model.layers.quantization.base import QuantizationConfig
 from folio.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
+def vocab_shard(vocab_size: int, tp: int) -> int:
+    """Rows of the vocabulary one rank holds (the last rank's padded)."""
+    return -(-vocab_size // tp)
+
+
 class VocabParallelEmbedding(nn.Module):
     quant_method = None         # a packed table's method (IntGroupsLinear once loaded)
 
@@ -27,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.vocab_size, self.dtype = vocab_size, dtype
         self.tp = tp_size()
-        self.shard = -(-vocab_size // self.tp)              # rows per rank (last padded)
+        self.shard = vocab_shard(vocab_size, self.tp)
         self.start = tp_rank() * self.shard
         method = None if quant_config is None else quant_config.get_embedding_method(self, prefix)
         if method is not None:

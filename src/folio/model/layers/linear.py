@@ -181,6 +181,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._load_shard(param, loaded, offset, self.output_sizes[shard_id], tp_rank())
 
 
+def heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, ranks sharing each KV head) of one rank: KV heads
+    are replicated when there are fewer of them than ranks. `folio plan` sizes
+    ranks with this too. A tensor-parallel size that does not divide is a ValueError."""
+    heads = _divide(num_heads, tp, "number of attention heads")
+    if num_kv_heads >= tp:
+        return heads, _divide(num_kv_heads, tp, "number of KV heads"), 1
+    return heads, 1, _divide(tp, num_kv_heads, "tensor-parallel size over KV heads")
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections split by heads. KV heads are replicated when
     there are fewer of them than ranks (each rank keeps the one it needs)."""
@@ -190,13 +200,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                  quant_config: Optional[QuantizationConfig] = None, prefix: str = ""):
         tp = tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp, "number of attention heads")
-        if num_kv_heads >= tp:
-            self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
-            self.kv_replicas = 1
-        else:
-            self.kv_replicas = _divide(tp, num_kv_heads, "tensor-parallel size over KV heads")
-            self.num_kv_heads = 1
+        self.num_heads, self.num_kv_heads, self.kv_replicas = heads_per_rank(
+            num_heads, num_kv_heads, tp)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden, out, bias, dtype, quant_config, prefix)
 

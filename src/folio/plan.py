@@ -1,0 +1,242 @@
+"""`folio plan`: size a deployment before the hardware is bought.
+
+Memory, from Folio's own layout code: a rank's heads and vocabulary shard come
+from the functions the tensor-parallel layers use (`heads_per_rank`,
+`vocab_shard`), and a linear layer's bytes in a format from the packing code
+(`bench/weights.py`'s `linear_bytes`, which packs with IntGroups). Embedding
+and LM head stay bf16 (as GPTQ and AWQ checkpoints keep them); the KV cache is
+bf16. A GPU's usable memory is `--gpu-memory-utilization` (0.9, as `folio
+serve`) of it, less the activations of the largest step (its token budget x
+(4 x hidden + 3 x intermediate per rank) x 2 bytes, plus 256 rows of fp32
+logits). The tensor-parallel size is the smallest power of two (dividing the
+heads) at which one sequence of prompt + output tokens fits.
+
+Speed, a roofline with stated efficiencies (the catalog's): a decode step at
+batch B reads the rank's weights and B sequences' KV cache (mean context:
+prompt + output / 2) at bandwidth x efficiency, or does 2 x (linear + LM head)
+parameters x B FLOPs at peak x efficiency, whichever takes longer; prefill is
+compute-bound, 2 x linear parameters FLOPs a token. Attention's own FLOPs and
+tensor-parallel communication are left out. A replica then serves 1 / (P / prefill rate +
+O / decode rate) requests a second, at B = the largest batch that fits (at
+most 256).
+
+Money: replicas for the larger of the peak rate and the day's mean, each
+`gpus_per_replica` GPUs at the hourly price, 730 hours a month; the API's
+cost is the day's tokens at its input and output prices, split by the
+prompt:output ratio; break-even is the daily volume at which the API would
+cost what the deployment costs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Optional
+
+from folio.bench.weights import Shape
+
+HOURS_PER_MONTH = 730.0
+DAYS_PER_MONTH = HOURS_PER_MONTH / 24
+QUANTIZATIONS = {"none": 2, "int8": (8, -1), "awq": (4, 128), "gptq": (4, 128)}
+MAX_SEQS = 256
+
+
+def load_catalog(extra: Optional[str] = None) -> dict:
+    with resources.files("folio").joinpath("plan_catalog.json").open() as f:
+        catalog = json.load(f)
+    if extra:
+        try:
+            with open(extra) as f:
+                more = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--catalog {extra}: {e}") from None
+        for section in ("gpus", "models"):
+            catalog[section].update(more.get(section, {}))
+    return catalog
+
+
+def model_shape(spec: str, catalog: dict) -> tuple[str, Shape]:
+    """(name, shape) of a catalog name, or of a Hugging Face config.json (or the
+    folder holding one)."""
+    if spec.lower() in catalog["models"]:
+        cfg, name = catalog["models"][spec.lower()], spec.lower()
+    else:
+        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+        if not os.path.isfile(path):
+            raise ValueError(f"--model {spec!r} is neither a catalog name ("
+                             f"{', '.join(sorted(catalog['models']))}) nor a config.json")
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
+        name = path
+    try:
+        heads = int(cfg["num_attention_heads"])
+        return name, Shape(int(cfg["hidden_size"]), int(cfg["intermediate_size"]),
+                           int(cfg["num_hidden_layers"]), heads,
+                           int(cfg.get("num_key_value_heads") or heads),
+                           int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+                           int(cfg["vocab_size"]), bool(cfg.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise ValueError(f"{name} lacks {e.args[0]}") from None
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One tensor-parallel rank of a model: its linear layers (out, in) and shards."""
+    tp: int
+    projections: tuple[tuple[int, int], ...]
+    kv_heads: int
+    heads: int
+    vocab_rows: int
+
+    @classmethod
+    def of(cls, m: Shape, tp: int) -> "Rank":
+        from folio.model.layers.embedding import vocab_shard
+        from folio.model.layers.linear import _divide, heads_per_rank
+        heads, kv, _ = heads_per_rank(m.heads, m.kv_heads, tp)
+        inter = _divide(m.intermediate, tp, "intermediate size")
+        projections = (((heads + 2 * kv) * m.head_dim, m.hidden),     # qkv, column-parallel
+                       (m.hidden, heads * m.head_dim),                 # o, row-parallel
+                       (2 * inter, m.hidden),                          # gate_up
+                       (m.hidden, inter))                              # down
+        return cls(tp, projections, kv, heads, vocab_shard(m.vocab, tp))
+
+    def linear_parameters(self, m: Shape) -> int:
+        return m.layers * sum(n * k for n, k in self.projections)
+
+
+def weights_bytes(m: Shape, rank: Rank, quantization: str) -> int:
+    """One GPU's weights: linear layers in the format, embedding and head bf16, norms."""
+    from folio.bench.weights import linear_bytes
+    fmt = QUANTIZATIONS[quantization]
+    linear = m.layers * sum(linear_bytes(n, k, fmt) for n, k in rank.projections)
+    tables = rank.vocab_rows * m.hidden * 2 * (1 if m.tied else 2)
+    norms = (2 * m.layers + 1) * m.hidden * 2
+    return linear + tables + norms
+
+
+def kv_bytes_per_token(m: Shape, rank: Rank) -> int:
+    return m.layers * 2 * rank.kv_heads * m.head_dim * 2          # keys and values, bf16
+
+
+def activation_bytes(m: Shape, rank: Rank, step_tokens: int) -> int:
+    inter = rank.projections[3][1]
+    return step_tokens * (4 * m.hidden + 3 * inter) * 2 + MAX_SEQS * m.vocab * 4
+
+
+def step_tokens_for(seq_len: int, gpu: dict) -> int:
+    """The step's token budget, as `folio serve` picks it: the model length clamped to
+    2048..8192 on CUDA; the catalog's `step_tokens` (512 on the CPU)."""
+    return gpu.get("step_tokens") or min(8192, max(2048, seq_len))
+
+
+def fit(m: Shape, gpu: dict, quantization: str, seq_len: int, tp: int,
+        utilization: float) -> Optional[dict]:
+    """The memory picture of one GPU at tensor-parallel size tp, or None where tp
+    does not divide the model."""
+    try:
+        rank = Rank.of(m, tp)
+    except ValueError:
+        return None
+    weights = weights_bytes(m, rank, quantization)
+    kv = kv_bytes_per_token(m, rank)
+    usable = gpu["memory_gb"] * 1e9 * utilization
+    free = usable - weights - activation_bytes(m, rank, step_tokens_for(seq_len, gpu))
+    return {"rank": rank, "weights": weights, "kv_per_token": kv,
+            "max_batch": max(0, int(free // (kv * seq_len)))}
+
+
+def decode_tokens_per_s(m: Shape, gpu: dict, f: dict, batch: int, context: float) -> float:
+    rank = f["rank"]
+    read = f["weights"] + batch * context * f["kv_per_token"]
+    t_mem = read / (gpu["bandwidth_gbs"] * 1e9 * gpu["bandwidth_efficiency"])
+    # every decoded token also runs the LM head (its vocabulary shard)
+    flops = 2 * (rank.linear_parameters(m) + rank.vocab_rows * m.hidden) * batch
+    t_flops = flops / (gpu["bf16_tflops"] * 1e12 * gpu["flops_efficiency"])
+    return batch / max(t_mem, t_flops)
+
+
+def prefill_tokens_per_s(m: Shape, gpu: dict, f: dict) -> float:
+    per_token = 2 * f["rank"].linear_parameters(m)
+    return gpu["bf16_tflops"] * 1e12 * gpu["flops_efficiency"] / per_token
+
+
+def plan(args) -> dict:
+    catalog = load_catalog(args.catalog)
+    if args.gpu not in catalog["gpus"]:
+        raise ValueError(f"--gpu {args.gpu!r}: the catalog has {', '.join(catalog['gpus'])}")
+    gpu = dict(catalog["gpus"][args.gpu])
+    if args.gpu_hour_price is not None:
+        gpu["hour_price"] = args.gpu_hour_price
+    name, m = model_shape(args.model, catalog)
+    seq = args.prompt_len + args.output_len
+    limit = gpu.get("max_tensor_parallel", 8)
+    tried = [(tp, fit(m, gpu, args.quantization, seq, tp, args.gpu_memory_utilization))
+             for tp in (1, 2, 4, 8) if tp <= limit]
+    fitting = [(tp, f) for tp, f in tried if f is not None and f["max_batch"] >= 1]
+    if not fitting:
+        biggest = max((tp for tp, f in tried if f is not None), default=1)
+        f = next(f for tp, f in tried if tp == biggest and f is not None)
+        raise ValueError(f"{name} ({args.quantization}) does not fit on {limit if limit > 1 else 'one'} "
+                         f"{args.gpu}: {f['weights'] / 1e9:.1f} GB of weights per GPU at "
+                         f"tensor-parallel size {biggest}, of {gpu['memory_gb']} GB")
+    tp, f = fitting[0]
+    batch = min(MAX_SEQS, f["max_batch"])
+    decode = decode_tokens_per_s(m, gpu, f, batch, args.prompt_len + args.output_len / 2)
+    prefill = prefill_tokens_per_s(m, gpu, f)
+    capacity = 1.0 / (args.prompt_len / prefill + args.output_len / decode)
+    mean_rps = args.tokens_per_day / seq / 86400
+    replicas = max(1, math.ceil(max(args.peak_rps, mean_rps) / capacity))
+    gpus = replicas * tp
+    monthly = gpus * gpu["hour_price"] * HOURS_PER_MONTH
+    tokens_month = args.tokens_per_day * DAYS_PER_MONTH
+    out = {"model": name, "quantization": args.quantization, "gpu": args.gpu,
+           "gpus_per_replica": tp, "replicas": replicas, "gpus": gpus,
+           "weights_bytes_per_gpu": f["weights"],
+           "weights_bytes_per_replica": f["weights"] * tp,        # ranks are alike
+           "kv_bytes_per_token": f["kv_per_token"], "max_batch": f["max_batch"],
+           "batch": batch, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+           "requests_per_s_per_replica": capacity, "monthly_cost": monthly,
+           "cost_per_1k_tokens": monthly / (tokens_month / 1000) if tokens_month else None,
+           "calibrated": bool(gpu.get("calibrated")),
+           "efficiencies": {"bandwidth": gpu["bandwidth_efficiency"],
+                            "flops": gpu["flops_efficiency"]}}
+    if args.api_price is not None:
+        price_in, price_out = args.api_price
+        per_token = (args.prompt_len * price_in + args.output_len * price_out) / seq / 1e6
+        out["api_monthly_cost"] = tokens_month * per_token
+        out["break_even_tokens_per_day"] = monthly / DAYS_PER_MONTH / per_token
+    else:
+        out["api_monthly_cost"] = out["break_even_tokens_per_day"] = None
+    return out
+
+
+def report(r: dict) -> str:
+    lines = [f"{r['model']} ({r['quantization']}) on {r['gpu']}",
+             f"  weights {r['weights_bytes_per_gpu'] / 1e9:.2f} GB per GPU at tensor-parallel "
+             f"size {r['gpus_per_replica']} ({r['weights_bytes_per_replica'] / 1e9:.2f} GB a "
+             f"replica); KV {r['kv_bytes_per_token'] / 1e3:.1f} KB per token per GPU",
+             f"  largest batch that fits: {r['max_batch']} sequences; planned at {r['batch']}",
+             f"  estimated decode {r['decode_tokens_per_s']:.0f} tok/s and prefill "
+             f"{r['prefill_tokens_per_s']:.0f} tok/s a replica (roofline, efficiencies "
+             f"{r['efficiencies']['bandwidth']:.2f} bandwidth / {r['efficiencies']['flops']:.2f} "
+             f"FLOPs, {'measured' if r['calibrated'] else 'assumed, not measured'}): "
+             f"{r['requests_per_s_per_replica']:.2f} requests/s",
+             f"  {r['replicas']} replicas, {r['gpus']} GPUs: ${r['monthly_cost']:,.0f}/month"
+             + (f", ${r['cost_per_1k_tokens']:.4f} per 1K tokens"
+                if r["cost_per_1k_tokens"] is not None else "")]
+    if r["api_monthly_cost"] is not None:
+        lines.append(f"  the API: ${r['api_monthly_cost']:,.0f}/month; self-hosting breaks even "
+                     f"at {r['break_even_tokens_per_day'] / 1e6:,.1f}M tokens/day")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    result = plan(args)
+    print(json.dumps(result) if args.json else report(result))
+    return 0

@@ -1,0 +1,137 @@
+"""`folio plan` against hand-computed cases (memory, batch, speed, GPUs,
+break-even) and the figures everyone quotes: Llama-3-70B in bf16 is ~140 GB of
+weights on two 80 GB GPUs, 4-bit fits one, and 10M tokens a day at $15 per 1M
+is ~$4,500 a month of API spend."""
+
+import json
+import math
+
+import pytest
+
+from folio.bench.weights import FORMATS, Shape, shape_table
+from folio.cli import main
+from folio.plan import Rank, load_catalog, weights_bytes
+
+CFG = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 2,
+       "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
+       "vocab_size": 1000, "tie_word_embeddings": False}
+# a GPU with round numbers: 1 GB, 100 GB/s, 1 TFLOP/s, $1 an hour, efficiencies 1
+GPU = {"memory_gb": 1, "bandwidth_gbs": 100, "bf16_tflops": 1, "hour_price": 1.0,
+       "bandwidth_efficiency": 1.0, "flops_efficiency": 1.0}
+
+
+def run(capsys, *args) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CFG))
+    (tmp_path / "catalog.json").write_text(json.dumps({"gpus": {"round": GPU}}))
+    return tmp_path
+
+
+def test_a_small_model_by_hand(files, capsys):
+    r = run(capsys, "--model", str(files / "config.json"), "--gpu", "round",
+            "--catalog", str(files / "catalog.json"), "--tokens-per-day", "1e6",
+            "--peak-rps", "1000", "--prompt-len", "100", "--output-len", "28",
+            "--api-price", "1,3")
+    # per layer: qkv 3072 x 1024, o 1024 x 1024, gate_up 8192 x 1024, down 1024 x 4096
+    linear = 2 * (3072 * 1024 + 1024 * 1024 + 8192 * 1024 + 1024 * 4096)      # 33,554,432
+    weights = linear * 2 + 1000 * 1024 * 2 * 2 + (2 * 2 + 1) * 1024 * 2
+    assert r["weights_bytes_per_gpu"] == weights == 71_215_104
+    assert r["gpus_per_replica"] == 1
+    assert r["kv_bytes_per_token"] == 2 * 2 * 8 * 128 * 2 == 8192
+    # 0.9 GB usable, less activations of a 2048-token step and 256 rows of logits
+    activations = 2048 * (4 * 1024 + 3 * 4096) * 2 + 256 * 1000 * 4
+    assert r["max_batch"] == (900_000_000 - weights - activations) // (8192 * 128) == 725
+    # decode at 256: FLOPs (17.7 ms) outlast the bytes (3.1 ms)
+    flops = 2 * (linear + 1000 * 1024) * 256 / 1e12
+    read = (weights + 256 * (100 + 14) * 8192) / 100e9
+    assert flops > read
+    assert r["decode_tokens_per_s"] == pytest.approx(256 / flops)
+    assert r["prefill_tokens_per_s"] == pytest.approx(1e12 / (2 * linear))
+    capacity = 1 / (100 / (1e12 / (2 * linear)) + 28 / (256 / flops))
+    assert r["requests_per_s_per_replica"] == pytest.approx(capacity)        # ~115.6
+    assert r["replicas"] == math.ceil(1000 / capacity) == 9
+    assert r["monthly_cost"] == pytest.approx(9 * 730)
+    tokens_month = 1e6 * 730 / 24
+    assert r["cost_per_1k_tokens"] == pytest.approx(9 * 730 / (tokens_month / 1000))
+    per_token = (100 * 1 + 28 * 3) / 128 / 1e6
+    assert r["api_monthly_cost"] == pytest.approx(tokens_month * per_token)
+    assert r["break_even_tokens_per_day"] == pytest.approx(9 * 730 / (730 / 24) / per_token)
+
+
+def test_the_figures_everyone_quotes(capsys):
+    bf16 = run(capsys, "--model", "llama-3-70b", "--gpu", "h100-80gb", "--tokens-per-day",
+               "10e6", "--api-price", "15,15")
+    assert 139e9 < bf16["weights_bytes_per_replica"] < 142e9          # ~140 GB
+    assert bf16["gpus_per_replica"] == 2                               # two 80 GB GPUs
+    assert 4400 < bf16["api_monthly_cost"] < 4600                      # ~$4,500 a month
+    awq = run(capsys, "--model", "llama-3-70b", "--quantization", "awq", "--gpu", "h100-80gb",
+              "--tokens-per-day", "10e6")
+    assert awq["gpus_per_replica"] == 1 and awq["weights_bytes_per_gpu"] < 45e9
+    assert awq["max_batch"] > bf16["max_batch"] >= 1
+
+
+def test_the_weights_are_the_packing_codes_bytes():
+    """The plan's linear layers at tensor-parallel size 1 are `folio bench weights`'s."""
+    catalog = load_catalog()
+    for name in ("llama-3-8b", "llama-3-70b"):
+        c = catalog["models"][name]
+        m = Shape(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                  c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                  c["vocab_size"], c["tie_word_embeddings"])
+        table = shape_table({name: m})[name]
+        norms = (2 * m.layers + 1) * m.hidden * 2
+        for quant, fmt in (("none", "bf16"), ("int8", "int8 (per channel)"),
+                           ("awq", "int4 g128 (GPTQ/AWQ/int4)")):
+            assert weights_bytes(m, Rank.of(m, 1), quant) - norms == (
+                table["formats"][fmt]["total_bytes"]), (name, quant)
+        assert {"bf16", "int8 (per channel)", "int4 g128 (GPTQ/AWQ/int4)"} <= set(FORMATS)
+        # two ranks split every layer: each holds half the linear bytes (bf16)
+        half = Rank.of(m, 2)
+        assert half.kv_heads == m.kv_heads // 2 and half.heads == m.heads // 2
+
+
+def test_kv_heads_are_replicated_past_their_count_and_bad_sizes_are_skipped():
+    catalog = load_catalog()
+    c = catalog["models"]["qwen2.5-7b"]                      # 28 heads, 4 KV heads
+    m = Shape(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], 28, 4, 128,
+              c["vocab_size"], False)
+    assert Rank.of(m, 4).kv_heads == 1
+    with pytest.raises(ValueError, match="not divisible"):
+        Rank.of(m, 8)                                        # 28 heads over 8 ranks
+
+
+def test_what_cannot_fit_or_be_read_is_one_clear_error(tmp_path, capsys):
+    assert main(["plan", "--model", "llama-3-70b", "--gpu", "cpu", "--tokens-per-day", "1"]) == 1
+    assert "does not fit on one cpu" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-9", "--tokens-per-day", "1"]) == 1
+    assert "neither a catalog name" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert main(["plan", "--model", str(tmp_path), "--tokens-per-day", "1"]) == 1
+    assert "lacks" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3-8b", "--gpu", "tpu", "--tokens-per-day", "1"]) == 1
+    assert "the catalog has" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-3-8b", "--tokens-per-day", "1", "--api-price", "3"])
+
+
+def test_the_default_model_on_this_machine(capsys):
+    r = run(capsys, "--model", "smollm2-135m", "--gpu", "cpu", "--tokens-per-day", "1e6")
+    assert r["gpus_per_replica"] == 1 and r["calibrated"] is True
+    assert 0.26e9 < r["weights_bytes_per_gpu"] < 0.28e9       # 135M in bf16, tied
+
+
+def test_the_readmes_worked_example_is_what_the_command_prints(capsys):
+    import re
+    import shlex
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```\n\$ (folio plan .*?)\n```", readme, re.S)[1]
+    command, _, printed = block.partition("\nllama")
+    argv = shlex.split(command.replace("\\\n", " "))[1:]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == ("llama" + printed).strip()
