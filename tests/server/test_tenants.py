@@ -102,8 +102,20 @@ def test_tokens_are_estimated_at_admission_and_settled_at_the_end():
     with pytest.raises(RateLimited) as e:
         limiter.admit(tenant, 400)                # 750 used: 150 over
     assert e.value.retry_after == 60              # the first entry (250) frees enough at +60
-    with pytest.raises(ValueError, match="more than tenant 't'"):
-        limiter.admit(tenant, 1001)               # can never fit: a 400, not a 429
+    with pytest.raises(ValueError, match="the prompt has 1001 tokens, more than tenant 't'"):
+        limiter.admit(tenant, 1100, prompt=1001)  # can never run: a 400, not a 429
+    clock.t += 61                                 # the window is empty again
+    big = limiter.admit(tenant, 5000, prompt=10)  # max_tokens past the limit: counts as 1000
+    with pytest.raises(RateLimited):
+        limiter.admit(tenant, 1, prompt=1)
+    big.settle(40)
+    limiter.admit(tenant, 900, prompt=10)
+
+
+def test_a_prompt_longer_than_the_days_tokens_is_a_400_not_a_429_until_midnight():
+    limiter, tenant = Limiter(Clock()), Tenant("t", tokens_per_day=100)
+    with pytest.raises(ValueError, match="100 tokens per day"):
+        limiter.admit(tenant, 150, prompt=120)
 
 
 def test_tokens_per_day_reset_at_midnight_utc():
@@ -171,6 +183,28 @@ def test_folio_usage_errors_are_one_line(tmp_path, capsys, args, message):
     argv = ["usage", "--db", path, *args] if "--db" not in args else ["usage", *args]
     assert main(argv) == 1
     assert message in capsys.readouterr().err
+
+
+def test_rows_after_close_are_written_at_once_and_a_replace_turns_a_row_into_an_abort(tmp_path):
+    path = str(tmp_path / "u.db")
+    ledger = UsageLedger(path)
+    ledger.submit(row("r1", "a", 1.0)).result(10)
+    ledger.close()
+    ledger.submit(row("late", "a", 2.0)).result(10)          # after shutdown began
+    aborted = UsageRow("r1", 3.0, "a", "m", 10, 2, 5, 0.5, "abort", True, None)
+    ledger.submit(aborted, replace=True).result(10)
+    rows = sqlite3.connect(path).execute(
+        "SELECT request_id, aborted, finish_reason FROM usage ORDER BY request_id").fetchall()
+    assert rows == [("late", 0, "length"), ("r1", 1, "abort")]
+
+
+def test_a_row_the_database_refuses_fails_its_future_and_the_writer_lives_on(tmp_path):
+    ledger = UsageLedger(str(tmp_path / "u.db"))
+    with pytest.raises(RuntimeError, match="the usage ledger failed"):
+        ledger.submit(row("huge", "a", 1.0, prompt=2**70)).result(10)    # too big for SQLite
+    ledger.submit(row("fine", "a", 1.0)).result(10)
+    ledger.close()
+    assert [r["requests"] for r in usage_rows(str(tmp_path / "u.db"))] == [1]
 
 
 def test_concurrent_writers_each_see_their_own_commit(tmp_path):

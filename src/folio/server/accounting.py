@@ -11,6 +11,8 @@ generated and writes its row without waiting.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -42,9 +44,10 @@ class Accounting:
 
     def admit(self, tenant: Tenant, calls: list[EngineCall], response_id: str) -> "Ticket":
         """`response_id`: the id the client sees, the ledger row's key."""
-        estimate = sum(len(c.prompt_ids) + _max_tokens(c) for c in calls)
+        prompt = sum(len(c.prompt_ids) for c in calls)
+        estimate = prompt + sum(_max_tokens(c) for c in calls)
         try:
-            admission = self.limiter.admit(tenant, estimate)
+            admission = self.limiter.admit(tenant, estimate, prompt)
         except RateLimited as e:
             raise HTTPError(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         return Ticket(self, tenant, response_id, admission)
@@ -76,8 +79,14 @@ class Ticket:
             return
         self.ended = True
         row = self.accounting._charge(self, outputs, aborted=False)
-        if self.accounting.ledger is not None:
-            await self.accounting.ledger.record(row)
+        ledger = self.accounting.ledger
+        if ledger is not None:
+            try:
+                await ledger.record(row)
+            except asyncio.CancelledError:  # the answer never went out: an abort after all
+                ledger.submit(dataclasses.replace(row, aborted=True, finish_reason="abort"),
+                              replace=True)
+                raise
 
     def abandon(self) -> None:
         if self.ended:

@@ -11,13 +11,14 @@ import asyncio
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from folio.chat_template import ChatTemplateError
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, random_id
 from folio.server.tools import template_messages, tool_calls
-from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, choice_usage, collect,
+from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStream,
+                                  choice_usage, collect,
                                   holdback, merged, sse, sse_error, token_text, usage)
 
 _TEMPLATE_FAULT = "the chat template"     # how chat_template.py's messages name the template
@@ -194,13 +195,11 @@ async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest
     [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids)])
     ticket = served.accounting.admit(raw.state.tenant, [call], call.request_id)
     if req.stream:
-        return StreamingResponse(_stream(served, req, call, now(), ticket),
-                                 media_type="text/event-stream")
+        return TicketedStream(_stream(served, req, call, now(), ticket), ticket)
     try:
         outputs = await collect(served, [call], raw, ticket.seen)
-    except BaseException:           # the client left, or the call failed
+        body = _final(served, req, outputs[0])
+        await ticket.complete(outputs)
+    finally:                        # the client left, or the call or the answer failed
         ticket.abandon()
-        raise
-    body = _final(served, req, outputs[0])
-    await ticket.complete(outputs)
     return JSONResponse(body)

@@ -13,13 +13,14 @@ import dataclasses
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from folio.engine.protocol import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import CompletionRequest, now, random_id
-from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, choice_usage,
-                                  collect, holdback, merged, sse, sse_error, token_text, usage)
+from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, TicketedStream,
+                                  choice_usage, collect, holdback, merged, sse, sse_error,
+                                  token_text, usage)
 
 
 async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
@@ -207,13 +208,13 @@ async def create_completion(served: ServedModel, req: CompletionRequest, raw: Re
     ticket = served.accounting.admit(raw.state.tenant, calls,
                                      calls[0].request_id.rsplit("-", 1)[0])
     if req.stream:
-        return StreamingResponse(_stream(served, req, calls, now(), ticket),
-                                 media_type="text/event-stream")
+        return TicketedStream(_stream(served, req, calls, now(), ticket), ticket)
     try:
         outputs = await collect(served, calls, raw, ticket.seen)
-    except BaseException:           # the client left, or a call failed
+        body = _final(served, req, outputs)
+        # a scoring answer is charged as it is sent: without the one dropped token
+        await ticket.complete([_prompt_only(o) for o in outputs] if req.scores_prompt_only
+                              else outputs)
+    finally:                        # the client left, or a call or the answer failed
         ticket.abandon()
-        raise
-    body = _final(served, req, outputs)
-    await ticket.complete(outputs)
     return JSONResponse(body)

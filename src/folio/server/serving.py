@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from folio.engine.protocol import EngineClient, EngineDeadError, Params
 from folio.outputs import CompletionOutput, RequestOutput
@@ -166,6 +166,27 @@ async def merged(served: ServedModel, calls: list[EngineCall]
         for t in tasks:           # cancelling a pump aborts its engine request
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class TicketedStream(StreamingResponse):
+    """Server-sent events whose request is charged however the response ends:
+    the stream is closed (its engine requests aborted) and the ticket abandoned
+    (a no-op once completed) even when the client left before the first chunk
+    was read, or while the stream waited at a chunk."""
+
+    def __init__(self, content, ticket):
+        super().__init__(content, media_type="text/event-stream")
+        self._ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            except BaseException:       # noqa: BLE001 - cancelled while closing: go on
+                pass
+            self._ticket.abandon()
 
 
 def sse(payload: dict) -> str:

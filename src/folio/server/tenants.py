@@ -11,8 +11,9 @@ tenant and nothing is asked.
 Limits are checked when a request is admitted (its prompt tokens are known,
 its completion is at most max_tokens): requests in the last 60 s, tokens in
 the last 60 s and tokens since 00:00 UTC, each with this request's prompt
-and max_tokens counted, as OpenAI's rate limits count them. A refused request
-is a 429 with Retry-After and is charged nothing. An admitted request holds
+and max_tokens counted, as OpenAI's rate limits count them (an estimate above
+a limit counts as the limit; a prompt alone above it is a 400). A refused
+request is a 429 with Retry-After and is charged nothing. An admitted request holds
 its estimate until it finishes, when the estimate is replaced by the tokens
 it really used (an aborted request pays for what it generated).
 """
@@ -169,8 +170,18 @@ class Limiter:
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
 
-    def admit(self, tenant: Tenant, estimate: int) -> "Admission":
-        """Charge one request and `estimate` tokens, or raise RateLimited (charging nothing)."""
+    def admit(self, tenant: Tenant, estimate: int, prompt: int = 0) -> "Admission":
+        """Charge one request and `estimate` tokens, or raise RateLimited (charging
+        nothing). A request whose prompt alone exceeds a token limit can never run
+        (ValueError); an estimate above a limit counts as the limit (max_tokens
+        defaults to the context's room, which may exceed a small limit)."""
+        for limit, what in ((tenant.tokens_per_minute, "tokens per minute"),
+                            (tenant.tokens_per_day, "tokens per day")):
+            if limit is not None:
+                if prompt > limit:
+                    raise ValueError(f"the prompt has {prompt} tokens, more than tenant "
+                                     f"{tenant.name!r}'s {limit} {what}")
+                estimate = min(estimate, limit)
         now = self._clock()
         with self._lock:
             u = self._usage.setdefault(tenant.name, _Usage())
@@ -181,10 +192,6 @@ class Limiter:
                 raise RateLimited(f"tenant {tenant.name!r} is over its limit of {rpm} requests "
                                   f"per minute", u.requests[0] + WINDOW_S - now)
             if tpm is not None:
-                if estimate > tpm:
-                    raise ValueError(f"this request may use {estimate} tokens (prompt and "
-                                     f"max_tokens), more than tenant {tenant.name!r}'s "
-                                     f"{tpm} tokens per minute: lower max_tokens")
                 used = sum(n for _, n in u.tokens)
                 if used + estimate > tpm:
                     raise RateLimited(f"tenant {tenant.name!r} is over its limit of {tpm} "

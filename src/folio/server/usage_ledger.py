@@ -74,13 +74,25 @@ class UsageLedger:
             raise ValueError(f"--usage-db {path}: {e}") from None
         self.path = path
         self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="folio-ledger", daemon=True)
         self._thread.start()
 
-    def submit(self, row: UsageRow) -> Future:
-        """Queue a row; the future is done once its batch is committed."""
+    def submit(self, row: UsageRow, replace: bool = False) -> Future:
+        """Queue a row; the future is done once its batch is committed. `replace`:
+        the row replaces one of the same id (a completion cancelled while it
+        committed becomes an abort). After close, the row is written at once."""
         done: Future = Future()
-        self._queue.put((row, done))
+        with self._lock:
+            if not self._closed:
+                self._queue.put((row, done, replace))
+                return done
+        db = connect(self.path)              # a late row, after shutdown began
+        try:
+            self._commit(db, [(row, done, replace)])
+        finally:
+            db.close()
         return done
 
     async def record(self, row: UsageRow) -> None:
@@ -88,40 +100,44 @@ class UsageLedger:
         await asyncio.wrap_future(self.submit(row))
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Commit what is queued and stop the writer; later rows are written at once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(30)
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            batch = [item]
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
             while len(batch) < BATCH:
                 try:
-                    nxt = self._queue.get_nowait()
+                    batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                if nxt is None:
-                    self._commit(batch)
-                    self._db.close()
-                    return
-                batch.append(nxt)
-            self._commit(batch)
+            stop = None in batch            # nothing is queued after the sentinel
+            self._commit(self._db, [item for item in batch if item is not None])
         self._db.close()
 
-    def _commit(self, batch) -> None:
+    @staticmethod
+    def _commit(db: sqlite3.Connection, batch) -> None:
+        if not batch:
+            return
         try:
-            with self._db:
-                self._db.executemany(
-                    "INSERT OR IGNORE INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    [astuple(row) for row, _ in batch])
-        except sqlite3.Error as e:
+            with db:
+                for verb, rows in (("INSERT OR IGNORE", [r for r, _, rep in batch if not rep]),
+                                   ("INSERT OR REPLACE", [r for r, _, rep in batch if rep])):
+                    if rows:
+                        db.executemany(f"{verb} INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                                       [astuple(row) for row in rows])
+        except Exception as e:              # noqa: BLE001 - the writer must not die
             logger.error("the usage ledger could not commit %d rows: %s", len(batch), e)
-            for _, done in batch:
+            for _, done, _ in batch:
                 _resolve(done, RuntimeError(f"the usage ledger failed: {e}"))
             return
-        for _, done in batch:
+        for _, done, _ in batch:
             _resolve(done, None)
 
 
