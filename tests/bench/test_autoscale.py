@@ -122,6 +122,14 @@ def test_least_outstanding_routing_avoids_the_busy_replica():
         run(FLAT, arrivals, fixed, routing="random")
 
 
+def test_a_partial_values_file_is_merged_over_the_charts(tmp_path):
+    partial = tmp_path / "values.yaml"
+    partial.write_text("autoscaling:\n  maxReplicas: 20\n  scaleUp:\n    pods: 4\n")
+    behaviour, target, seqs = chart_settings(partial)
+    assert (behaviour.max_replicas, behaviour.up_pods, behaviour.up_period_s) == (20, 4, 60.0)
+    assert (target, seqs, behaviour.down_window_s) == (2.0, 16, 300.0)
+
+
 def test_the_commands_defaults_are_the_charts_values():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert chart_settings(CHART / "values.yaml") == chart_settings(None)

@@ -3,6 +3,8 @@ validates strictly against its schema, the container runs a `folio serve`
 command line that Folio's own parser takes, and impossible values fail the
 render with a message that says why."""
 
+import re
+
 import pytest
 import yaml
 
@@ -108,9 +110,14 @@ def test_the_pod_drains_before_it_is_killed_and_starts_slowly_without_restarts()
 
 
 def test_gpus_are_requested_per_tensor_parallel_rank_and_not_on_cpu():
-    gpu = by_kind(render("accelerator=gpu", "model.tensorParallelSize=4"))["Deployment"]
-    res = gpu["spec"]["template"]["spec"]["containers"][0]["resources"]
+    gpu = by_kind(render("accelerator=gpu", "model.tensorParallelSize=4",
+                         "resources.limits.nvidia\\.com/gpu=1"))["Deployment"]
+    container = gpu["spec"]["template"]["spec"]["containers"][0]
+    res = container["resources"]
     assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 4
+    assert container["image"] == "folio:cuda"                   # the tag follows the mode
+    assert by_kind(render())["Deployment"]["spec"]["template"]["spec"]["containers"][0][
+        "image"] == "folio:cpu"
     cpu = by_kind(render())["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in str(cpu["resources"])
     assert cpu["resources"] == VALUES["resources"]
@@ -128,7 +135,7 @@ def test_hpa_and_keda_scale_on_the_same_queue_with_the_same_behaviour():
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
     assert trigger["metadata"]["threshold"] == target
     assert trigger["metadata"]["query"] == (
-        'sum(folio:num_requests_waiting{namespace="ml",pod=~"llm-folio-.*"})')
+        'sum(folio:num_requests_waiting{namespace="ml",pod=~"llm-folio-[a-z0-9]+-[a-z0-9]+"})')
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (
         keda["minReplicaCount"], keda["maxReplicaCount"]) == (auto["minReplicas"],
                                                               auto["maxReplicas"])
@@ -136,6 +143,14 @@ def test_hpa_and_keda_scale_on_the_same_queue_with_the_same_behaviour():
     assert hpa["behavior"] == behaviour
     assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == 300
     assert behaviour["scaleUp"]["stabilizationWindowSeconds"] == 0
+
+
+def test_the_service_monitor_and_rules_carry_the_labels_prometheus_selects():
+    o = by_kind(render("metrics.serviceMonitor.labels.release=kps",
+                       "metrics.prometheusRule.labels.release=kps"))
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        assert o[kind]["metadata"]["labels"]["release"] == "kps"
+        validate(o[kind])
 
 
 def test_scrape_annotations_replace_the_service_monitor_when_it_is_off():
@@ -174,8 +189,12 @@ def test_the_objects_point_at_each_other(variant):
     assert service["spec"]["ports"][0]["targetPort"] in {p["name"] for p in container["ports"]}
     scaler = o.get("HorizontalPodAutoscaler") or o["ScaledObject"]
     assert scaler["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
-    # the KEDA query's pod pattern takes the Deployment's pods (NAME-<hash>-<id>)
+    # the KEDA query's pod pattern takes the Deployment's pods (NAME-<hash>-<id>), and
+    # not those of a release NAME-canary (PromQL anchors a regex at both ends)
     if "ScaledObject" in o:
-        assert f'pod=~"{deployment["metadata"]["name"]}-.*"' in (
-            scaler["spec"]["triggers"][0]["metadata"]["query"])
+        pattern = re.search(r'pod=~"([^"]+)"', scaler["spec"]["triggers"][0]["metadata"]
+                            ["query"])[1]
+        name = deployment["metadata"]["name"]
+        assert re.fullmatch(pattern, f"{name}-5d8c9b7f4-x2x9q")
+        assert not re.fullmatch(pattern, f"{name}-canary-5d8c9b7f4-x2x9q")
     assert "replicas" not in deployment["spec"]         # the autoscaler owns the count

@@ -185,8 +185,9 @@ class Autoscaler:
         self.recommendations.append((t, raw))
         keep = max(b.up_window_s, b.down_window_s)
         self.recommendations = [(s, r) for s, r in self.recommendations if s >= t - keep]
-        up = min(r for s, r in self.recommendations if s >= t - b.up_window_s)
-        down = max(r for s, r in self.recommendations if s >= t - b.down_window_s)
+        # the windows hold the recommendations of the last W seconds, this one included
+        up = min(r for s, r in self.recommendations if s > t - b.up_window_s or s == t)
+        down = max(r for s, r in self.recommendations if s > t - b.down_window_s or s == t)
         desired = current
         if up > current:
             added = sum(c for s, c in self.changes if c > 0 and s > t - b.up_period_s)

@@ -108,7 +108,8 @@ def chart_settings(path) -> tuple[Behaviour, float, int]:
     if path:
         import yaml
         with open(path) as f:
-            values = yaml.safe_load(f) or {}
+            given = yaml.safe_load(f) or {}
+        values = _merged(CHART_DEFAULTS, given) if isinstance(given, dict) else given
     try:
         a = values["autoscaling"]
         up, down = a["scaleUp"], a["scaleDown"]
@@ -122,6 +123,15 @@ def chart_settings(path) -> tuple[Behaviour, float, int]:
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a values file of deploy/helm/folio: {e!r} "
                          f"missing or wrong") from None
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, as Helm merges a values file over the chart's."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) \
+            else v
+    return out
 
 
 def generated_trace(args) -> list[tuple[float, int]]:

@@ -19,10 +19,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
-{{/* The waiting requests of this release's pods, summed: the KEDA trigger's
+{{/* The waiting requests of this release's pods (NAME-<replicaset hash>-<id>,
+     so not those of a release named NAME-something), summed: the KEDA trigger's
      query (KEDA divides it by the replica count for an AverageValue target). */}}
 {{- define "folio.waitingQuery" -}}
-sum(folio:num_requests_waiting{namespace="{{ .Release.Namespace }}",pod=~"{{ include "folio.fullname" . }}-.*"})
+sum(folio:num_requests_waiting{namespace="{{ .Release.Namespace }}",pod=~"{{ include "folio.fullname" . }}-[a-z0-9]+-[a-z0-9]+"})
 {{- end -}}
 
 {{/* The HPA behaviour, shared by the HPA and KEDA's HPA. */}}
