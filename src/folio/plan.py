@@ -130,9 +130,9 @@ def activation_bytes(m: Shape, rank: Rank, step_tokens: int) -> int:
 
 
 def step_tokens_for(seq_len: int, gpu: dict) -> int:
-    """The step's token budget, as `folio serve` picks it: the model length clamped to
-    2048..8192 on CUDA; the catalog's `step_tokens` (512 on the CPU)."""
-    return gpu.get("step_tokens") or min(8192, max(2048, seq_len))
+    """The step's token budget, as `folio serve` picks it for the device."""
+    from folio.engine.config_builder import default_step_tokens
+    return default_step_tokens(gpu.get("device", "cuda"), seq_len)
 
 
 def fit(m: Shape, gpu: dict, quantization: str, seq_len: int, tp: int,

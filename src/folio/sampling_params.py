@@ -119,5 +119,12 @@ class SamplingParams:
                 or self.repetition_penalty != 1)
 
     @property
+    def keeps_history(self) -> bool:
+        """Whether the runner keeps the sequence's tokens: for penalties, for
+        min_tokens, and for a grammar matcher to follow its outputs."""
+        return (self.needs_history or self.min_tokens > 0
+                or self.structured_outputs is not None)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

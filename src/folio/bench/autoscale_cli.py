@@ -10,18 +10,8 @@ import math
 import random
 
 from folio.bench.args import checked, existing_file, output_path, write_result
-from folio.cli_types import length_range
+from folio.cli_types import length_range, positive_float, probability
 from folio.bench.autoscale import Behaviour, Policy, ServiceCurve, simulate, summarize
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"expected a number > 0, got {text!r}")
-    return value
 
 
 def _counts(text: str) -> list[int]:
@@ -33,16 +23,12 @@ def _counts(text: str) -> list[int]:
     return out
 
 
-def _shares(text: str) -> list[float]:
-    out = [_positive(p) for p in text.split(",")]
-    if any(v > 1 for v in out):
-        raise ValueError(f"a utilization target is a share in (0, 1], got {text!r}")
-    return out
+def shares(text: str) -> list[float]:
+    """Utilization targets: shares in (0, 1], comma-separated."""
+    return [probability(p) for p in text.split(",")]
 
 
-positive = checked(_positive, "number")
 counts = checked(_counts, "replica counts")
-shares = checked(_shares, "utilization targets")
 
 
 def add_autoscale_args(p: argparse.ArgumentParser) -> None:
@@ -60,24 +46,24 @@ def add_autoscale_args(p: argparse.ArgumentParser) -> None:
                    help="the generated trace's rate: wave (from --base-rate up to --peak-rate "
                         "and back, once every --period-s) or bursts (--peak-rate for "
                         "--burst-len-s once every --period-s, a third of the way in)")
-    p.add_argument("--duration-s", type=positive, default=7200.0, metavar="S",
+    p.add_argument("--duration-s", type=positive_float, default=7200.0, metavar="S",
                    help="length of the generated trace")
-    p.add_argument("--base-rate", type=positive, default=0.5, metavar="RATE",
+    p.add_argument("--base-rate", type=positive_float, default=0.5, metavar="RATE",
                    help="requests per second at the trough (Poisson arrivals)")
-    p.add_argument("--peak-rate", type=positive, default=12.0, metavar="RATE",
+    p.add_argument("--peak-rate", type=positive_float, default=12.0, metavar="RATE",
                    help="requests per second at the peak")
-    p.add_argument("--period-s", type=positive, default=1800.0, metavar="S",
+    p.add_argument("--period-s", type=positive_float, default=1800.0, metavar="S",
                    help="one wave, or one burst, in every period of this length")
-    p.add_argument("--burst-len-s", type=positive, default=300.0, metavar="S",
+    p.add_argument("--burst-len-s", type=positive_float, default=300.0, metavar="S",
                    help="how long a burst lasts (--shape bursts)")
     p.add_argument("--output-len", type=length_range, default="32:128", metavar="A:B",
                    help="output tokens of a generated request, uniform in A:B (match the sweep)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="the trace's seed")
-    p.add_argument("--startup-s", type=positive, default=120.0, metavar="S",
+    p.add_argument("--startup-s", type=positive_float, default=120.0, metavar="S",
                    help="from a replica's request to its readiness (schedule, pull, load)")
-    p.add_argument("--sync-s", type=positive, default=15.0, metavar="S",
+    p.add_argument("--sync-s", type=positive_float, default=15.0, metavar="S",
                    help="the autoscaler's period (the HPA's sync period, KEDA's polling)")
-    p.add_argument("--tick-s", type=positive, default=0.1, metavar="S",
+    p.add_argument("--tick-s", type=positive_float, default=0.1, metavar="S",
                    help="the simulation's time step")
     p.add_argument("--routing", choices=["round-robin", "least-outstanding"],
                    default="round-robin",

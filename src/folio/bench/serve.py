@@ -102,12 +102,10 @@ def cost_from_throughput(summary: dict, cost_per_hour: float, weight: float) -> 
 
 def server_cost(metrics_text: str) -> dict:
     """The server's folio:cost_per_1k_tokens gauges, by kind (absent: not served)."""
-    found = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("folio:cost_per_1k_tokens{"):
-            kind = line.split('kind="', 1)[1].split('"', 1)[0]
-            found[kind] = float(line.rsplit(" ", 1)[1])
-    return found
+    from prometheus_client.parser import text_string_to_metric_families
+    return {sample.labels["kind"]: sample.value
+            for family in text_string_to_metric_families(metrics_text)
+            if family.name == "folio:cost_per_1k_tokens" for sample in family.samples}
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:

@@ -346,8 +346,7 @@ class Scheduler:
                 prompt_targets=prompt_targets(req, seq, start, num_new),
                 fork_children=fork_children(req) if reaches_end else None,
                 history_prefix=(seq.token_ids[:start] if fresh and start and
-                                (req.params.needs_history or req.params.min_tokens
-                                 or req.params.structured_outputs is not None) else None)))
+                                req.params.keeps_history else None)))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
         req.num_computed_tokens += num_new

@@ -32,7 +32,6 @@ class GrammarState:
                 break           # EOS accepted: the rest (ignore_eos) is past the grammar
             if not self.matcher.accept_token(token):
                 raise RuntimeError(f"token {token} does not follow the grammar")
-            self.fed += 1
         self.fed = len(tokens) - self.start
 
 

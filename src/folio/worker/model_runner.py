@@ -276,7 +276,7 @@ class ModelRunner:
             state.block_table = list(s.block_ids)
         else:
             state.block_table.extend(s.new_block_ids)
-        if state.sampling.needs_history or state.grammar is not None:
+        if state.sampling.params.keeps_history:
             if s.start_pos == 0 or s.history_prefix is not None:
                 state.history = list(s.history_prefix or [])
             state.history.extend(s.token_ids)
