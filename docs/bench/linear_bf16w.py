@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from folio.env_report import _cpu
+from folio.env_report import cpu_info
 from folio.model import native
 
 SHAPES = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"), (576, 1536, "down"),
@@ -32,7 +32,7 @@ def best_us(fn, reps: int) -> float:
 
 def main() -> None:
     torch.set_num_threads(2)
-    model, flags = _cpu()
+    model, flags = cpu_info()
     print(f"{model}; avx2={'avx2' in flags} avx512f={'avx512f' in flags}; torch "
           f"{torch.__version__}; python {platform.python_version()}; 2 threads")
     print("| layer | N x K | rows | fp32 F.linear (us) | bf16 weights (us) | speedup |")
