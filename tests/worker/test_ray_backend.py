@@ -1,6 +1,8 @@
 """The Ray executor backend on a local Ray instance (2 CPUs, no dashboard, usage
-stats off, loopback only): tp=2 on a tiny model gives one rank's tokens."""
+stats off, loopback only): tp=2 on a tiny model gives one rank's tokens, after
+a failed start on a truncated checkpoint that leaves nothing behind."""
 
+import shutil
 import sys
 
 import pytest
@@ -28,6 +30,14 @@ def test_ray_tp2_matches_one_rank(tmp_path, monkeypatch):
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     try:
+        # a failed start first: the actors and the process group must go with it
+        bad = tmp_path / "truncated"
+        shutil.copytree(path, bad)
+        weights = bad / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+        with pytest.raises(ValueError, match="not a readable safetensors file"):
+            LLM(str(bad), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+                distributed_executor_backend="ray")
         llm = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
                   distributed_executor_backend="ray")
         try:

@@ -1,14 +1,19 @@
 """Tensor parallelism over torch.distributed (gloo on the CPU): the same greedy
 tokens as one rank, clear errors for impossible splits, and a dead worker
-failing requests quickly with no process left behind."""
+failing requests quickly with no process left behind; a failed start leaves
+no worker and no process group, so the next engine starts."""
 
+import multiprocessing as mp
 import os
+import shutil
 import signal
 import time
 
 import pytest
+import torch.distributed as dist
 
 from folio import LLM, SamplingParams
+from folio.worker.multiproc import MultiprocExecutor
 from tests.utils import make_tiny_model
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -100,3 +105,41 @@ def test_a_dead_worker_fails_requests_fast_and_leaves_nothing(tiny):
     engine.abort_request(["a"])
     llm.shutdown()
     assert not any(w.is_alive() for w in engine.executor.workers)
+
+
+def truncated_copy(tiny, tmp_path):
+    bad = tmp_path / "truncated"
+    shutil.copytree(tiny, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return bad
+
+
+def test_a_failed_start_leaves_nothing_and_the_next_engine_starts(tiny, tmp_path):
+    bad = truncated_copy(tiny, tmp_path)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"{bad / 'model.safetensors'} is not a readable "
+                                         "safetensors file"):
+        LLM(str(bad), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+    assert not dist.is_initialized()
+    assert not [p for p in mp.active_children() if p.name.startswith("folio-tp")]
+    expected = [o.outputs[0].token_ids for o in
+                LLM(tiny, dtype="float32", num_kv_blocks=64).generate(prompts(), PARAMS)]
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS)] == expected
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_that_fails_to_start_is_named_with_its_error():
+    parent, child = mp.Pipe()
+    child.send(("failed", "MemoryError: no room for the shard"))
+    with pytest.raises(RuntimeError, match="rank 1 failed to start: MemoryError: no room"):
+        MultiprocExecutor._started(1, parent)
+    child.send(7)
+    assert MultiprocExecutor._started(1, parent) == 7
+    child.close()
+    with pytest.raises(RuntimeError, match="rank 2 exited while starting"):
+        MultiprocExecutor._started(2, parent)

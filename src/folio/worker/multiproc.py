@@ -99,11 +99,22 @@ def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
                             world_size=tp, timeout=COLLECTIVE_TIMEOUT)
     set_tensor_parallel(rank, tp)
     from folio.worker.model_runner import ModelRunner
-    return ModelRunner(config, num_threads=num_threads, is_driver=rank == 0)
+    try:
+        return ModelRunner(config, num_threads=num_threads, is_driver=rank == 0)
+    except BaseException:
+        # a malformed checkpoint, too little memory...: leave this process as
+        # it was, so that the caller can fix it and build an engine again
+        set_tensor_parallel(0, 1)
+        dist.destroy_process_group()
+        raise
 
 
 def _worker_main(config: FolioConfig, rank: int, port: int, conn, num_threads: int) -> None:
-    runner = _init_rank(config, rank, port, num_threads)
+    try:
+        runner = _init_rank(config, rank, port, num_threads)
+    except Exception as e:              # noqa: BLE001 - told to rank 0, which raises it
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
     conn.send(runner.num_blocks)
     while True:
         try:
@@ -135,14 +146,40 @@ class MultiprocExecutor:
             self.workers.append(proc)
             self.pipes.append(parent)
         from folio.distributed.parallel_state import set_tensor_parallel
-        self.runner = _init_rank(config, 0, port, threads)
-        # The layers keep the split they were built with; the process-wide
-        # default goes back to 1 so another model in this process is unaffected.
-        set_tensor_parallel(0, 1)
-        counts = {self.runner.num_blocks} | {p.recv() for p in self.pipes}
+        try:
+            self.runner = _init_rank(config, 0, port, threads)
+            # The layers keep the split they were built with; the process-wide
+            # default goes back to 1 so another model in this process is unaffected.
+            set_tensor_parallel(0, 1)
+            counts = {self.runner.num_blocks} | {self._started(r, p)
+                                                 for r, p in enumerate(self.pipes, start=1)}
+        except BaseException:
+            self._abandon()
+            raise
         self.num_blocks = min(counts)
         logger.info("tensor parallel: %d ranks over %s", tp,
                     "nccl" if config.device.startswith("cuda") else "gloo")
+
+    @staticmethod
+    def _started(rank: int, pipe) -> int:
+        """The worker's KV block count once its model is built, or its error."""
+        try:
+            reply = pipe.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"tensor-parallel rank {rank} exited while starting") from None
+        if isinstance(reply, tuple):
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
+        return reply
+
+    def _abandon(self) -> None:
+        """A failed start: the workers are killed, not asked (one may be waiting
+        for a rendezvous that will not come), and the process group goes."""
+        for proc in self.workers:
+            proc.kill()
+            proc.join(timeout=10)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def check_workers(self) -> None:
         dead = [p.name for p in self.workers if not p.is_alive()]

@@ -61,9 +61,13 @@ class RayExecutor:
         inits = [a.init.remote(config, rank, port, master, threads)
                  for rank, a in enumerate(self.actors, start=1)]
         from folio.distributed.parallel_state import set_tensor_parallel
-        self.runner = _init_rank(config, 0, port, threads, master)
-        set_tensor_parallel(0, 1)
-        self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
+        try:
+            self.runner = _init_rank(config, 0, port, threads, master)
+            set_tensor_parallel(0, 1)
+            self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
+        except BaseException:
+            self.shutdown()         # the actors go, and the process group with them
+            raise
         logger.info("tensor parallel: %d ranks, workers placed by Ray", tp)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
