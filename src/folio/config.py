@@ -8,7 +8,6 @@ hot paths: everything the engine needs is a field here.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -119,9 +118,3 @@ class FolioConfig:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
-
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1

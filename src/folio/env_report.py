@@ -106,7 +106,7 @@ def collect() -> dict:
     auto = resolve_dtype("auto", device)
     report = {
         "folio": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "compiler": _compiler(), "cpu": model, "cores": _cores(),
+        "compiler": _compiler(), "cpu": model, "threads": _threads(),
         "cpu flags": [f for f in FLAGS_OF_INTEREST if f in flags],
         "native bf16": cpu_has_native_bf16(), "device": device, "dtype auto": auto,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -115,9 +115,10 @@ def collect() -> dict:
     return report
 
 
-def _cores() -> int:
-    from folio.config import cpu_count
-    return cpu_count()
+def _threads() -> str:
+    from folio.worker.cpu_threads import default_threads
+    threads, why = default_threads()
+    return f"{threads} ({why})"
 
 
 def format_report(report: dict, dtype: Optional[str] = None) -> str:

@@ -97,14 +97,15 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
     return False
 
 
-def http(method: str, url: str, body=None, headers: dict | None = None, raw: bytes | None = None):
+def http(method: str, url: str, body=None, headers: dict | None = None, raw: bytes | None = None,
+         timeout: float = 60):
     """(status, headers, parsed JSON or text) with the standard library only."""
     import json as _json
     data = raw if raw is not None else (None if body is None else _json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             status, hdrs, text = r.status, dict(r.headers), r.read().decode()
     except urllib.error.HTTPError as e:
         status, hdrs, text = e.code, dict(e.headers), e.read().decode()

@@ -110,10 +110,11 @@ def test_the_waiting_queue_reaches_prometheus_and_drives_the_hpa(scraped):
     idle = queries.wait_until(lambda pods, total: pods.get(POD) == 0)   # up, nothing waiting
     assert idle == ({POD: 0.0}, [0.0]) and replicas(0.0) == lo
 
-    # 20 requests of 240 tokens, one at a time: seconds of queue on the tiny model
-    body = {"model": "tiny", "prompt": [1, 20, 30, 40], "max_tokens": 240, "ignore_eos": True}
-    threads = [threading.Thread(target=http, args=("POST", srv.url + "/v1/completions", body))
-               for _ in range(20)]
+    # 20 requests of 120 tokens, one at a time: seconds of queue on the tiny model
+    # (minutes on a loaded machine: the clients wait as long as it takes)
+    body = {"model": "tiny", "prompt": [1, 20, 30, 40], "max_tokens": 120, "ignore_eos": True}
+    threads = [threading.Thread(target=http, args=("POST", srv.url + "/v1/completions", body),
+                                kwargs={"timeout": 600}) for _ in range(20)]
     for t in threads:
         t.start()
     pods, total = queries.wait_until(lambda pods, total: pods.get(POD, 0) >= 3 * target)
@@ -122,6 +123,6 @@ def test_the_waiting_queue_reaches_prometheus_and_drives_the_hpa(scraped):
     # ceil(1 x waiting / target): one more replica for every `target` requests waiting
     assert replicas(waiting) == min(hi, math.ceil(waiting / target)) >= 3
     for t in threads:
-        t.join(120)
+        t.join(600)
     pods, total = queries.wait_until(lambda pods, total: pods.get(POD) == 0 and total == [0.0])
     assert replicas(pods[POD]) == lo == 1

@@ -14,13 +14,14 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from folio.config import FolioConfig, cpu_count
+from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
 from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
+from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from folio.worker.grammar_state import GrammarState, apply_grammars
@@ -42,7 +43,7 @@ class ModelRunner:
     def __init__(self, config: FolioConfig, num_threads: Optional[int] = None,
                  is_driver: bool = True):
         if config.device == "cpu":
-            torch.set_num_threads(num_threads or cpu_count())
+            torch.set_num_threads(num_threads or default_threads()[0])
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)

@@ -20,7 +20,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from folio.config import FolioConfig, cpu_count
+from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -80,8 +80,9 @@ def free_local_port() -> int:
 
 
 def threads_per_rank(config: FolioConfig) -> int:
-    """Each rank's share of the cores (ranks on one machine)."""
-    return max(1, cpu_count() // config.parallel.tensor_parallel_size)
+    """Each rank's share of the engine's threads (ranks on one machine)."""
+    from folio.worker.cpu_threads import default_threads
+    return max(1, default_threads()[0] // config.parallel.tensor_parallel_size)
 
 
 def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
