@@ -135,8 +135,11 @@ def test_a_failed_start_leaves_nothing_and_the_next_engine_starts(tiny, tmp_path
 
 def test_a_worker_that_fails_to_start_is_named_with_its_error():
     parent, child = mp.Pipe()
-    child.send(("failed", "MemoryError: no room for the shard"))
+    child.send(("failed", "MemoryError: no room for the shard", False))
     with pytest.raises(RuntimeError, match="rank 1 failed to start: MemoryError: no room"):
+        MultiprocExecutor._started(1, parent)
+    child.send(("failed", "FileNotFoundError: /models/x", True))     # the user's to fix
+    with pytest.raises(ValueError, match="rank 1 failed to start: FileNotFoundError"):
         MultiprocExecutor._started(1, parent)
     child.send(7)
     assert MultiprocExecutor._started(1, parent) == 7

@@ -114,7 +114,8 @@ def _worker_main(config: FolioConfig, rank: int, port: int, conn, num_threads: i
     try:
         runner = _init_rank(config, rank, port, num_threads)
     except Exception as e:              # noqa: BLE001 - told to rank 0, which raises it
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        from folio.errors import is_expected_error
+        conn.send(("failed", f"{type(e).__name__}: {e}", is_expected_error(e)))
         return
     conn.send(runner.num_blocks)
     while True:
@@ -169,7 +170,10 @@ class MultiprocExecutor:
         except (EOFError, OSError):
             raise RuntimeError(f"tensor-parallel rank {rank} exited while starting") from None
         if isinstance(reply, tuple):
-            raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
+            _, message, expected = reply
+            # the user's to fix (a bad checkpoint, a bad value): one line, as on rank 0
+            kind = ValueError if expected else RuntimeError
+            raise kind(f"tensor-parallel rank {rank} failed to start: {message}")
         return reply
 
     def _abandon(self) -> None:
