@@ -1,5 +1,5 @@
-"""folio serve | generate | chat | bench | env (cli_bench.py: the benchmarks;
-cli_engine.py: the engine flags).
+"""folio serve | generate | chat | bench | env | usage | plan (cli_bench.py: the
+benchmarks; cli_admin.py: env, usage and plan; cli_engine.py: the engine flags).
 
 Engine options use vLLM's flag names so existing command lines carry over.
 Flags are checked while the command line is parsed (cli_types), and a
@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import Optional
 
+from folio.cli_admin import add_env, add_plan, add_usage
 from folio.cli_bench import add_bench
 from folio.cli_chat import CHAT_USAGE, Chat, print_stream, read_message, stream_outputs
 from folio.cli_engine import add_engine_args, engine_kwargs
@@ -171,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_chat(sub)
     add_bench(sub)
-    _add_env(sub)
-    _add_usage(sub)
-    _add_plan(sub)
+    add_env(sub)
+    add_usage(sub)
+    add_plan(sub)
     return parser
 
 
@@ -250,89 +251,6 @@ def _add_chat(sub) -> None:
                            "(default: none)")
     add_engine_args(chat)
     add_sampling_args(chat, model_defaults=True)
-
-
-def _add_env(sub) -> None:
-    env = add_command(sub, "env", "this machine and the kernel each layer uses, for bug "
-                       "reports", cmd_env)
-    env.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _add_usage(sub) -> None:
-    usage = add_command(sub, "usage", "requests, tokens and cost from a server's usage "
-                         "ledger (--usage-db)", cmd_usage)
-    usage.add_argument("--db", required=True, metavar="PATH",
-                       help="the SQLite ledger that `folio serve --usage-db` writes")
-    usage.add_argument("--since", default=None, metavar="DATE",
-                       help="only requests finished since DATE (2026-12-01, 00:00 UTC, or an "
-                            "ISO date-time)")
-    usage.add_argument("--by", choices=["tenant", "day", "model"], default="tenant",
-                       help="what a row sums over")
-    usage.add_argument("--json", action="store_true",
-                       help="print a JSON list of rows instead of the table")
-
-
-def _prices(text: str) -> tuple[float, float]:
-    parts = text.split(",")
-    try:
-        values = tuple(float(p) for p in parts)
-    except ValueError:
-        values = ()
-    if len(values) != 2 or not all(v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected IN,OUT dollars per 1M tokens such as "
-                                         f"2.5,10, got {text!r}")
-    return values
-
-
-def _add_plan(sub) -> None:
-    p = add_command(sub, "plan", "size a deployment before buying it: memory, GPUs, speed, "
-                     "cost against an API", cmd_plan)
-    p.add_argument("--model", required=True, metavar="CONFIG_OR_NAME",
-                   help="a Hugging Face config.json (or its folder), or a catalog name: "
-                        "llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, qwen2.5-72b, "
-                        "smollm2-135m")
-    p.add_argument("--quantization", choices=["none", "int8", "awq", "gptq"], default="none",
-                   help="the weights' format: bf16, int8 per channel, or 4-bit in groups of 128")
-    p.add_argument("--gpu", default="h100-80gb", metavar="NAME",
-                   help="h100-80gb, h200, a100-80gb, a100-40gb, l4 or cpu (this 2-core "
-                        "machine), or one of --catalog's")
-    p.add_argument("--tokens-per-day", type=non_negative_float, required=True, metavar="N",
-                   help="prompt and output tokens a day, all tenants together")
-    p.add_argument("--peak-rps", type=non_negative_float, default=0.0, metavar="R",
-                   help="requests per second at the peak")
-    p.add_argument("--prompt-len", type=positive_int, default=1000, metavar="P",
-                   help="prompt tokens of a typical request")
-    p.add_argument("--output-len", type=positive_int, default=250, metavar="O",
-                   help="output tokens of a typical request")
-    p.add_argument("--api-price", type=_prices, default=None, metavar="IN,OUT",
-                   help="the hosted API's dollars per 1M input and output tokens, to compare")
-    p.add_argument("--gpu-hour-price", type=non_negative_float, default=None, metavar="D",
-                   help="dollars an hour per GPU (default: the catalog's illustrative price)")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                   help="the share of a GPU's memory Folio may use, as folio serve's flag")
-    p.add_argument("--catalog", default=None, metavar="FILE",
-                   help="a JSON file of more gpus and models, or overrides, in the shipped "
-                        "catalog's shape")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from folio.plan import cmd_plan as run
-    return run(args)
-
-
-def cmd_usage(args: argparse.Namespace) -> int:
-    from folio.usage_report import cmd_usage as run
-    return run(args)
-
-
-def cmd_env(args: argparse.Namespace) -> int:
-    import json
-
-    from folio.env_report import collect, format_report
-    report = collect()
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
