@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from folio.env_report import cpu_info  # noqa: E402
 from folio.worker.cpu_threads import affinity_cpus  # noqa: E402
-from tests.worker.test_cpu_threads import _real_cgroup  # noqa: E402
+from tests.worker.test_cpu_threads import make_cpu_cgroup, remove_cgroup  # noqa: E402
 
 
 def run_in(procs: Path, env: dict, args: list[str]) -> dict:
@@ -38,14 +38,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", default="16")
     ap.add_argument("--dtype", default="auto")
     a = ap.parse_args()
-    d, procs = _real_cgroup(f"folio-bench-{uuid.uuid4().hex[:8]}")
+    d, procs = make_cpu_cgroup(f"folio-bench-{uuid.uuid4().hex[:8]}", a.cpus)
     if d is None:
         sys.exit(f"no cgroup: {procs}")
-    quota = int(a.cpus * 100000)                  # microseconds per 100 ms period
-    if (d / "cpu.max").exists():
-        (d / "cpu.max").write_text(f"{quota} 100000")
-    else:
-        (d / "cpu.cfs_quota_us").write_text(str(quota))
     visible = affinity_cpus()
     model, flags = cpu_info()
     print(f"{model}; {visible} CPUs visible, quota {a.cpus:g} CPUs; avx512_bf16="
@@ -62,12 +57,7 @@ def main() -> None:
                 print(f"| {r} | {res['threads']} | {label} | {res['output_tokens_per_s']:.1f} |",
                       flush=True)
     finally:
-        for _ in range(50):
-            try:
-                d.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(d)
 
 
 if __name__ == "__main__":

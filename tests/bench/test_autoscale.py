@@ -180,3 +180,13 @@ def test_a_bad_trace_file_is_one_clear_error(tmp_path, capsys, line, message):
     assert message in capsys.readouterr().err
     assert main(["bench", "autoscale", "--service-curve", str(sweep)]) != 0
     assert "no finite-rate run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("autoscaling, message", [
+    ({"minReplicas": 0}, "minReplicas must be at least 1"),
+    ({"minReplicas": 4, "maxReplicas": 2}, "maxReplicas must be at least")])
+def test_impossible_bounds_are_refused_as_the_chart_refuses_them(tmp_path, autoscaling, message):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"autoscaling": autoscaling}))
+    with pytest.raises(ValueError, match=message):      # minReplicas 0 simulated forever
+        chart_settings(values)

@@ -112,6 +112,13 @@ def test_tokens_are_estimated_at_admission_and_settled_at_the_end():
     limiter.admit(tenant, 900, prompt=10)
 
 
+def test_a_request_left_before_its_first_output_still_counts_its_prompt():
+    limiter, tenant = Limiter(Clock()), Tenant("t", tokens_per_minute=1000)
+    limiter.admit(tenant, 900, prompt=700).settle(0)     # nothing seen: the prompt was sent
+    with pytest.raises(RateLimited, match="700 used"):
+        limiter.admit(tenant, 400, prompt=350)
+
+
 def test_a_prompt_longer_than_the_days_tokens_is_a_400_not_a_429_until_midnight():
     limiter, tenant = Limiter(Clock()), Tenant("t", tokens_per_day=100)
     with pytest.raises(ValueError, match="100 tokens per day"):

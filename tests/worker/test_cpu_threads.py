@@ -10,6 +10,7 @@ mount: a stand-in for the kernel's files, not for Folio's code."""
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -57,58 +58,58 @@ def test_cgroup_v1_quota_and_no_quota(tmp_path):
 
 def test_the_quota_caps_the_cpus_rounded_down_and_never_below_one():
     cpus = affinity_cpus()
-    assert usable_cpus(limit=float(cpus + 8)) == cpus
-    assert usable_cpus(limit=0.3) == 1
+    assert usable_cpus(float(cpus + 8)) == cpus
+    assert usable_cpus(None) == cpus
+    assert usable_cpus(0.3) == 1
     if cpus >= 2:
-        assert usable_cpus(limit=1.9) == 1
+        assert usable_cpus(1.9) == 1
 
 
 def test_omp_num_threads_wins_and_a_bad_value_is_ignored():
     assert default_threads({"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
-    assert default_threads({"OMP_NUM_THREADS": "0"})[0] == usable_cpus()
-    assert default_threads({"OMP_NUM_THREADS": "4,2"})[0] == usable_cpus()
+    assert default_threads({"OMP_NUM_THREADS": "0"})[0] == usable_cpus(cgroup_cpu_limit())
+    assert default_threads({"OMP_NUM_THREADS": "4,2"})[0] == usable_cpus(cgroup_cpu_limit())
 
 
-def _real_cgroup(tmp: str):
-    """A fresh cgroup with a 1-CPU quota: (directory, the file a process joins
-    it by), or a reason it cannot be made here."""
-    root = Path("/sys/fs/cgroup")
+def make_cpu_cgroup(name: str, cpus: float = 1.0):
+    """A fresh cgroup with a quota of `cpus` CPUs: (directory, the file a
+    process joins it by), or (None, the reason it cannot be made here). Also
+    docs/bench/cpu_quota.py's."""
+    root, quota = Path("/sys/fs/cgroup"), int(cpus * 100000)   # us per 100 ms period
     if (root / "cgroup.controllers").exists():              # v2
         if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
             return None, "cgroup v2 without the cpu controller enabled for children"
-        d = root / tmp
-        try:
-            d.mkdir()
-            (d / "cpu.max").write_text("100000 100000")
-        except OSError as e:
-            return None, f"cannot create a cgroup here: {e}"
-        return d, d / "cgroup.procs"
-    v1 = next((root / m for m in ("cpu", "cpu,cpuacct") if (root / m).is_dir()), None)
-    if v1 is None:
-        return None, "no cgroup cpu controller mounted"
-    d = v1 / tmp
+        d, files = root / name, {"cpu.max": f"{quota} 100000"}
+    else:
+        v1 = next((root / m for m in ("cpu", "cpu,cpuacct") if (root / m).is_dir()), None)
+        if v1 is None:
+            return None, "no cgroup cpu controller mounted"
+        d, files = v1 / name, {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": str(quota)}
     try:
         d.mkdir()
-        (d / "cpu.cfs_period_us").write_text("100000")
-        (d / "cpu.cfs_quota_us").write_text("100000")
+        for file, text in files.items():
+            (d / file).write_text(text)
     except OSError as e:
         return None, f"cannot create a cgroup here: {e}"
     return d, d / "cgroup.procs"
 
 
-@pytest.fixture
-def one_cpu_cgroup():
-    d, procs = _real_cgroup(f"folio-test-{uuid.uuid4().hex[:8]}")
-    if d is None:
-        pytest.skip(procs)
-    yield procs
+def remove_cgroup(d: Path) -> None:
     for _ in range(50):
         try:
             d.rmdir()
-            break
+            return
         except OSError:           # its last process is still exiting
-            import time
             time.sleep(0.1)
+
+
+@pytest.fixture
+def one_cpu_cgroup():
+    d, procs = make_cpu_cgroup(f"folio-test-{uuid.uuid4().hex[:8]}")
+    if d is None:
+        pytest.skip(procs)
+    yield procs
+    remove_cgroup(d)
 
 
 def test_an_engine_in_a_one_cpu_container_runs_one_thread(one_cpu_cgroup, tmp_path):

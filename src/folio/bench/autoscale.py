@@ -141,6 +141,14 @@ class Behaviour:
     down_pods: int = 1
     down_period_s: float = 120.0
 
+    def __post_init__(self):
+        # as the chart's folio.checkValues: with no pod, nothing would ever scale up
+        if self.min_replicas < 1:
+            raise ValueError("autoscaling.minReplicas must be at least 1: the waiting queue "
+                             "is empty when no pod runs, so it cannot scale from zero")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("autoscaling.maxReplicas must be at least autoscaling.minReplicas")
+
 
 @dataclass(frozen=True)
 class Policy:

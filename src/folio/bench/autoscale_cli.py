@@ -11,7 +11,7 @@ import random
 
 from folio.bench.args import checked, existing_file, output_path, write_result
 from folio.cli_types import length_range, positive_float, probability
-from folio.bench.autoscale import Behaviour, Policy, ServiceCurve, simulate, summarize
+from folio.bench.autoscale import ROUTINGS, Behaviour, Policy, ServiceCurve, simulate, summarize
 
 
 def _counts(text: str) -> list[int]:
@@ -65,7 +65,7 @@ def add_autoscale_args(p: argparse.ArgumentParser) -> None:
                    help="the autoscaler's period (the HPA's sync period, KEDA's polling)")
     p.add_argument("--tick-s", type=positive_float, default=0.1, metavar="S",
                    help="the simulation's time step")
-    p.add_argument("--routing", choices=["round-robin", "least-outstanding"],
+    p.add_argument("--routing", choices=ROUTINGS,
                    default="round-robin",
                    help="how requests reach replicas: round-robin (a Kubernetes Service) or "
                         "least-outstanding (a least-request load balancer in front)")
@@ -99,16 +99,17 @@ def chart_settings(path) -> tuple[Behaviour, float, int]:
     try:
         a = values["autoscaling"]
         up, down = a["scaleUp"], a["scaleDown"]
-        behaviour = Behaviour(
+        bounds = dict(
             min_replicas=int(a["minReplicas"]), max_replicas=int(a["maxReplicas"]),
             up_window_s=float(up["stabilizationWindowSeconds"]), up_pods=int(up["pods"]),
             up_period_s=float(up["periodSeconds"]),
             down_window_s=float(down["stabilizationWindowSeconds"]),
             down_pods=int(down["pods"]), down_period_s=float(down["periodSeconds"]))
-        return behaviour, float(a["targetWaitingPerReplica"]), int(values["maxNumSeqs"])
+        target, seqs = float(a["targetWaitingPerReplica"]), int(values["maxNumSeqs"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a values file of deploy/helm/folio: {e!r} "
                          f"missing or wrong") from None
+    return Behaviour(**bounds), target, seqs      # impossible bounds: refused as the chart does
 
 
 def _merged(base: dict, over: dict) -> dict:

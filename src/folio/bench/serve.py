@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -93,11 +94,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def cost_from_throughput(summary: dict, cost_per_hour: float, weight: float) -> dict:
     """$/1K tokens from a run's own throughput, weighted as the server weighs them:
     the machine's cost per second over (weight x prompt + output) tokens per second."""
+    from folio.server.cost import per_1k_tokens
     out = summary["output_throughput"]
-    prompt = summary["total_token_throughput"] - out
-    units = weight * prompt + out
-    per_output = 1000 * cost_per_hour / 3600 / units if units else None
-    return {"prompt": None if per_output is None else weight * per_output, "output": per_output}
+    prompt, output = per_1k_tokens(cost_per_hour, 1.0, summary["total_token_throughput"] - out,
+                                   out, weight)
+    return {"prompt": None if math.isnan(prompt) else prompt,
+            "output": None if math.isnan(output) else output}
 
 
 def server_cost(metrics_text: str) -> dict:

@@ -19,13 +19,13 @@ from folio.model.loader import load_model_config
 from folio.worker import device as devices
 
 
-
 def default_step_tokens(device: str, max_model_len: int) -> int:
     """--max-num-batched-tokens when not given. A step's duration bounds every
     running decode's inter-token latency. On a CPU 512 tokens already fill the
     matmuls (measured: the same throughput as 8192, with steps 16x shorter); a
     GPU wants more: the model length clamped to 2048..8192."""
     return 512 if device == "cpu" else max(2048, min(max_model_len, 8192))
+
 
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  device: Optional[str] = None, max_model_len: Optional[int] = None,

@@ -267,8 +267,6 @@ def _hf_checkpoint_dtype(cfg: dict[str, Any], folder: Path) -> str:
         return dtype.removeprefix("torch.")
     # No dtype in the config: look at the first stored tensor instead. Missing
     # weights are reported by iter_weights; a config alone still parses.
-    from safetensors import safe_open
-
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return "float32"

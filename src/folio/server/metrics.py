@@ -90,17 +90,20 @@ class ServerMetrics:
         self.cache_queries.inc(max(0, queries - self._cache_seen[0]))
         self.cache_hits.inc(max(0, hits - self._cache_seen[1]))
         self._cache_seen = (queries, hits)
+        step = [0, 0]                    # the step's new prompt and output tokens
         for out in outputs:
-            self._on_output(out)
+            self._on_output(out, step)
+        if self.cost is not None:
+            self.cost.add(*step)
 
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_output(self, out: RequestOutput, step: list[int]) -> None:
         m = out.metrics
         tokens = sum(len(c.token_ids) for c in out.outputs)
         seen, last = self._seen.get(out.request_id, (0, None))
         new = tokens - seen
         if new > 0 and m is not None and m.last_token_time is not None:
-            if self.cost is not None:
-                self.cost.add(len(out.prompt_token_ids) if seen == 0 else 0, new)
+            step[0] += len(out.prompt_token_ids) if seen == 0 else 0
+            step[1] += new
             if seen == 0:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.ttft.observe(m.first_token_time - m.arrival_time)

@@ -202,7 +202,7 @@ class Limiter:
             u.requests.append(now)
             u.tokens.append(entry)
             u.day_tokens += estimate
-            return Admission(self, tenant.name, entry, u.day)
+            return Admission(self, tenant.name, entry, u.day, prompt)
 
     def _settle(self, name: str, entry: list, day: int, used: int) -> None:
         with self._lock:
@@ -232,14 +232,18 @@ class Limiter:
 
 @dataclass
 class Admission:
-    """What an admitted request holds; `settle` once with the tokens it used."""
+    """What an admitted request holds; `settle` once with the tokens it used. Its
+    prompt counts whatever it used: a client that leaves before the first output
+    (nothing seen, nothing billed) still sent it, or leaving at once after each
+    long prompt would get round the token limits."""
     limiter: Limiter
     tenant: str
     entry: list
     day: int
+    prompt: int = 0
     settled: bool = False
 
     def settle(self, used: int) -> None:
         if not self.settled:
             self.settled = True
-            self.limiter._settle(self.tenant, self.entry, self.day, used)
+            self.limiter._settle(self.tenant, self.entry, self.day, max(used, self.prompt))

@@ -89,11 +89,10 @@ def affinity_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def usable_cpus(limit: Optional[float] = None) -> int:
-    """The affinity mask's CPUs, capped by the cgroup quota (`limit`: as
-    `cgroup_cpu_limit` reads it; read here when not given)."""
+def usable_cpus(limit: Optional[float]) -> int:
+    """The affinity mask's CPUs, capped by a CPU quota (`limit`, as
+    `cgroup_cpu_limit` reads it; None: no quota)."""
     cpus = affinity_cpus()
-    limit = cgroup_cpu_limit() if limit is None else limit
     if limit is not None:
         cpus = min(cpus, max(1, math.floor(limit)))
     return cpus
@@ -101,7 +100,7 @@ def usable_cpus(limit: Optional[float] = None) -> int:
 
 def default_threads(environ=os.environ) -> tuple[int, str]:
     """(threads for the engine, why): OMP_NUM_THREADS when it is set to a
-    positive integer, else `usable_cpus()`."""
+    positive integer, else `usable_cpus` under this process's cgroup quota."""
     value = environ.get("OMP_NUM_THREADS", "").strip()
     if value.isdigit() and int(value) > 0:
         return int(value), "OMP_NUM_THREADS"

@@ -85,6 +85,17 @@ def threads_per_rank(config: FolioConfig) -> int:
     return max(1, default_threads()[0] // config.parallel.tensor_parallel_size)
 
 
+def leave_process_group() -> None:
+    """This process's end of the tensor-parallel group, if it is in one (best
+    effort: at exit, or after a failed start)."""
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:           # noqa: BLE001 - nothing left to tell
+        pass
+
+
 def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
                master: str = "127.0.0.1") -> "ModelRunner":
     import torch
@@ -106,7 +117,7 @@ def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
         # a malformed checkpoint, too little memory...: leave this process as
         # it was, so that the caller can fix it and build an engine again
         set_tensor_parallel(0, 1)
-        dist.destroy_process_group()
+        leave_process_group()
         raise
 
 
@@ -126,8 +137,7 @@ def _worker_main(config: FolioConfig, rank: int, port: int, conn, num_threads: i
         if so is None:
             break
         runner.execute(so)
-    import torch.distributed as dist
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 class MultiprocExecutor:
@@ -156,7 +166,7 @@ class MultiprocExecutor:
             counts = {self.runner.num_blocks} | {self._started(r, p)
                                                  for r, p in enumerate(self.pipes, start=1)}
         except BaseException:
-            self._abandon()
+            self.shutdown(graceful=False)
             raise
         self.num_blocks = min(counts)
         logger.info("tensor parallel: %d ranks over %s", tp,
@@ -176,16 +186,6 @@ class MultiprocExecutor:
             raise kind(f"tensor-parallel rank {rank} failed to start: {message}")
         return reply
 
-    def _abandon(self) -> None:
-        """A failed start: the workers are killed, not asked (one may be waiting
-        for a rendezvous that will not come), and the process group goes."""
-        for proc in self.workers:
-            proc.kill()
-            proc.join(timeout=10)
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
     def check_workers(self) -> None:
         dead = [p.name for p in self.workers if not p.is_alive()]
         if dead:
@@ -204,19 +204,20 @@ class MultiprocExecutor:
             self.check_workers()
             raise RuntimeError(f"tensor-parallel step failed: {e}") from e
 
-    def shutdown(self) -> None:
-        for pipe in self.pipes:
+    def shutdown(self, graceful: bool = True) -> None:
+        """The workers asked to stop (killed if they do not within 10 s), then the
+        process group left. `graceful=False`, after a failed start: the workers
+        are killed at once, not asked (one may be waiting for a rendezvous that
+        will not come)."""
+        for pipe in self.pipes if graceful else ():
             try:
                 pipe.send(None)
             except (OSError, BrokenPipeError):
                 pass
         for proc in self.workers:
-            proc.join(timeout=10)
+            if graceful:
+                proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-        try:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:           # noqa: BLE001 - best effort at exit
-            pass
+                proc.join(timeout=10)
+        leave_process_group()

@@ -15,7 +15,7 @@ import os
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
 from folio.worker.multiproc import (_init_rank, check_tensor_parallel, free_local_port,
-                                    threads_per_rank)
+                                    leave_process_group, threads_per_rank)
 
 logger = logging.getLogger("folio")
 
@@ -88,9 +88,4 @@ class RayExecutor:
             except Exception:        # noqa: BLE001 - best effort at exit
                 pass
         self.actors = []
-        try:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:            # noqa: BLE001
-            pass
+        leave_process_group()
