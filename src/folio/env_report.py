@@ -58,8 +58,13 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     t = torch.zeros(16, 16, dtype=getattr(torch, dtype))
     lib = native.load()
     why_no_lib = "no native library (no C compiler, or its build failed)"
-    attention = ("native paged attention" if native.supports(t)
-                 else f"torch (gather + SDPA): {why_no_lib if lib is None else dtype}")
+    if native.supports(t):
+        width = lib.folio_attention_vector_width()
+        attention = "native paged attention, " + (
+            {16: "AVX-512", 8: "AVX2"}.get(width, f"{width}-float") + " tiles, online softmax"
+            if width else "portable C")
+    else:
+        attention = f"torch (gather + SDPA): {why_no_lib if lib is None else dtype}"
     split = store is not None and native.packs_linear_bf16w(t)
     fused = (f"native fused kernels ({dtype})" if native.fuses(t) else
              "native fused kernels (fp32) inside the one-call decoder; torch ops in the "

@@ -1,7 +1,6 @@
 """The native CPU attention kernel against the torch backend's paths: decodes
-(gathered decode) and mixed steps with prefill chunks (SDPA), native and portable builds."""
-
-import platform
+(gathered decode) and mixed steps with prefill chunks (SDPA), in every build
+this machine runs (its own, AVX2, portable C)."""
 
 import pytest
 import torch
@@ -9,21 +8,12 @@ import torch
 from folio.model import native
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend
+from tests.model.native_builds import builds, library
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
 
-def _portable():
-    """The same source built without AVX-512: the portable C path."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build flag is x86-specific")
-    lib = native._build(("-mno-avx512f",))
-    if lib is None:
-        pytest.skip("no C compiler here")
-    return lib
-
-
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", builds())
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [
     (9, 3, 16, 64),       # the default model
@@ -33,7 +23,7 @@ def _portable():
     (16, 1, 16, 128),     # a query group too large for the vector task's registers
     (6, 2, 16, 48)])
 def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, block_size, dim):
-    lib = _portable() if build == "portable" else None
+    lib = library(build)
     g = torch.Generator().manual_seed(heads * 100 + block_size)
     batch = 7
     lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 5 * block_size, 700])
@@ -52,7 +42,7 @@ def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, b
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", builds())
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 64), (8, 8, 32, 128),
                                                            (4, 2, 8, 48)])
@@ -61,7 +51,7 @@ def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, tol, heads, kv
     """A step of 2 decodes, a whole 40-token prompt and a 23-token chunk that
     resumes at position 37: the kernel against the torch backend's own paths
     (gathered decode, SDPA per prefill span), token for token."""
-    lib = _portable() if build == "portable" else None
+    lib = library(build)
     g = torch.Generator().manual_seed(heads + dim)
     seqs = [(0, 1, 70), (0, 1, 5), (0, 40, 0), (1, 23, 37)]   # (kind, tokens, start)
     width = max(-(-(n + s) // block_size) for _, n, s in seqs)

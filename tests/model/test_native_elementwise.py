@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from folio.model import native
 from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import RotaryEmbedding
+from tests.model.native_builds import builds, library
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
@@ -56,13 +57,35 @@ def test_rotary_in_place_on_the_fused_qkv_rows(dtype, tol, tokens):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)      # v untouched
 
 
+@pytest.mark.parametrize("build", builds())
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("rows", [1, 9, 64])           # 64 x 1536: the threaded path
-def test_silu_mul(dtype, tol, rows):
+@pytest.mark.parametrize("rows,d", [(1, 1536), (9, 1536), (64, 1536), (3, 21)])
+def test_silu_mul(build, dtype, tol, rows, d):
+    """64 x 1536: the threaded path; d = 21: vectors and a scalar tail. Gates
+    of +-100 reach the exponential's overflow and underflow."""
     g = torch.Generator().manual_seed(rows)
-    gate_up = (4 * torch.randn(rows, 2 * 1536, generator=g)).to(dtype)
+    gate_up = (4 * torch.randn(rows, 2 * d, generator=g))
+    gate_up[0, :4] = torch.tensor([100.0, -100.0, 89.0, -89.0])
+    gate_up[0, d - 2:d] = torch.tensor([-100.0, 100.0])   # a scalar tail where d = 21
+    gate_up = gate_up.to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    _close(native.silu_mul(gate_up), F.silu(gate) * up, tol)
+    _close(native.silu_mul(gate_up, library(build)), F.silu(gate) * up, tol)
+
+
+@pytest.mark.parametrize("build", builds())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5000, 49152, 37])
+def test_greedy_takes_the_first_maximum_and_its_log_softmax(build, dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = 4 * torch.randn(9, vocab, generator=g)
+    logits[3, 17] = logits[3, vocab - 5] = 100.0      # a tie: the first index wins
+    logits[5, vocab - 1] = 100.0                      # the maximum in the scalar tail
+    logits = logits.to(dtype)
+    tokens, logprobs = native.greedy(logits, library(build))
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[3] == 17
+    assert tokens[5] == vocab - 1
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-5)
 
 
 def test_only_bf16_on_the_cpu_takes_the_fused_kernels():

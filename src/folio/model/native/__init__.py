@@ -102,6 +102,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_linear_bf16w": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
         "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
         "folio_qlinear_available": (ctypes.c_int, []),
+        "folio_attention_vector_width": (ctypes.c_int, []),
         "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
                                          i64, i64, i32, i32]),
     }
@@ -289,22 +290,25 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2d] (gate then up) -> silu(gate) * up, [T, d]."""
+def silu_mul(gate_up: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """[T, 2d] (gate then up) -> silu(gate) * up, [T, d]. `lib`: the tests'
+    other builds."""
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    load().folio_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+    (lib or load()).folio_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                         _DTYPE_CODES[gate_up.dtype], torch.get_num_threads())
     return out
 
 
-def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 or bf16 logits [S, V] -> (argmax [S] int64, its log-softmax value [S] fp32)."""
+def greedy(logits: torch.Tensor, lib: Optional[ctypes.CDLL] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 or bf16 logits [S, V] -> (argmax [S] int64, its log-softmax value [S]
+    fp32). `lib`: the tests' other builds."""
     logits = logits.contiguous()
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
-    load().folio_greedy(logits.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), rows, vocab,
+    (lib or load()).folio_greedy(logits.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), rows, vocab,
                         _DTYPE_CODES[logits.dtype], torch.get_num_threads())
     return tokens, logprobs

@@ -91,12 +91,12 @@ void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in = r * 2 * d, o = r * d;
         int64_t i = 0;
-#ifdef FOLIO_HAVE_AVX512
-        for (; i + 16 <= d; i += 16) {
-            __m512 g = load16(gate_up, in + i, dtype);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), dtype);
-            store16(out, o + i, _mm512_mul_ps(act, load16(gate_up, in + d + i, dtype)), dtype);
+#ifdef FOLIO_HAVE_VEC
+        for (; i + FOLIO_VW <= d; i += FOLIO_VW) {
+            fvec g = fv_load(gate_up, in + i, dtype);
+            fvec e = fv_exp(fv_sub(fv_zero(), g));
+            fvec act = fv_round(fv_div(g, fv_add(fv_set1(1.f), e)), dtype);
+            fv_store(out, o + i, fv_mul(act, fv_load(gate_up, in + d + i, dtype)), dtype);
         }
 #endif
         for (; i < d; i++) {
@@ -119,20 +119,19 @@ void folio_greedy(const void *logits, int64_t *tokens, float *logprobs, int64_t 
         const int64_t x = r * vocab;
         float m = load(logits, x, dtype), sum = 0.f;
         int64_t i = 0;
-#ifdef FOLIO_HAVE_AVX512
-        __m512 mv = _mm512_set1_ps(m);
-        for (; i + 16 <= vocab; i += 16) mv = _mm512_max_ps(mv, load16(logits, x + i, dtype));
-        m = _mm512_reduce_max_ps(mv);
+#ifdef FOLIO_HAVE_VEC
+        fvec mv = fv_set1(m);
+        for (; i + FOLIO_VW <= vocab; i += FOLIO_VW) mv = fv_max(mv, fv_load(logits, x + i, dtype));
+        m = fv_hmax(mv);
 #endif
         for (; i < vocab; i++) m = load(logits, x + i, dtype) > m ? load(logits, x + i, dtype) : m;
         int64_t best = -1;
         i = 0;
-#ifdef FOLIO_HAVE_AVX512
-        for (; i + 16 <= vocab; i += 16) {
-            __mmask16 hit = _mm512_cmp_ps_mask(load16(logits, x + i, dtype), _mm512_set1_ps(m),
-                                               _CMP_EQ_OQ);
-            if (hit) {
-                best = i + __builtin_ctz(hit);
+#ifdef FOLIO_HAVE_VEC
+        for (; i + FOLIO_VW <= vocab; i += FOLIO_VW) {
+            const int hit = fv_first_eq(fv_load(logits, x + i, dtype), fv_set1(m));
+            if (hit >= 0) {
+                best = i + hit;
                 break;
             }
         }
@@ -140,12 +139,11 @@ void folio_greedy(const void *logits, int64_t *tokens, float *logprobs, int64_t 
         for (; best < 0 && i < vocab; i++)
             if (load(logits, x + i, dtype) == m) best = i;
         i = 0;
-#ifdef FOLIO_HAVE_AVX512
-        __m512 sv = _mm512_setzero_ps();
-        for (; i + 16 <= vocab; i += 16)
-            sv = _mm512_add_ps(sv, exp16(_mm512_sub_ps(load16(logits, x + i, dtype),
-                                                       _mm512_set1_ps(m))));
-        sum = _mm512_reduce_add_ps(sv);
+#ifdef FOLIO_HAVE_VEC
+        fvec sv = fv_zero();
+        for (; i + FOLIO_VW <= vocab; i += FOLIO_VW)
+            sv = fv_add(sv, fv_exp(fv_sub(fv_load(logits, x + i, dtype), fv_set1(m))));
+        sum = fv_hadd(sv);
 #endif
         for (; i < vocab; i++) sum += expf(load(logits, x + i, dtype) - m);
         tokens[r] = best;

@@ -12,7 +12,8 @@
  * dtype 0 is float32, 1 is bfloat16.
  *
  * Two implementations of a task:
- * - with AVX-512 (head_dim a multiple of 16): a task is a tile of up to 16
+ * - with AVX-512 or AVX2 + FMA (simd.h; head_dim a multiple of the vector
+ *   width, 16 or 8 floats, and at most 256): a task is a tile of up to 16
  *   consecutive tokens of one sequence and a run of KV heads. One pass over
  *   the blocks with an online softmax (running max and sum per query); each
  *   key and value row loaded serves every query of the tile, so a prefill
@@ -139,7 +140,7 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
 
 
 #include "simd.h"
-#ifdef FOLIO_HAVE_AVX512
+#ifdef FOLIO_HAVE_VEC
 
 static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, int64_t stride,
                                  int row_bytes, int elt) {
@@ -150,10 +151,13 @@ static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, in
 }
 
 /* A task's queries (a tile of tokens x a run of KV heads x their query groups)
- * take up to this many 16-float vectors on its stack, and as many accumulators. */
-#define FOLIO_TASK_VECTORS 256
-#define FOLIO_MAX_NV 16       /* head_dim up to 256 */
+ * take up to this many vectors on its stack, and as many accumulators. */
+#define FOLIO_TASK_FLOATS 4096
+#define FOLIO_TASK_VECTORS (FOLIO_TASK_FLOATS / FOLIO_VW)
+#define FOLIO_MAX_DIM 256
+#define FOLIO_MAX_NV (FOLIO_MAX_DIM / FOLIO_VW)
 
+#ifdef FOLIO_HAVE_AVX512
 /* Transpose of 16 rows of 16 32-bit elements: t[e] lane r = rows[r] element e. */
 static inline void transpose16x16(const __m512i *rows, __m512i *t) {
     __m512i lo[8], hi[8], u[16];
@@ -179,36 +183,58 @@ static inline void transpose16x16(const __m512i *rows, __m512i *t) {
     }
 }
 
-/* Scores of up to 16 key rows (either dtype, as fp32) for nq fp32 queries
- * (scale folded in): 16 dimensions of the 16 rows transposed at a time, then
- * each query's 16 scores are one chain of FMAs with its dimensions broadcast. */
+static inline void transpose_vw(const fvec *rows, fvec *t) {
+    transpose16x16((const __m512i *)rows, (__m512i *)t);
+}
+#else
+/* Transpose of 8 rows of 8 floats: t[e] lane r = rows[r] element e. */
+static inline void transpose_vw(const fvec *r, fvec *t) {
+    __m256 a[8], b[8];
+    for (int j = 0; j < 4; j++) {      /* per 128-bit lane: elements 0,1 (lo) or 2,3 (hi) of 2 rows */
+        a[2 * j] = _mm256_unpacklo_ps(r[2 * j], r[2 * j + 1]);
+        a[2 * j + 1] = _mm256_unpackhi_ps(r[2 * j], r[2 * j + 1]);
+    }
+    for (int h = 0; h < 2; h++) {      /* rows 4h .. 4h + 3: element e of the 4 rows in b[4h + e] */
+        b[4 * h + 0] = _mm256_shuffle_ps(a[4 * h], a[4 * h + 2], 0x44);
+        b[4 * h + 1] = _mm256_shuffle_ps(a[4 * h], a[4 * h + 2], 0xEE);
+        b[4 * h + 2] = _mm256_shuffle_ps(a[4 * h + 1], a[4 * h + 3], 0x44);
+        b[4 * h + 3] = _mm256_shuffle_ps(a[4 * h + 1], a[4 * h + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; e++) {      /* low lanes: elements 0..3, high lanes: 4..7 */
+        t[e] = _mm256_permute2f128_ps(b[e], b[4 + e], 0x20);
+        t[4 + e] = _mm256_permute2f128_ps(b[e], b[4 + e], 0x31);
+    }
+}
+#endif
+
+/* Scores of up to VW key rows (either dtype, as fp32) for nq fp32 queries
+ * (scale folded in): VW dimensions of the VW rows transposed at a time, then
+ * each query's VW scores are one chain of FMAs with its dimensions broadcast. */
 static inline void block_scores_f32_t(const void *kv, int64_t kfirst, int64_t rows,
                                       int64_t stride, int dtype, int nv, int nq,
-                                      const __m512 *qv, float *scores, int block_size) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
-        __m512i t[16 * FOLIO_MAX_NV];               /* head_dim vectors */
+                                      const fvec *qv, float *scores, int block_size) {
+    for (int64_t r0 = 0; r0 < rows; r0 += FOLIO_VW) {
+        const int n = rows - r0 < FOLIO_VW ? (int)(rows - r0) : FOLIO_VW;
+        fvec t[FOLIO_MAX_DIM];                      /* head_dim vectors */
         for (int c = 0; c < nv; c++) {
-            __m512i rw[16];
-            for (int r = 0; r < 16; r++)
-                rw[r] = r < n ? _mm512_castps_si512(load16(kv, kfirst + (r0 + r) * stride + 16 * c,
-                                                           dtype))
-                              : _mm512_setzero_si512();
-            transpose16x16(rw, t + 16 * c);
+            fvec rw[FOLIO_VW];
+            for (int r = 0; r < FOLIO_VW; r++)
+                rw[r] = r < n ? fv_load(kv, kfirst + (r0 + r) * stride + FOLIO_VW * c, dtype)
+                              : fv_zero();
+            transpose_vw(rw, t + FOLIO_VW * c);
         }
-        const __mmask16 mask = (__mmask16)((1u << n) - 1);
+        const fmask mask = fv_first(n);
         for (int i = 0; i < nq; i++) {
             const float *qi = (const float *)(qv + (int64_t)i * nv);
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-            for (int d = 0; d < 16 * nv; d += 4) {
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d]), _mm512_castsi512_ps(t[d]), a0);
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 1]), _mm512_castsi512_ps(t[d + 1]), a1);
-                a2 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 2]), _mm512_castsi512_ps(t[d + 2]), a2);
-                a3 = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + 3]), _mm512_castsi512_ps(t[d + 3]), a3);
+            fvec a0 = fv_zero(), a1 = fv_zero(), a2 = fv_zero(), a3 = fv_zero();
+            for (int d = 0; d < FOLIO_VW * nv; d += 4) {
+                a0 = fv_fma(fv_set1(qi[d]), t[d], a0);
+                a1 = fv_fma(fv_set1(qi[d + 1]), t[d + 1], a1);
+                a2 = fv_fma(fv_set1(qi[d + 2]), t[d + 2], a2);
+                a3 = fv_fma(fv_set1(qi[d + 3]), t[d + 3], a3);
             }
-            _mm512_mask_storeu_ps(scores + (int64_t)i * block_size + r0, mask,
-                                  _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+            fv_store_n(scores + (int64_t)i * block_size + r0, mask,
+                       fv_add(fv_add(a0, a1), fv_add(a2, a3)));
         }
     }
 }
@@ -260,25 +286,25 @@ static inline void block_scores_bf16_t(const void *kv, int64_t kfirst, int64_t r
 /* Online softmax over one block's scores of one query: exponentiates them in
  * place against the new running max, and returns the factor that rescales
  * what was accumulated before. */
-static inline float block_softmax16(float *s, int64_t rows, float *m, float *l) {
-    __m512 vmax = _mm512_set1_ps(-FLT_MAX);
-    for (int64_t r = 0; r < rows; r += 16) {
-        __mmask16 mask = rows - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rows - r)) - 1);
-        vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + r));
+static inline float block_softmax_vec(float *s, int64_t rows, float *m, float *l) {
+    fvec vmax = fv_set1(-FLT_MAX);
+    for (int64_t r = 0; r < rows; r += FOLIO_VW) {
+        const fmask mask = fv_first(rows - r);
+        vmax = fv_max_n(vmax, mask, fv_load_n(s + r, mask));
     }
-    float bmax = _mm512_reduce_max_ps(vmax);
+    float bmax = fv_hmax(vmax);
     float corr = 1.f, sum = 0.f;      /* once the running max settles, no rescaling */
     if (bmax > *m) {
         corr = expf(*m - bmax);
         *m = bmax;
     }
     const float mnew = *m;
-    for (int64_t r = 0; r < rows; r += 16) {
-        __mmask16 mask = rows - r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rows - r)) - 1);
-        __m512 x = _mm512_maskz_loadu_ps(mask, s + r);
-        __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, _mm512_set1_ps(mnew))));
-        _mm512_mask_storeu_ps(s + r, mask, p);
-        sum += _mm512_reduce_add_ps(p);
+    for (int64_t r = 0; r < rows; r += FOLIO_VW) {
+        const fmask mask = fv_first(rows - r);
+        fvec x = fv_load_n(s + r, mask);
+        fvec p = fv_keep(mask, fv_exp(fv_sub(x, fv_set1(mnew))));
+        fv_store_n(s + r, mask, p);
+        sum += fv_hadd(p);
     }
     *l = *l * corr + sum;
     return corr;
@@ -287,46 +313,65 @@ static inline float block_softmax16(float *s, int64_t rows, float *m, float *l) 
 #define FOLIO_TILE 16          /* query tokens a task, at most */
 
 /* Values of one block for a few queries (decode: one token's query group),
- * rows outer: each row is converted once and the nq x nv accumulators stay in
- * registers (nq and nv are constants where this is inlined). */
+ * rows outer: each row is converted once and the nq x jc accumulators stay in
+ * registers (nq, nv and jc are constants where this is inlined). The head's
+ * nv vectors go jc at a time, so that AVX2's 16 registers hold a pass. */
 static inline __attribute__((always_inline)) void block_values_regs(
         const void *kv, int64_t vfirst, int64_t rows, int64_t stride, int dtype,
-        const float *scores, int block_size, __m512 *acc, const int nq, const int nv) {
-    __m512 a[8 * FOLIO_MAX_NV];
-    for (int i = 0; i < nq * nv; i++) a[i] = acc[i];
-    for (int64_t r = 0; r < rows; r++) {
-        __m512 v[FOLIO_MAX_NV];
-        for (int j = 0; j < nv; j++) v[j] = load16(kv, vfirst + r * stride + 16 * j, dtype);
-        for (int k = 0; k < nq; k++) {
-            __m512 w = _mm512_set1_ps(scores[(int64_t)k * block_size + r]);
-            for (int j = 0; j < nv; j++) a[k * nv + j] = _mm512_fmadd_ps(w, v[j], a[k * nv + j]);
+        const float *scores, int block_size, fvec *acc, const int nq, const int nv,
+        const int jc) {
+    for (int j0 = 0; j0 < nv; j0 += jc) {          /* jc divides nv */
+        fvec a[8 * FOLIO_MAX_NV];
+        for (int k = 0; k < nq; k++)
+            for (int j = 0; j < jc; j++) a[k * jc + j] = acc[k * nv + j0 + j];
+        for (int64_t r = 0; r < rows; r++) {
+            fvec v[FOLIO_MAX_NV];
+            for (int j = 0; j < jc; j++)
+                v[j] = fv_load(kv, vfirst + r * stride + FOLIO_VW * (j0 + j), dtype);
+            for (int k = 0; k < nq; k++) {
+                fvec w = fv_set1(scores[(int64_t)k * block_size + r]);
+                for (int j = 0; j < jc; j++) a[k * jc + j] = fv_fma(w, v[j], a[k * jc + j]);
+            }
         }
+        for (int k = 0; k < nq; k++)
+            for (int j = 0; j < jc; j++) acc[k * nv + j0 + j] = a[k * jc + j];
     }
-    for (int i = 0; i < nq * nv; i++) acc[i] = a[i];
 }
+
+/* Vectors of one pass of block_values_regs for nq queries: the whole head with
+ * AVX-512's 32 registers; with AVX2's 16, at most 12 accumulators (a divisor
+ * of the head's vectors). */
+#define FOLIO_DIVIDING(j, nv) ((nv) % (j) == 0 ? (j) : (nv) % ((j) / 2) == 0 ? (j) / 2 \
+                               : (nv) % 2 == 0 ? 2 : 1)
+#ifdef FOLIO_HAVE_AVX512
+#define FOLIO_JC(nq, nv) (nv)
+#else
+#define FOLIO_JC(nq, nv) FOLIO_DIVIDING((nq) == 1 ? 8 : (nq) <= 3 ? 4 : 2, nv)
+#endif
 
 /* The register version for the shapes it fits (0 if it took the block). */
 static inline __attribute__((always_inline)) int block_values_small(
         const void *kv, int64_t vfirst, int64_t rows, int64_t stride, int dtype,
-        const float *scores, int block_size, __m512 *acc, int nq, const int nv) {
-#define FOLIO_PV(N) case N: block_values_regs(kv, vfirst, rows, stride, dtype, scores, \
-                                              block_size, acc, N, nv); return 0;
-    if (nv == 4) {
-        switch (nq) { FOLIO_PV(1) FOLIO_PV(2) FOLIO_PV(3) FOLIO_PV(4) FOLIO_PV(5) FOLIO_PV(6) }
-    } else if (nv == 8) {
-        switch (nq) { FOLIO_PV(1) FOLIO_PV(2) FOLIO_PV(3) }
+        const float *scores, int block_size, fvec *acc, int nq, const int head_dim) {
+#define FOLIO_PV(N, D) case N: block_values_regs(kv, vfirst, rows, stride, dtype, scores, \
+        block_size, acc, N, D / FOLIO_VW, FOLIO_JC(N, D / FOLIO_VW)); return 0;
+    if (head_dim == 64) {
+        switch (nq) { FOLIO_PV(1, 64) FOLIO_PV(2, 64) FOLIO_PV(3, 64) FOLIO_PV(4, 64)
+                      FOLIO_PV(5, 64) FOLIO_PV(6, 64) }
+    } else if (head_dim == 128) {
+        switch (nq) { FOLIO_PV(1, 128) FOLIO_PV(2, 128) FOLIO_PV(3, 128) }
     }
 #undef FOLIO_PV
     return 1;
 }
 
-static inline __attribute__((always_inline)) void task_avx512(
+static inline __attribute__((always_inline)) void task_vec(
         const void *q, int64_t q_stride, const void *kv, void *out, const int64_t *table,
         const int64_t *ctx, int ntok, int64_t tok0, int kvh0, int kvh1, int num_heads,
         int num_kv_heads, const int head_dim, int block_size, int64_t num_blocks, float scale,
         int dtype, float *scores) {
     const int group = num_heads / num_kv_heads;
-    const int nv = head_dim / 16;
+    const int nv = head_dim / FOLIO_VW;
     const int per_head = ntok * group;             /* queries of one KV head */
     float *vbuf = scores + (int64_t)FOLIO_TASK_VECTORS * block_size;   /* [block_size][head_dim] */
     const int elt = dtype == 0 ? 4 : 2;
@@ -336,7 +381,7 @@ static inline __attribute__((always_inline)) void task_avx512(
     const int64_t nblk = (last_ctx + block_size - 1) / block_size;
     const int span = (kvh1 - kvh0) * head_dim * elt;   /* the task's heads in a cached row */
     /* query i = (head h, token t, group member g) at (h * ntok + t) * group + g */
-    __m512 qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
+    fvec qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
     float m[FOLIO_TASK_VECTORS], l[FOLIO_TASK_VECTORS];
 #if defined(__AVX512BF16__)
     const int dot_bf16 = dtype == 1 && nv % 2 == 0;
@@ -349,9 +394,8 @@ static inline __attribute__((always_inline)) void task_avx512(
                 const int64_t src = (tok0 + t) * q_stride
                                     + (int64_t)((kvh0 + h) * group + g) * head_dim;
                 for (int j = 0; j < nv; j++) {
-                    qv[i * nv + j] = _mm512_mul_ps(load16(q, src + 16 * j, dtype),
-                                                   _mm512_set1_ps(scale));
-                    acc[i * nv + j] = _mm512_setzero_ps();
+                    qv[i * nv + j] = fv_mul(fv_load(q, src + FOLIO_VW * j, dtype), fv_set1(scale));
+                    acc[i * nv + j] = fv_zero();
                 }
 #if defined(__AVX512BF16__)
                 if (dot_bf16)
@@ -395,30 +439,30 @@ static inline __attribute__((always_inline)) void task_avx512(
                         memset(si, 0, sizeof(float) * (size_t)rows);
                         continue;
                     }
-                    float corr = block_softmax16(si, valid, m + i, l + i);
+                    float corr = block_softmax_vec(si, valid, m + i, l + i);
                     for (int64_t r = valid; r < rows; r++) si[r] = 0.f;
                     if (corr != 1.f)
                         for (int j = 0; j < nv; j++)
-                            acc[i * nv + j] = _mm512_mul_ps(acc[i * nv + j], _mm512_set1_ps(corr));
+                            acc[i * nv + j] = fv_mul(acc[i * nv + j], fv_set1(corr));
                 }
             }
             if (!block_values_small(kv, v_offset + kfirst, rows, stride, dtype, scores,
-                                    block_size, acc + i0 * nv, per_head, nv))
+                                    block_size, acc + i0 * nv, per_head, head_dim))
                 continue;
             /* more queries: the block's rows once as fp32, then four queries
              * at a time with their accumulators in registers */
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < nv; j++)
-                    _mm512_storeu_ps(vbuf + r * head_dim + 16 * j,
-                                     load16(kv, v_offset + kfirst + r * stride + 16 * j, dtype));
+                    fv_storeu(vbuf + r * head_dim + FOLIO_VW * j,
+                              fv_load(kv, v_offset + kfirst + r * stride + FOLIO_VW * j, dtype));
             int k = 0;
-            if (nv <= 8)
+            if (head_dim <= 128)
                 for (; k + 4 <= per_head; k += 4)
                     block_values_regs(vbuf, 0, rows, head_dim, 0, scores + (int64_t)k * block_size,
-                                      block_size, acc + (i0 + k) * nv, 4, nv);
+                                      block_size, acc + (i0 + k) * nv, 4, nv, FOLIO_JC(4, nv));
             for (; k < per_head; k++)
                 block_values_regs(vbuf, 0, rows, head_dim, 0, scores + (int64_t)k * block_size,
-                                  block_size, acc + (i0 + k) * nv, 1, nv);
+                                  block_size, acc + (i0 + k) * nv, 1, nv, FOLIO_JC(1, nv));
         }
     }
     for (int h = 0; h < kvh1 - kvh0; h++)
@@ -426,36 +470,27 @@ static inline __attribute__((always_inline)) void task_avx512(
             for (int g = 0; g < group; g++) {
                 const int i = (h * ntok + t) * group + g;
                 const int64_t o = ((tok0 + t) * num_heads + (kvh0 + h) * group + g) * head_dim;
-                __m512 inv = _mm512_set1_ps(1.f / l[i]);
-                for (int j = 0; j < nv; j++) {
-                    __m512 x = _mm512_mul_ps(acc[i * nv + j], inv);
-                    if (dtype == 0) {
-                        _mm512_storeu_ps((float *)out + o + 16 * j, x);
-                    } else {
-                        float tmp[16];
-                        _mm512_storeu_ps(tmp, x);
-                        for (int d = 0; d < 16; d++)
-                            ((uint16_t *)out)[o + 16 * j + d] = float_to_bf16(tmp[d]);
-                    }
-                }
+                fvec inv = fv_set1(1.f / l[i]);
+                for (int j = 0; j < nv; j++)
+                    fv_store(out, o + FOLIO_VW * j, fv_mul(acc[i * nv + j], inv), dtype);
             }
 }
 
-static void task_avx512_any(const void *q, int64_t q_stride, const void *kv, void *out,
-                            const int64_t *table, const int64_t *ctx, int ntok, int64_t tok0,
-                            int kvh0, int kvh1, int num_heads, int num_kv_heads, int head_dim,
-                            int block_size, int64_t num_blocks, float scale, int dtype,
-                            float *scores) {
+static void task_vec_any(const void *q, int64_t q_stride, const void *kv, void *out,
+                         const int64_t *table, const int64_t *ctx, int ntok, int64_t tok0,
+                         int kvh0, int kvh1, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, int64_t num_blocks, float scale, int dtype,
+                         float *scores) {
     /* constant head_dim for the common sizes so the loops over it unroll */
     if (head_dim == 64)
-        task_avx512(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                    num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores);
+        task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
+                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores);
     else if (head_dim == 128)
-        task_avx512(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                    num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores);
+        task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
+                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores);
     else
-        task_avx512(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                    num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores);
+        task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
+                 num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores);
 }
 #endif
 
@@ -474,6 +509,15 @@ static int64_t make_tiles(const int64_t *token_rows, const int64_t *context_lens
     return n;
 }
 
+/* Floats a vector of the tiled path (16 AVX-512, 8 AVX2), 0 in a portable build. */
+int folio_attention_vector_width(void) {
+#ifdef FOLIO_HAVE_VEC
+    return FOLIO_VW;
+#else
+    return 0;
+#endif
+}
+
 int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
@@ -484,9 +528,9 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
         max_ctx = context_lens[t] > max_ctx ? context_lens[t] : max_ctx;
     const int group = num_heads / num_kv_heads;
     int chunk = 1, tile = 1, vector = 0;
-#ifdef FOLIO_HAVE_AVX512
-    const int per_head = group * (head_dim / 16);      /* vectors of one token's KV head */
-    vector = head_dim % 16 == 0 && head_dim <= 16 * FOLIO_MAX_NV && per_head <= FOLIO_TASK_VECTORS;
+#ifdef FOLIO_HAVE_VEC
+    const int per_head = group * (head_dim / FOLIO_VW);      /* vectors of one token's KV head */
+    vector = head_dim % FOLIO_VW == 0 && head_dim <= FOLIO_MAX_DIM && per_head <= FOLIO_TASK_VECTORS;
     if (vector) {
         tile = FOLIO_TASK_VECTORS / per_head;
         if (tile > FOLIO_TILE) tile = FOLIO_TILE;
@@ -495,7 +539,7 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     if (!starts) return 1;
     const int64_t tiles = make_tiles(token_rows, context_lens, tokens, tile, starts);
-#ifdef FOLIO_HAVE_AVX512
+#ifdef FOLIO_HAVE_VEC
     if (vector) {
         /* As many KV heads a task as the stack holds for the longest tile, split
          * further while there are too few tasks for the threads. */
@@ -515,7 +559,7 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
     /* scratch: the portable path keeps a whole context of scores per query; the
      * vector path one block of scores per query of a task */
     size_t scratch = (size_t)(group * max_ctx + 2 * group * head_dim + 4 * head_dim);
-#ifdef FOLIO_HAVE_AVX512
+#ifdef FOLIO_HAVE_VEC
     if (vector) scratch = (size_t)(FOLIO_TASK_VECTORS + head_dim) * block_size;
 #endif
     int failed = 0;
@@ -535,9 +579,9 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
             const int64_t t0 = starts[tl];
             const int ntok = (int)(starts[tl + 1] - t0);
             const int64_t *table = block_tables + token_rows[t0] * max_blocks;
-#ifdef FOLIO_HAVE_AVX512
+#ifdef FOLIO_HAVE_VEC
             if (vector) {
-                task_avx512_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
+                task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
                                 kvh1, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                                 scale, dtype, scores);
                 continue;
