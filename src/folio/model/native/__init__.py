@@ -223,8 +223,8 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
             quantize_x: bool = False, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W an `IntGroups` (4- or 8-bit codes,
     float16 scales and offsets per group): [..., N] in x's dtype.
-    `quantize_x`: x quantized to int8 per block of 32 and multiplied as
-    integers (faster; x's int8 rounding), else in fp32. `lib`: the tests'
+    `quantize_x`: x quantized to int16 per block of 32 and multiplied as
+    integers (faster; x's int16 rounding), else in fp32. `lib`: the tests'
     other builds."""
     k = w.in_features
     weights, (n, positions) = w.kernel_args

@@ -25,8 +25,12 @@
  * Two ways to multiply, both scaling per group:
  *     y[n] = sum_g scale[n][g] * (sum_{k in g} x[k] q[n][k])
  *          + offset[n][g] * (sum_{k in g} x[k])
- * - float (`quantize_x` 0): the codes widened to fp32 and multiplied by x in
- *   fp32 (FMA); the result is the dequantized product up to fp32 sums.
+ * - float (`quantize_x` 0), fp32 arithmetic: with few rows (a decode step,
+ *   up to MR) the codes are widened as they are read and each group's sums
+ *   scaled as above; with more, each group of tiles is first dequantized into
+ *   fp32 scratch (w = q * scale + offset) and the rows run a plain float
+ *   register block on it. Either way the result is the dequantized product up
+ *   to the order of fp32 sums.
  * - int16 (`quantize_x` 1): x quantized per row and per block of 32 positions
  *   (within a group) to int16 with its own scale, and the codes multiplied as
  *   integers two at a time (vpdpwssd with AVX512-VNNI or AVX-VNNI, else
@@ -195,11 +199,11 @@ static inline __attribute__((always_inline)) void widen_octet(const uint8_t *til
 
 /* ---------------------------------------------------------------- float path */
 
-/* Rows r0 .. r0 + mr against tiles t0 .. t0 + nt. qf: the tiles' codes widened
- * to fp32 ([nt][kp][16]), or NULL to widen them here. */
+/* Rows r0 .. r0 + mr (few: a decode step) against tiles t0 .. t0 + nt, the
+ * codes widened as they are read. */
 static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r0, int64_t t0,
-                                                         const float *qf, const int bits,
-                                                         const int mr, const int nt) {
+                                                         const int bits, const int mr,
+                                                         const int nt) {
     const int64_t kp = J->kp, stride = tile_bytes(J);
     /* with few rows, the sums of a group run in several independent chains
      * (FMA latency, not throughput, bounds one chain) */
@@ -222,12 +226,7 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
 #pragma GCC unroll 2
                 for (int v = 0; v < VPT; v++) {
                     vec w[8];
-                    if (qf) {
-#pragma GCC unroll 8
-                        for (int i = 0; i < 8; i++) w[i] = vload(qf + (j * kp + p + i) * 16 + v * VL);
-                    } else {
-                        widen_octet(J->codes + (t0 + j) * stride, p / 8, v, bits, w);
-                    }
+                    widen_octet(J->codes + (t0 + j) * stride, p / 8, v, bits, w);
 #pragma GCC unroll 4
                     for (int r = 0; r < mr; r++) {
                         const float *xr = J->x + (r0 + r) * kp + p;
@@ -261,36 +260,109 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
-static void widen_tiles(const job *J, int64_t t0, int nt, float *qf) {
+/* Up to MR rows against the tiles t0 .. t0 + nt. */
+static void ftile_group(const job *J, int64_t t0, int nt) {
+    const int mr = (int)J->m;
+#define FOLIO_FBLOCK(B, R, T) \
+    case (B == 4 ? 0 : 64) + R * 8 + T: fblock(J, 0, t0, B, R, T); break;
+    switch ((J->bits == 4 ? 0 : 64) + mr * 8 + nt) {
+#if MR == 4 && NT == 3
+        FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1) FOLIO_FBLOCK(4, 4, 1)
+        FOLIO_FBLOCK(4, 1, 2) FOLIO_FBLOCK(4, 2, 2) FOLIO_FBLOCK(4, 3, 2) FOLIO_FBLOCK(4, 4, 2)
+        FOLIO_FBLOCK(4, 1, 3) FOLIO_FBLOCK(4, 2, 3) FOLIO_FBLOCK(4, 3, 3) FOLIO_FBLOCK(4, 4, 3)
+        FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1) FOLIO_FBLOCK(8, 4, 1)
+        FOLIO_FBLOCK(8, 1, 2) FOLIO_FBLOCK(8, 2, 2) FOLIO_FBLOCK(8, 3, 2) FOLIO_FBLOCK(8, 4, 2)
+        FOLIO_FBLOCK(8, 1, 3) FOLIO_FBLOCK(8, 2, 3) FOLIO_FBLOCK(8, 3, 3) FOLIO_FBLOCK(8, 4, 3)
+#else
+        FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1)
+        FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1)
+#endif
+    }
+#undef FOLIO_FBLOCK
+}
+
+/* ------------------------------------------------- float path, many rows */
+
+/* More rows than MR: each group of tiles is dequantized once into fp32
+ * scratch, w = q * scale + offset ([nt][kp][16]), and the rows meet it in a
+ * plain fp32 register block (DMR rows x DNT tiles of accumulators, no per-group
+ * sums): the dequantized product up to the order of fp32 sums, as before, at
+ * the FMA rate of a float GEMM. AVX2's 16 registers hold 6 rows x 2 vectors. */
+#if VL == 16
+#define DMR 8
+#define DNT 3
+#else
+#define DMR 6
+#define DNT 1
+#endif
+
+static void dequantize_tiles(const job *J, int64_t t0, int nt, float *wf) {
+    const int64_t stride = tile_bytes(J);
     for (int j = 0; j < nt; j++)
-        for (int64_t o = 0; o < J->kp / 8; o++)
+        for (int64_t g = 0; g < J->groups; g++)
             for (int v = 0; v < VPT; v++) {
-                vec w[8];
-                widen_octet(J->codes + (t0 + j) * tile_bytes(J), o, v, J->bits, w);
-                for (int i = 0; i < 8; i++) vstore(qf + (j * J->kp + o * 8 + i) * 16 + v * VL, w[i]);
+                vec s, o;
+                group_scale(J, t0 + j, g, v, &s, &o);
+                for (int64_t p = J->bounds[g]; p < J->bounds[g + 1]; p += 8) {
+                    vec w[8];
+                    widen_octet(J->codes + (t0 + j) * stride, p / 8, v, J->bits, w);
+                    for (int i = 0; i < 8; i++)
+                        vstore(wf + (j * J->kp + p + i) * 16 + v * VL, vfma(w[i], s, o));
+                }
             }
 }
 
-static void ftile_group(const job *J, int64_t t0, int nt, float *qf) {
-    if (qf) widen_tiles(J, t0, nt, qf);
-    for (int64_t r = 0; r < J->m; r += MR) {
-        const int mr = J->m - r < MR ? (int)(J->m - r) : MR;
-#define FOLIO_FBLOCK(B, R, T) \
-    case (B == 4 ? 0 : 64) + R * 8 + T: fblock(J, r, t0, qf, B, R, T); break;
-        switch ((J->bits == 4 ? 0 : 64) + mr * 8 + nt) {
-#if MR == 4 && NT == 3
-            FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1) FOLIO_FBLOCK(4, 4, 1)
-            FOLIO_FBLOCK(4, 1, 2) FOLIO_FBLOCK(4, 2, 2) FOLIO_FBLOCK(4, 3, 2) FOLIO_FBLOCK(4, 4, 2)
-            FOLIO_FBLOCK(4, 1, 3) FOLIO_FBLOCK(4, 2, 3) FOLIO_FBLOCK(4, 3, 3) FOLIO_FBLOCK(4, 4, 3)
-            FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1) FOLIO_FBLOCK(8, 4, 1)
-            FOLIO_FBLOCK(8, 1, 2) FOLIO_FBLOCK(8, 2, 2) FOLIO_FBLOCK(8, 3, 2) FOLIO_FBLOCK(8, 4, 2)
-            FOLIO_FBLOCK(8, 1, 3) FOLIO_FBLOCK(8, 2, 3) FOLIO_FBLOCK(8, 3, 3) FOLIO_FBLOCK(8, 4, 3)
+static inline __attribute__((always_inline)) void dblock(const job *J, int64_t r0, int64_t t0,
+                                                         const float *wf, const int mr,
+                                                         const int nt) {
+    const int64_t kp = J->kp;
+    vec acc[DMR][DNT * VPT];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 6
+        for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
+    for (int64_t p = 0; p < kp; p++) {
+        vec w[DNT * VPT];
+#pragma GCC unroll 3
+        for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+            for (int v = 0; v < VPT; v++) {
+                w[j * VPT + v] = vload(wf + (j * kp + p) * 16 + v * VL);
+                /* held in a register: folded into each FMA, it was loaded once a row */
+                __asm__("" : "+v"(w[j * VPT + v]));
+            }
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const vec xb = vbcast(J->x + (r0 + r) * kp + p);
+#pragma GCC unroll 6
+            for (int j = 0; j < nt * VPT; j++) acc[r][j] = vfma(xb, w[j], acc[r][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 6
+        for (int j = 0; j < nt * VPT; j++)
+            store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
+}
+
+static void dtile_group(const job *J, int64_t t0, int nt, const float *wf) {
+    for (int64_t r = 0; r < J->m; r += DMR) {
+        const int mr = J->m - r < DMR ? (int)(J->m - r) : DMR;
+#define FOLIO_DBLOCK(R, T) case R * 8 + T: dblock(J, r, t0, wf, R, T); break;
+        switch (mr * 8 + nt) {
+#if DMR == 8 && DNT == 3
+            FOLIO_DBLOCK(1, 1) FOLIO_DBLOCK(2, 1) FOLIO_DBLOCK(3, 1) FOLIO_DBLOCK(4, 1)
+            FOLIO_DBLOCK(5, 1) FOLIO_DBLOCK(6, 1) FOLIO_DBLOCK(7, 1) FOLIO_DBLOCK(8, 1)
+            FOLIO_DBLOCK(1, 2) FOLIO_DBLOCK(2, 2) FOLIO_DBLOCK(3, 2) FOLIO_DBLOCK(4, 2)
+            FOLIO_DBLOCK(5, 2) FOLIO_DBLOCK(6, 2) FOLIO_DBLOCK(7, 2) FOLIO_DBLOCK(8, 2)
+            FOLIO_DBLOCK(1, 3) FOLIO_DBLOCK(2, 3) FOLIO_DBLOCK(3, 3) FOLIO_DBLOCK(4, 3)
+            FOLIO_DBLOCK(5, 3) FOLIO_DBLOCK(6, 3) FOLIO_DBLOCK(7, 3) FOLIO_DBLOCK(8, 3)
 #else
-            FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1)
-            FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1)
+            FOLIO_DBLOCK(1, 1) FOLIO_DBLOCK(2, 1) FOLIO_DBLOCK(3, 1) FOLIO_DBLOCK(4, 1)
+            FOLIO_DBLOCK(5, 1) FOLIO_DBLOCK(6, 1)
 #endif
         }
-#undef FOLIO_FBLOCK
+#undef FOLIO_DBLOCK
     }
 }
 
@@ -492,19 +564,21 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
             for (int64_t t = first; t < last; t += QNT)
                 qtile_group(&J, t, last - t < QNT ? (int)(last - t) : QNT,
                             t + 2 * QNT <= last ? codes + (t + QNT) * tile_bytes(&J) : 0);
+        } else if (m <= MR) {
+            for (int64_t t = first; t < last; t += NT)
+                ftile_group(&J, t, last - t < NT ? (int)(last - t) : NT);
         } else {
-            float *qf = 0;
-            if (m > MR) {
-                qf = (float *)malloc(sizeof(float) * (size_t)(NT * kp * 16));
-                if (!qf) {
+            float *wf = (float *)malloc(sizeof(float) * (size_t)(DNT * kp * 16));
+            if (!wf) {
 #pragma omp atomic write
-                    failed = 1;
-                }
+                failed = 1;
             }
-            if (m <= MR || qf)
-                for (int64_t t = first; t < last; t += NT)
-                    ftile_group(&J, t, last - t < NT ? (int)(last - t) : NT, qf);
-            free(qf);
+            for (int64_t t = first; wf && t < last; t += DNT) {
+                const int nt = last - t < DNT ? (int)(last - t) : DNT;
+                dequantize_tiles(&J, t, nt, wf);
+                dtile_group(&J, t, nt, wf);
+            }
+            free(wf);
         }
     }
     free(xf);
