@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler her
     (8, 1, 8, 64),
     (8, 8, 32, 128),      # blocks of two 16-row chunks; heads split across tasks
     (16, 1, 16, 128),     # a query group too large for the vector task's registers
-    (6, 2, 16, 48)])
+    (6, 2, 16, 48),
+    (4, 2, 16, 40),       # a multiple of 8, not of 16: AVX2 tiles, AVX-512's portable path
+    (4, 2, 16, 256)])     # the largest head the tiles take (bf16 dot products overran here)
 def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, block_size, dim):
     lib = library(build)
     g = torch.Generator().manual_seed(heads * 100 + block_size)

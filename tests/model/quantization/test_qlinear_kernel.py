@@ -1,7 +1,8 @@
 """The quantized linear kernel (native/qlinear.c) against the torch path it
 stands in for: the same IntGroups weights dequantized to fp32 and multiplied.
-Its sums run in another order (per group, then scaled), so the two agree to
-an fp32 sum's error; bf16 activations are widened first and the output
+Its sums run in another order (with few rows per group, then scaled; with
+more, on a panel of the tiles dequantized to fp32), so the two agree to an
+fp32 sum's error; bf16 activations are widened first and the output
 rounded once. Tested in the build this machine runs and in the AVX2 build
 (-mno-avx512f), where the CPU can run that one."""
 
@@ -62,10 +63,11 @@ def lib(request):
 @pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
                                                  (100, 96, -1, True), (33, 64, 16, True),
                                                  (17, 128, 128, False), (24, 80, 20, False)])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 11, 13, 15])
 def test_fp32_matches_the_dequantized_product(lib, bits, n, k, group, act_order, rows):
     """Output sizes off the 16-wide tiles and the 3-tile groups, every row-block
-    remainder, act-order (input features permuted, groups of unequal length in
+    size of both kernels (up to 3 or 4 rows: group sums; more: the dequantized
+    panel, in blocks of 6 (AVX2) or 8 (AVX-512) and their remainders), act-order (input features permuted, groups of unequal length in
     a rank's slice), one group over all inputs, groups of 20 (padded to 24
     positions), a bias added in fp32."""
     w, _, _ = random_weights(n, k, bits, group, act_order, zeros=not act_order, seed=rows)
@@ -80,9 +82,10 @@ def test_fp32_matches_the_dequantized_product(lib, bits, n, k, group, act_order,
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bf16_activations_widen_and_round_once(lib, bits):
+@pytest.mark.parametrize("rows", [3, 9])        # both float kernels
+def test_bf16_activations_widen_and_round_once(lib, bits, rows):
     w, _, _ = random_weights(48, 64, bits, 32, False)
-    x = torch.randn(3, 64).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
     got = native.qlinear(x, w, lib=lib)
     exact = F.linear(x.double(), w.dequantize().double())
     assert got.dtype == torch.bfloat16

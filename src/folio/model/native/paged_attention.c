@@ -252,7 +252,7 @@ static inline void block_scores_bf16_t(const void *kv, int64_t kfirst, int64_t r
     const int npairs = nv * 8;                     /* head_dim / 2 */
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
-        __m512i t[8 * FOLIO_MAX_NV / 2];           /* npairs vectors */
+        __m512i t[FOLIO_MAX_DIM / 2];               /* npairs vectors (was 64: overran at head_dim > 128) */
         for (int c = 0; c < npairs / 16; c++) {    /* 32 dimensions (16 pairs) at a time */
             __m512i rw[16];
             for (int r = 0; r < 16; r++)
