@@ -10,11 +10,11 @@ import pytest
 from folio.model import native
 
 
-def _x86() -> bool:
+def x86() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
-def _cpu_has(*flags: str) -> bool:
+def cpu_has(*flags: str) -> bool:
     return all(f in native._cpu_flags().split() for f in flags)
 
 
@@ -23,10 +23,10 @@ def builds() -> list:
     return [
         pytest.param(None, id="native"),
         pytest.param(("-mno-avx512f",), id="avx2", marks=pytest.mark.skipif(
-            not _x86() or not _cpu_has("avx2", "fma"),
+            not x86() or not cpu_has("avx2", "fma"),
             reason="the AVX2 build needs an x86-64 CPU with AVX2 and FMA")),
         pytest.param(("-mno-avx512f", "-mno-avx2"), id="portable", marks=pytest.mark.skipif(
-            not _x86(), reason="the flags that turn the vector paths off are x86-specific"))]
+            not x86(), reason="the flags that turn the vector paths off are x86-specific"))]
 
 
 def library(flags):

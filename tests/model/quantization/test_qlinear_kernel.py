@@ -6,22 +6,17 @@ fp32 sum's error; bf16 activations are widened first and the output
 rounded once. Tested in the build this machine runs and in the AVX2 build
 (-mno-avx512f), where the CPU can run that one."""
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from folio.model import native
 from folio.model.layers.quantization.int_groups import IntGroups, unpack_int32
+from tests.model.native_builds import cpu_has, x86
 
 needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
                                   reason="no AVX2 + FMA + F16C or AVX-512 kernel on this "
                                          "machine (or no compiler)")
-
-
-def _cpu_has(*flags):
-    return all(f in native._cpu_flags().split() for f in flags)
 
 
 def _builds():
@@ -29,7 +24,7 @@ def _builds():
     (vpmaddwd instead of vpdpwssd: AVX2 CPUs before Alder Lake and Zen 5)."""
     yield pytest.param(None, id="native")
     avx2 = pytest.mark.skipif(
-        platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma", "f16c"),
+        not x86() or not cpu_has("avx2", "fma", "f16c"),
         reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C")
     yield pytest.param(("-mno-avx512f",), id="avx2", marks=avx2)
     yield pytest.param(("-mno-avx512f", "-mno-avxvnni"), id="avx2-no-vnni", marks=avx2)

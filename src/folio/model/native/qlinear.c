@@ -512,6 +512,8 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
     job J = {xf, xsum, xq, xscale, codes, scales, offsets, bounds, bias, out,
              m, n, kp, groups, blocks, bits, dtype, zeros};
     const float limit = 32767.0f;
+    /* the group sums serve the int16 path and the few-row float one, not the panel */
+    const int sums = quantize_x || m <= MR;
     int failed = 0;
     int threads = num_threads < 1 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
@@ -533,6 +535,7 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                     dst[i] = at < 0 ? 0.0f : bf16_to_float(src[at]);
                 }
             }
+            if (!sums) continue;
             int64_t blk = 0;
             for (int64_t g = 0; g < groups; g++) {
                 float s = 0;

@@ -54,26 +54,17 @@ static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* e^x, about 2 ulp: x = n ln2 + r, a degree-6 polynomial in r, scaled by 2^n.
- * Below -87 the result is 0; above 88 it is e^88 (1.65e38), not infinity: the
- * kernels build with -ffast-math, under which x / (1 + inf) came out NaN. */
-static inline fvec fv_exp(fvec x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+/* fv_exp's width-specific parts: n rounded to the nearest integer; p * 2^n;
+ * y where x >= lo, 0 below. */
+static inline fvec fv_round_int(fvec x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+static inline fvec fv_times_2n(fvec p, fvec n) { return _mm512_scalef_ps(p, n); }
+static inline fvec fv_zero_below(fvec y, fvec x, fvec lo) {
+    return _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y);
+}
+#define fv_min(a, b) _mm512_min_ps(a, b)
+#define fv_fnma(a, b, c) _mm512_fnmadd_ps(a, b, c)
 
 /* fp32 bits rounded to bf16 (nearest even, as torch) in the high halves. */
 static inline __m512i fv_bf16_bits(fvec x) {
@@ -152,28 +143,20 @@ static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* e^x as the AVX-512 one (the same polynomial and limits), with 2^n made
- * from its exponent bits. */
-static inline fvec fv_exp(fvec x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    /* n in [-126, 127]: 2^n is a normal float with exponent bits n + 127 */
+static inline fvec fv_round_int(fvec x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* n in [-126, 127] (fv_exp's range): 2^n is a normal float, exponent bits n + 127 */
+static inline fvec fv_times_2n(fvec p, fvec n) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                          _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+static inline fvec fv_zero_below(fvec y, fvec x, fvec lo) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);
+}
+#define fv_min(a, b) _mm256_min_ps(a, b)
+#define fv_fnma(a, b, c) _mm256_fnmadd_ps(a, b, c)
 
 static inline __m256i fv_bf16_bits(fvec x) {
     __m256i b = _mm256_castps_si256(x);
@@ -195,6 +178,27 @@ static inline fvec fv_round(fvec x, int dtype) {
     if (dtype == 0) return x;
     return _mm256_castsi256_ps(_mm256_and_si256(fv_bf16_bits(x),
                                                 _mm256_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+#ifdef FOLIO_HAVE_VEC
+/* e^x, about 2 ulp: x = n ln2 + r, a degree-6 polynomial in r, scaled by 2^n.
+ * Below -87 the result is 0; above 88 it is e^88 (1.65e38), not infinity: the
+ * kernels build with -ffast-math, under which x / (1 + inf) came out NaN. */
+static inline fvec fv_exp(fvec x) {
+    const fvec lo = fv_set1(-87.0f);
+    const fvec c = fv_min(fv_max(x, lo), fv_set1(88.0f));
+    const fvec n = fv_round_int(fv_mul(c, fv_set1(1.44269504088896341f)));
+    fvec r = fv_fnma(n, fv_set1(0.693359375f), c);
+    r = fv_fnma(n, fv_set1(-2.12194440e-4f), r);
+    fvec p = fv_set1(1.0f / 720);
+    p = fv_fma(p, r, fv_set1(1.0f / 120));
+    p = fv_fma(p, r, fv_set1(1.0f / 24));
+    p = fv_fma(p, r, fv_set1(1.0f / 6));
+    p = fv_fma(p, r, fv_set1(0.5f));
+    p = fv_fma(p, r, fv_set1(1.0f));
+    p = fv_fma(p, r, fv_set1(1.0f));
+    return fv_zero_below(fv_times_2n(p, n), x, lo);
 }
 #endif
 
