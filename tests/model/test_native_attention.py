@@ -27,9 +27,18 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler her
 def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, block_size, dim):
     lib = library(build)
     g = torch.Generator().manual_seed(heads * 100 + block_size)
-    batch = 7
     lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 5 * block_size, 700])
-    width = int((lens.max() + block_size - 1) // block_size)
+    q, kv, tables, expected = _decodes(g, dtype, heads, kv_heads, block_size, dim, lens)
+    rows = torch.arange(len(lens))                  # one decode token a sequence
+    got = native.paged_attention(q, kv, tables, rows, lens, dim ** -0.5, lib).float()
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+
+
+def _decodes(g, dtype, heads, kv_heads, block_size, dim, lens):
+    """One decode token a sequence of context `lens`, the blocks shuffled: q,
+    the KV cache, the block tables and the torch backend's answer."""
+    batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)
     num_blocks = batch * width + 3
     kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
     q = torch.randn(batch, heads, dim, generator=g).to(dtype)
@@ -37,10 +46,31 @@ def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, b
     backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
     meta = AttentionMetadata(slot_mapping=None, num_decodes=batch, decode_block_tables=tables,
                              decode_context_lens=lens)
-    expected = backend._decode(q, kv[0], kv[1], meta).float()
-    rows = torch.arange(batch)                      # one decode token a sequence
-    got = native.paged_attention(q, kv, tables, rows, lens, dim ** -0.5, lib).float()
-    assert got.shape == expected.shape
+    return q, kv, tables, backend._decode(q, kv[0], kv[1], meta).float()
+
+
+@pytest.mark.parametrize("build", builds())
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 64), (8, 1, 8, 64),
+                                                           (8, 8, 32, 128), (4, 2, 16, 40)])
+@pytest.mark.parametrize("lens", [[700], [1000, 3], [70, 64]])
+def test_few_decodes_split_their_context_across_the_threads(build, dtype, tol, heads, kv_heads,
+                                                            block_size, dim, lens):
+    """One or two decodes on 2 threads: fewer (token, KV head) tasks than 4 a
+    thread, so the vector path splits each context into shares of blocks and
+    merges their partial softmax sums; a share may hold no key of the shorter
+    sequence (1000 and 3), or the context may end on a block's edge (64)."""
+    lib = library(build)
+    g = torch.Generator().manual_seed(sum(lens) + dim)
+    lens = torch.tensor(lens)
+    q, kv, tables, expected = _decodes(g, dtype, heads, kv_heads, block_size, dim, lens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = native.paged_attention(q, kv, tables, torch.arange(len(lens)), lens,
+                                     dim ** -0.5, lib).float()
+    finally:
+        torch.set_num_threads(threads)
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
 
 

@@ -311,6 +311,7 @@ static inline float block_softmax_vec(float *s, int64_t rows, float *m, float *l
 }
 
 #define FOLIO_TILE 16          /* query tokens a task, at most */
+#define FOLIO_SHARE_BLOCKS 4   /* the fewest blocks of a context share (decode, few tasks) */
 
 /* Values of one block for a few queries (decode: one token's query group),
  * rows outer: each row is converted once and the nq x jc accumulators stay in
@@ -369,7 +370,7 @@ static inline __attribute__((always_inline)) void task_vec(
         const void *q, int64_t q_stride, const void *kv, void *out, const int64_t *table,
         const int64_t *ctx, int ntok, int64_t tok0, int kvh0, int kvh1, int num_heads,
         int num_kv_heads, const int head_dim, int block_size, int64_t num_blocks, float scale,
-        int dtype, float *scores) {
+        int dtype, float *scores, int64_t b0, int64_t b1, float *part) {
     const int group = num_heads / num_kv_heads;
     const int nv = head_dim / FOLIO_VW;
     const int per_head = ntok * group;             /* queries of one KV head */
@@ -378,7 +379,8 @@ static inline __attribute__((always_inline)) void task_vec(
     const int64_t stride = (int64_t)num_kv_heads * head_dim;
     const int64_t v_offset = num_blocks * block_size * stride;
     const int64_t last_ctx = ctx[ntok - 1];        /* positions rise along the tile */
-    const int64_t nblk = (last_ctx + block_size - 1) / block_size;
+    const int64_t all_blocks = (last_ctx + block_size - 1) / block_size;
+    const int64_t nblk = b1 < all_blocks ? b1 : all_blocks;   /* this task's blocks b0 .. */
     const int span = (kvh1 - kvh0) * head_dim * elt;   /* the task's heads in a cached row */
     /* query i = (head h, token t, group member g) at (h * ntok + t) * group + g */
     fvec qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
@@ -406,7 +408,7 @@ static inline __attribute__((always_inline)) void task_vec(
                 m[i] = -FLT_MAX;
                 l[i] = 0.f;
             }
-    for (int64_t b = 0; b < nblk; b++) {
+    for (int64_t b = b0; b < nblk; b++) {
         const int64_t p0 = b * block_size;
         const int64_t rows = last_ctx - p0 < block_size ? last_ctx - p0 : block_size;
         const int64_t base = table[b] * block_size * stride + (int64_t)kvh0 * head_dim;
@@ -465,6 +467,15 @@ static inline __attribute__((always_inline)) void task_vec(
                                   block_size, acc + (i0 + k) * nv, 1, nv, FOLIO_JC(1, nv));
         }
     }
+    if (part) {           /* a share of the context: unnormalized, with m and l */
+        for (int i = 0; i < (kvh1 - kvh0) * per_head; i++) {
+            float *dst = part + (int64_t)i * (head_dim + 2);
+            for (int j = 0; j < nv; j++) fv_storeu(dst + FOLIO_VW * j, acc[i * nv + j]);
+            dst[head_dim] = m[i];
+            dst[head_dim + 1] = l[i];
+        }
+        return;
+    }
     for (int h = 0; h < kvh1 - kvh0; h++)
         for (int t = 0; t < ntok; t++)
             for (int g = 0; g < group; g++) {
@@ -480,17 +491,18 @@ static void task_vec_any(const void *q, int64_t q_stride, const void *kv, void *
                          const int64_t *table, const int64_t *ctx, int ntok, int64_t tok0,
                          int kvh0, int kvh1, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, int64_t num_blocks, float scale, int dtype,
-                         float *scores) {
+                         float *scores, int64_t b0, int64_t b1, float *part) {
     /* constant head_dim for the common sizes so the loops over it unroll */
     if (head_dim == 64)
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores);
+                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores, b0, b1, part);
     else if (head_dim == 128)
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores);
+                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores, b0, b1, part);
     else
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores);
+                 num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores, b0, b1,
+                 part);
 }
 #endif
 
@@ -555,7 +567,33 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
     }
 #endif
     const int64_t per_tile = (num_kv_heads + chunk - 1) / chunk;
-    const int64_t tasks = tiles * per_tile;
+    /* Few tasks for the threads (a decode step of one or two sequences: a task
+     * per KV head, 3 of them on 2 threads leave one idle a third of the time):
+     * each task's context split into shares of at least FOLIO_SHARE_BLOCKS
+     * blocks, their partial softmax sums (m, l and the unnormalized values)
+     * merged after. Single-token tiles only. */
+    int64_t shares = 1, share_blocks = 0;
+    (void)share_blocks;
+#ifdef FOLIO_HAVE_VEC
+    if (vector && tiles == tokens && tiles * per_tile < 4 * num_threads && num_threads > 1) {
+        const int64_t blocks = (max_ctx + block_size - 1) / block_size;
+        shares = (4 * num_threads + tiles * per_tile - 1) / (tiles * per_tile);
+        if (shares > blocks / FOLIO_SHARE_BLOCKS) shares = blocks / FOLIO_SHARE_BLOCKS;
+        if (shares < 1) shares = 1;
+        share_blocks = (blocks + shares - 1) / shares;
+        shares = (blocks + share_blocks - 1) / share_blocks;
+    }
+#endif
+    const int64_t tasks = tiles * per_tile * shares;
+    /* each share's queries: [tasks][chunk * group][head_dim + 2] */
+    float *parts = 0;
+    if (shares > 1) {
+        parts = malloc(sizeof(float) * (size_t)(tasks * chunk * group * (head_dim + 2)));
+        if (!parts) {
+            free(starts);
+            return 1;
+        }
+    }
     /* scratch: the portable path keeps a whole context of scores per query; the
      * vector path one block of scores per query of a task */
     size_t scratch = (size_t)(group * max_ctx + 2 * group * head_dim + 4 * head_dim);
@@ -573,17 +611,25 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (!scores) continue;
-            const int64_t tl = task / per_tile;
-            const int kvh0 = (int)(task % per_tile) * chunk;
+            const int64_t tl = task / shares / per_tile, share = task % shares;
+            const int kvh0 = (int)(task / shares % per_tile) * chunk;
             const int kvh1 = kvh0 + chunk < num_kv_heads ? kvh0 + chunk : num_kv_heads;
             const int64_t t0 = starts[tl];
             const int ntok = (int)(starts[tl + 1] - t0);
+            (void)share;
             const int64_t *table = block_tables + token_rows[t0] * max_blocks;
 #ifdef FOLIO_HAVE_VEC
             if (vector) {
-                task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
-                                kvh1, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-                                scale, dtype, scores);
+                if (parts)
+                    task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
+                                 kvh1, num_heads, num_kv_heads, head_dim, block_size,
+                                 num_blocks, scale, dtype, scores, share * share_blocks,
+                                 (share + 1) * share_blocks,
+                                 parts + task * chunk * group * (head_dim + 2));
+                else
+                    task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
+                                 kvh1, num_heads, num_kv_heads, head_dim, block_size,
+                                 num_blocks, scale, dtype, scores, 0, INT64_MAX, 0);
                 continue;
             }
 #endif
@@ -597,7 +643,43 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
                      num_blocks, scale, dtype, scores, qbuf, acc, row);
         }
         free(scores);
+#ifdef FOLIO_HAVE_VEC
+        if (parts) {
+            /* merge the shares of each (token, query head): after the loop's barrier */
+            const int64_t queries = tokens * num_heads;
+#pragma omp for schedule(static)
+            for (int64_t qi = 0; qi < queries; qi++) {
+                const int64_t t = qi / num_heads;
+                const int head = (int)(qi % num_heads), kvh = head / group;
+                const int64_t first = (t * per_tile + kvh / chunk) * shares;
+                const int64_t row = (int64_t)(kvh % chunk) * group + head % group;
+                const int64_t width = (int64_t)chunk * group * (head_dim + 2);
+                float mmax = -FLT_MAX, lsum = 0.f;
+                for (int64_t sh = 0; sh < shares; sh++) {
+                    const float *pm = parts + (first + sh) * width + row * (head_dim + 2);
+                    if (pm[head_dim + 1] > 0.f && pm[head_dim] > mmax) mmax = pm[head_dim];
+                }
+                float merged[FOLIO_MAX_DIM];
+                for (int d = 0; d < head_dim; d++) merged[d] = 0.f;
+                for (int64_t sh = 0; sh < shares; sh++) {
+                    const float *pm = parts + (first + sh) * width + row * (head_dim + 2);
+                    if (!(pm[head_dim + 1] > 0.f)) continue;       /* saw no key */
+                    const float w = expf(pm[head_dim] - mmax);
+                    lsum += w * pm[head_dim + 1];
+                    for (int d = 0; d < head_dim; d++) merged[d] += w * pm[d];
+                }
+                const float inv = 1.f / lsum;
+                const int64_t o = qi * head_dim;
+                if (dtype == 0)
+                    for (int d = 0; d < head_dim; d++) ((float *)out)[o + d] = merged[d] * inv;
+                else
+                    for (int d = 0; d < head_dim; d++)
+                        ((uint16_t *)out)[o + d] = float_to_bf16(merged[d] * inv);
+            }
+        }
+#endif
     }
+    free(parts);
     free(starts);
     (void)vector;
     return failed;
