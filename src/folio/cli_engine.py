@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from folio.config import ACTIVATION_QUANTIZATIONS
 from folio.cli_types import (memory_size, non_negative_int, positive_int, power_of_two,
                              probability, seed)
 
@@ -69,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "quantization_config or a GGUF's Q4_0/Q4_1/Q8_0 tensors; else none, "
                         "plain weights). none on a GGUF dequantizes its blocks to float at "
                         "load; int8/int4: round-to-nearest at load of a float checkpoint")
+    g.add_argument("--activation-quantization", choices=list(ACTIVATION_QUANTIZATIONS),
+                   default="int8",
+                   help="quantized weights on the CPU: int8 (default) multiplies their codes "
+                        "by the activations rounded to int8 per block of 32 at decode batch "
+                        "sizes (integer dot products; logprobs move slightly, "
+                        "docs/benchmarks.md says how much); none keeps fp32 arithmetic")
     g.add_argument("--attention-backend", default=None, metavar="NAME",
                    help="TRITON (Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), "
                         "CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
@@ -90,4 +97,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend,
                 quantization=args.quantization, attention_backend=args.attention_backend,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager,
+                activation_quantization=args.activation_quantization)

@@ -97,6 +97,10 @@ class ParallelConfig:
     distributed_executor_backend: str = "mp"     # mp (worker processes) | ray
 
 
+# --activation-quantization: what the activations of quantized layers become
+ACTIVATION_QUANTIZATIONS = ("int8", "none")
+
+
 @dataclass(frozen=True)
 class FolioConfig:
     model: ModelConfig
@@ -113,6 +117,10 @@ class FolioConfig:
     max_logprobs: int = 20          # the most top logprobs a request may ask for
     attention_backend: Optional[str] = None   # None: chosen by device and dtype
     enforce_eager: bool = False     # CUDA: no CUDA graphs for decode steps
+    # quantized layers on the CPU: "int8" multiplies the codes by the
+    # activations quantized to int8 at decode batch sizes (native/qlinear.c);
+    # "none" keeps fp32 arithmetic (int16 activations for bf16)
+    activation_quantization: str = "int8"
 
     @property
     def max_model_len(self) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from folio.config import (CacheConfig, FolioConfig, ParallelConfig, SchedulerConfig,
-                          parse_size)
+from folio.config import (ACTIVATION_QUANTIZATIONS, CacheConfig, FolioConfig,
+                          ParallelConfig, SchedulerConfig, parse_size)
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import get_quantization_config
 from folio.model.loader import load_model_config
@@ -38,7 +38,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  quantization: Optional[str] = None,
                  attention_backend: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False) -> FolioConfig:
+                 enforce_eager: bool = False,
+                 activation_quantization: str = "int8") -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it)."""
@@ -86,6 +87,9 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                          f"{gpu_memory_utilization}")
+    if activation_quantization not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"activation_quantization must be one of "
+                         f"{', '.join(ACTIVATION_QUANTIZATIONS)}, got {activation_quantization!r}")
     if long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0")
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
@@ -105,4 +109,4 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                                 distributed_executor_backend=distributed_executor_backend),
         dtype=run_dtype, weight_dtype=weight_dtype, device=device, seed=seed,
         max_logprobs=max_logprobs, attention_backend=attention_backend,
-        enforce_eager=enforce_eager)
+        enforce_eager=enforce_eager, activation_quantization=activation_quantization)

@@ -32,7 +32,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp",
                  quantization: Optional[str] = None, attention_backend: Optional[str] = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False):
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 activation_quantization: str = "int8"):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -46,7 +47,8 @@ class LLM:
             scheduling_policy=scheduling_policy,
             distributed_executor_backend=distributed_executor_backend,
             quantization=quantization, attention_backend=attention_backend,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            activation_quantization=activation_quantization)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

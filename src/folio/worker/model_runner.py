@@ -18,6 +18,7 @@ from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
 from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
+from folio.model.layers.quantization.int_groups import set_activation_quantization
 from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
@@ -53,6 +54,7 @@ class ModelRunner:
         self.model = build_model(config.model, self.dtype, config.device, config.weight_dtype,
                                  self.attn_backend)
         self.model.load_weights(iter_weights(config.model))
+        set_activation_quantization(self.model, config.activation_quantization)
         self.model.build_native_decoder()
         num_kv_heads = self.model.num_kv_heads_per_rank
         self.num_blocks = self._size_kv_cache(num_kv_heads)

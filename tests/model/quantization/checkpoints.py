@@ -17,6 +17,11 @@ from folio.model import native
 from tests.parity import assert_greedy_parity, reference_greedy
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "quant"
+# The formats' tests hold each one's codes to its exact float weights: the
+# fp32-arithmetic path (--activation-quantization none). Int8 activations are
+# tested on the kernel (test_qlinear_kernel.py) and, for their drift, on the
+# default model (tests/engine/test_int8_activations.py).
+FP32 = {"activation_quantization": "none"}
 
 
 def reference(name: str) -> list[tuple[list[int], torch.Tensor]]:
@@ -164,9 +169,9 @@ def assert_tensor_parallel_2_matches(model, prompts, one=None, **engine_args) ->
                             prompt_logprobs=5)
     prompts = [{"prompt_token_ids": p} for p in prompts]
     if one is None:
-        one = LLM(str(model), dtype="float32", num_kv_blocks=32, **engine_args)
+        one = LLM(str(model), dtype="float32", **FP32, num_kv_blocks=32, **engine_args)
     expect = one.generate(prompts, params, use_tqdm=False)
-    two = LLM(str(model), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2,
+    two = LLM(str(model), dtype="float32", **FP32, num_kv_blocks=32, tensor_parallel_size=2,
               **engine_args)
     try:
         got = two.generate(prompts, params, use_tqdm=False)

@@ -23,7 +23,7 @@ import torch
 
 from folio import LLM
 from tests.model.quantization.checkpoints import (
-    FIXTURES, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
+    FIXTURES, FP32, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
     assert_within_bf16_error, assert_within_the_tools_tolerance, copy_fixture,
     edit_quantization_config, float_model, folio_logits, kernel_or_torch, reference, unpack,
     update_quantization_config, use_kernel, write_float_copy)
@@ -84,27 +84,27 @@ def test_the_fixture_is_awq_gemm_with_folded_norms(float_copy):
 @kernel_or_torch
 def test_logits_match_the_exact_float_copy(kernel, float_copy, monkeypatch):
     use_kernel(kernel, monkeypatch)
-    llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / NAME), dtype="float32", **FP32, num_kv_blocks=32)
     assert_logits_match(llm, float_model(float_copy), _prompts(), 2e-4)
 
 
 def test_logits_within_the_tools_tolerance_of_its_reference():
-    llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / NAME), dtype="float32", **FP32, num_kv_blocks=32)
     assert_within_the_tools_tolerance(llm, NAME, 0.05)
 
 
 def test_greedy_tokens_equal_transformers_on_the_exact_weights(float_copy):
-    llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / NAME), dtype="float32", **FP32, num_kv_blocks=32)
     assert_greedy_tokens_equal(llm, float_model(float_copy), _prompts(), NAME)
 
 
 def test_bf16_activations_stay_within_bf16_error(float_copy):
-    llm = LLM(str(FIXTURES / NAME), dtype="bfloat16", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / NAME), dtype="bfloat16", **FP32, num_kv_blocks=32)
     assert_within_bf16_error(llm, float_model(float_copy), _prompts(), 0.06)
 
 
 def test_layers_keep_only_the_packed_form():
-    llm = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=16)
+    llm = LLM(str(FIXTURES / NAME), dtype="float32", **FP32, num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     layer = model.model.layers[0].mlp.gate_up_proj
     assert layer.qweight.numel() == 0 and layer.qzeros.numel() == 0
@@ -134,8 +134,8 @@ def test_autoawq_key_names_are_read(tmp_path):
         config.update({"quant_method": "AWQ", "w_bit": 4, "q_group_size": 32,
                        "zero_point": True, "version": "GEMM"})
     edit_quantization_config(folder, autoawq)
-    ours = LLM(str(folder), dtype="float32", num_kv_blocks=16)
-    theirs = LLM(str(FIXTURES / NAME), dtype="float32", num_kv_blocks=16)
+    ours = LLM(str(folder), dtype="float32", **FP32, num_kv_blocks=16)
+    theirs = LLM(str(FIXTURES / NAME), dtype="float32", **FP32, num_kv_blocks=16)
     prompt = reference(NAME)[0][0]
     assert torch.equal(folio_logits(ours, prompt), folio_logits(theirs, prompt))
 
@@ -146,7 +146,7 @@ def test_zero_point_false_uses_the_symmetric_zero(tmp_path):
     update_quantization_config(folder, zero_point=False)
     hf = float_model(write_float_copy(NAME, awq_formula(zero_point=False),
                                       tmp_path / "sym-float"))
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
+    llm = LLM(str(folder), dtype="float32", **FP32, num_kv_blocks=16)
     assert_logits_match(llm, hf, _prompts()[:1], 2e-4)
 
 
@@ -158,19 +158,19 @@ def test_unsupported_bits_and_options_are_refused_by_name(tmp_path):
     update_quantization_config(folder, bits=8)
     with pytest.raises(ValueError, match="AWQ with 8-bit weights is not supported; "
                                          "supported: 4 bits"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, bits=4, version="gemv")
     with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported; supported: gemm"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, version="gemm", format="gemv_fast")
     with pytest.raises(ValueError, match="AWQ format 'gemv_fast' is not supported"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, format="gemm", group_size=0)
     with pytest.raises(ValueError, match="AWQ group_size 0 is not valid"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, group_size=32, lm_head=True)
     with pytest.raises(ValueError, match="AWQ with a quantized lm_head is not supported"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
@@ -178,11 +178,11 @@ def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
     update_quantization_config(folder, group_size=64)
     with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \(4, \d+\) "
                                          r"does not fit parameter of shape \(2, \d+\)"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, group_size=48)
     with pytest.raises(ValueError, match="AWQ group_size 48 does not divide the layer's 128 "
                                          "input features"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_row_parallel_ranks_must_get_whole_groups():
@@ -210,4 +210,4 @@ def test_row_parallel_ranks_must_get_whole_groups():
 def test_a_flag_that_names_another_format_is_refused():
     with pytest.raises(ValueError, match="--quantization gptq does not match the checkpoint, "
                                          "whose weights are awq"):
-        LLM(str(FIXTURES / NAME), quantization="gptq", num_kv_blocks=16)
+        LLM(str(FIXTURES / NAME), quantization="gptq", **FP32, num_kv_blocks=16)

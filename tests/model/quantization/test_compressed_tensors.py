@@ -23,7 +23,7 @@ import torch
 
 from folio import LLM
 from tests.model.quantization.checkpoints import (
-    FIXTURES, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
+    FIXTURES, FP32, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
     assert_within_bf16_error, copy_fixture, edit_quantization_config, edit_tensors, float_model,
     folio_logits, kernel_or_torch, reference, unpack, use_kernel, write_float_copy)
 
@@ -86,13 +86,13 @@ def test_the_fixtures_are_what_the_readme_says():
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_the_exact_float_copy(name, kernel, float_copies, monkeypatch):
     use_kernel(kernel, monkeypatch)
-    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32)
     assert_logits_match(llm, float_model(float_copies[name]), _prompts(name), 2e-4)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_the_tools_reference(name):
-    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32)
     for prompt, logits in reference(name):
         ref = logits[:-1]
         ours = folio_logits(llm, prompt)
@@ -102,18 +102,18 @@ def test_logits_match_the_tools_reference(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_equal_transformers_on_the_exact_weights(name, float_copies):
-    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32)
     assert_greedy_tokens_equal(llm, float_model(float_copies[name]), _prompts(name), name)
 
 
 @pytest.mark.parametrize("name", ["ct-w4a16-asym-g32", "ct-w8a16-channel"])
 def test_bf16_activations_stay_within_bf16_error(name, float_copies):
-    llm = LLM(str(FIXTURES / name), dtype="bfloat16", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="bfloat16", **FP32, num_kv_blocks=32)
     assert_within_bf16_error(llm, float_model(float_copies[name]), _prompts(name), 0.06)
 
 
 def test_layers_keep_only_the_packed_form():
-    llm = LLM(str(FIXTURES / "ct-w4a16-asym-g32"), dtype="float32", num_kv_blocks=16)
+    llm = LLM(str(FIXTURES / "ct-w4a16-asym-g32"), dtype="float32", **FP32, num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     layer = model.model.layers[0].self_attn.qkv_proj
     for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
@@ -157,7 +157,7 @@ def test_an_ignored_decoder_layer_stays_plain(entry, tmp_path, float_copies):
             del tensors[f"{prefix}.{kind}"]
     edit_tensors(folder, to_float)
     edit_quantization_config(folder, lambda qc: qc["ignore"].append(entry))
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
+    llm = LLM(str(folder), dtype="float32", **FP32, num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     plain = model.model.layers[1].mlp.down_proj
     assert hasattr(plain, "weight") and not hasattr(plain, "weight_packed")
@@ -170,7 +170,7 @@ def test_a_fused_layer_half_ignored_is_refused(tmp_path):
     edit_quantization_config(folder, lambda qc: qc["ignore"].append(r"re:.*\.q_proj$"))
     with pytest.raises(ValueError, match=r"qkv_proj: compressed-tensors gives the projections "
                                          r"of this fused layer different schemes"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -191,7 +191,7 @@ def test_unsupported_schemes_are_refused_by_name(tmp_path):
     for change, message in cases:
         _edit_weights(folder, **{**original, **change})
         with pytest.raises(ValueError, match=message):
-            LLM(str(folder), num_kv_blocks=16)
+            LLM(str(folder), **FP32, num_kv_blocks=16)
     _edit_weights(folder, **original)
 
     def activations(qc):
@@ -201,7 +201,7 @@ def test_unsupported_schemes_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"activation quantization \(compressed-tensors "
                                          r"config_groups\.group_0\.input_activations\) is not "
                                          r"supported"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
     def other_format(qc):
         qc["config_groups"]["group_0"]["input_activations"] = None
@@ -209,7 +209,7 @@ def test_unsupported_schemes_are_refused_by_name(tmp_path):
     edit_quantization_config(folder, other_format)
     with pytest.raises(ValueError, match="compressed-tensors format 'marlin-24' .* is not "
                                          "supported; supported: pack-quantized"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
@@ -217,11 +217,11 @@ def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
     _edit_weights(folder, group_size=64)
     with pytest.raises(ValueError, match=r"\.weight_scale: checkpoint tensor of shape "
                                          r"\(\d+, 4\) does not fit parameter of shape \(\d+, 2\)"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     _edit_weights(folder, group_size=48)
     with pytest.raises(ValueError, match="compressed-tensors group_size 48 does not divide the "
                                          "layer's 128 input features"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 @pytest.mark.parametrize("shape, expected", [([64, 96], [64, 128]),
@@ -238,7 +238,7 @@ def test_a_weight_shape_that_is_not_the_layers_is_caught_at_load(shape, expected
     message = (f"{name}: compressed-tensors weight_shape {shape} does not match the "
                f"layer's {expected}")
     with pytest.raises(ValueError, match=re.escape(message)):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_row_parallel_ranks_must_get_whole_groups():
@@ -273,4 +273,4 @@ def test_row_parallel_ranks_must_get_whole_groups():
 def test_a_flag_that_names_another_format_is_refused():
     with pytest.raises(ValueError, match="--quantization awq does not match the checkpoint, "
                                          "whose weights are compressed-tensors"):
-        LLM(str(FIXTURES / G32), quantization="awq", num_kv_blocks=16)
+        LLM(str(FIXTURES / G32), quantization="awq", **FP32, num_kv_blocks=16)

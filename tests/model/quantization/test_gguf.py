@@ -12,7 +12,7 @@ from folio import LLM
 from folio.model import gguf_loader
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
 from folio.model.layers.linear import PlainLinearMethod
-from tests.model.quantization.checkpoints import (assert_greedy_tokens_equal,
+from tests.model.quantization.checkpoints import (FP32, assert_greedy_tokens_equal,
                                                   assert_logits_match,
                                                   assert_tensor_parallel_2_matches,
                                                   kernel_or_torch, use_kernel)
@@ -35,7 +35,7 @@ def test_packed_layers_match_transformers_on_the_dequantized_model(tiny_ggufs, q
                                                                     monkeypatch):
     use_kernel(kernel, monkeypatch)
     path = tiny_ggufs[qtype]
-    llm = LLM(path, dtype="float32", num_kv_blocks=32)
+    llm = LLM(path, dtype="float32", **FP32, num_kv_blocks=32)
     layer = llm.engine.executor.runner.model.model.layers[1].mlp.gate_up_proj
     assert isinstance(layer.quant_method, IntGroupsLinear)
     assert layer.quant_method.weights.bits == (8 if qtype == "Q8_0" else 4)
@@ -46,7 +46,7 @@ def test_packed_layers_match_transformers_on_the_dequantized_model(tiny_ggufs, q
 
 def test_other_types_still_load_as_float(tiny_ggufs):
     path = tiny_ggufs["Q5_0"]
-    llm = LLM(path, dtype="float32", num_kv_blocks=16)
+    llm = LLM(path, dtype="float32", **FP32, num_kv_blocks=16)
     layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
     assert llm.engine.config.model.quantization is None
     assert not isinstance(layer.quant_method, IntGroupsLinear)
@@ -81,7 +81,7 @@ def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(tiny_ggufs):
 def test_the_default_model_keeps_its_weights_in_their_codes():
     """Q4_1 linear layers and the Q8_0 embedding, which the tied LM head
     multiplies by: one packed copy, the float table nowhere."""
-    llm = LLM(dtype="float32", num_kv_blocks=16)
+    llm = LLM(dtype="float32", **FP32, num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     methods = [m.quant_method for m in model.modules()
                if isinstance(getattr(m, "quant_method", None), IntGroupsLinear)]
@@ -97,7 +97,7 @@ def test_the_default_model_keeps_its_weights_in_their_codes():
 
 
 def test_rows_of_a_packed_table_are_its_dequantized_rows(tiny_ggufs):
-    llm = LLM(tiny_ggufs["Q8_0"], dtype="float32", num_kv_blocks=16)
+    llm = LLM(tiny_ggufs["Q8_0"], dtype="float32", **FP32, num_kv_blocks=16)
     table = llm.engine.executor.runner.model.model.embed_tokens.packed_table
     ids = torch.tensor([[0, 5, 383], [17, 17, 2]])
     assert torch.equal(table.dequantize_rows(ids), table.dequantize()[ids])

@@ -22,7 +22,7 @@ import torch
 
 from folio import LLM
 from tests.model.quantization.checkpoints import (
-    FIXTURES, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
+    FIXTURES, FP32, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
     assert_within_bf16_error, assert_within_the_tools_tolerance, copy_fixture, edit_tensors,
     float_model, kernel_or_torch, reference, unpack, update_quantization_config, use_kernel,
     write_float_copy)
@@ -61,30 +61,30 @@ def _prompts(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_the_exact_float_copy(name, kernel, float_copies, monkeypatch):
     use_kernel(kernel, monkeypatch)
-    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32)
     assert_logits_match(llm, float_model(float_copies[name]), _prompts(name), 2e-4)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_within_the_tools_tolerance_of_its_reference(name):
-    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32)
     assert_within_the_tools_tolerance(llm, name, 0.05 if _bits(name) == 4 else 0.005)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_equal_transformers_on_the_exact_weights(name, float_copies):
-    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32)
     assert_greedy_tokens_equal(llm, float_model(float_copies[name]), _prompts(name), name)
 
 
 @pytest.mark.parametrize("name", ["gptq-w4-g32-asym", "gptq-w8-g32-sym"])
 def test_bf16_activations_stay_within_bf16_error(name, float_copies):
-    llm = LLM(str(FIXTURES / name), dtype="bfloat16", num_kv_blocks=32)
+    llm = LLM(str(FIXTURES / name), dtype="bfloat16", **FP32, num_kv_blocks=32)
     assert_within_bf16_error(llm, float_model(float_copies[name]), _prompts(name), 0.06)
 
 
 def test_layers_keep_only_the_packed_form():
-    llm = LLM(str(FIXTURES / "gptq-w4-g32-descact"), dtype="float32", num_kv_blocks=16)
+    llm = LLM(str(FIXTURES / "gptq-w4-g32-descact"), dtype="float32", **FP32, num_kv_blocks=16)
     model = llm.engine.executor.runner.model
     layer = model.model.layers[0].mlp.down_proj
     assert layer.qweight.numel() == 0 and layer.scales.numel() == 0
@@ -112,13 +112,13 @@ def test_unsupported_bits_and_options_are_refused_by_name(tmp_path):
     update_quantization_config(folder, bits=3)
     with pytest.raises(ValueError, match="GPTQ with 3-bit weights is not supported; "
                                          "supported: 4, 8 bits"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, bits=4, lm_head=True)
     with pytest.raises(ValueError, match="quantized lm_head is not supported"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     update_quantization_config(folder, lm_head=False, checkpoint_format="marlin")
     with pytest.raises(ValueError, match="checkpoint_format 'marlin' is not supported"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
@@ -126,13 +126,13 @@ def test_a_group_size_the_tensors_do_not_have_is_caught_at_load(tmp_path):
     update_quantization_config(folder, group_size=64)
     with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \(4, \d+\) "
                                          r"does not fit parameter of shape \(2, \d+\)"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
     # in groups of 48: 128 inputs make three groups (the last of 32), not the
     # four stored; 256 make six, not eight
     update_quantization_config(folder, group_size=48)
     with pytest.raises(ValueError, match=r"\.qzeros: checkpoint tensor of shape \((4|8), \d+\) "
                                          r"does not fit parameter of shape \((3|6), \d+\)"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_a_last_group_shorter_than_the_others_follows_the_formula():
@@ -158,7 +158,7 @@ def test_a_last_group_shorter_than_the_others_follows_the_formula():
 def test_a_flag_that_names_another_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--quantization awq does not match the checkpoint, "
                                          "whose weights are gptq"):
-        LLM(str(FIXTURES / SYM), quantization="awq", num_kv_blocks=16)
+        LLM(str(FIXTURES / SYM), quantization="awq", **FP32, num_kv_blocks=16)
 
 
 def test_a_corrupt_group_index_is_caught_at_load(tmp_path):
@@ -168,7 +168,7 @@ def test_a_corrupt_group_index_is_caught_at_load(tmp_path):
         tensors["model.layers.1.self_attn.o_proj.g_idx"][5] = 9
     edit_tensors(folder, corrupt)
     with pytest.raises(ValueError, match="o_proj: GPTQ g_idx holds groups outside 0..3"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)
 
 
 def test_a_truncated_checkpoint_is_caught_at_load(tmp_path):
@@ -176,4 +176,4 @@ def test_a_truncated_checkpoint_is_caught_at_load(tmp_path):
     path = folder / "model.safetensors"
     path.write_bytes(path.read_bytes()[:200_000])
     with pytest.raises(Exception, match="(?i)safetensors|incomplete|truncat|invalid"):
-        LLM(str(folder), num_kv_blocks=16)
+        LLM(str(folder), **FP32, num_kv_blocks=16)

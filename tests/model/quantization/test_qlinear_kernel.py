@@ -21,13 +21,17 @@ needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
 
 def _builds():
     """This machine's build; the AVX2 one; and the AVX2 one without AVX-VNNI
-    (vpmaddwd instead of vpdpwssd: AVX2 CPUs before Alder Lake and Zen 5)."""
+    (vpmaddwd and vpmaddubsw instead of vpdpwssd and vpdpbusd: AVX2 CPUs before
+    Alder Lake and Zen 5). Each where it differs from the ones before it: on
+    an AVX2 CPU without AVX-VNNI all three are the same library."""
     yield pytest.param(None, id="native")
     avx2 = pytest.mark.skipif(
         not x86() or not cpu_has("avx2", "fma", "f16c"),
         reason="the AVX2 build needs an x86-64 CPU with AVX2, FMA and F16C")
-    yield pytest.param(("-mno-avx512f",), id="avx2", marks=avx2)
-    yield pytest.param(("-mno-avx512f", "-mno-avxvnni"), id="avx2-no-vnni", marks=avx2)
+    if not x86() or native.distinct_build(("-mno-avx512f",)):
+        yield pytest.param(("-mno-avx512f",), id="avx2", marks=avx2)
+    if not x86() or native.distinct_build(("-mno-avxvnni",)):
+        yield pytest.param(("-mno-avx512f", "-mno-avxvnni"), id="avx2-no-vnni", marks=avx2)
 
 
 def random_weights(n, k, bits, group, act_order, zeros=True, seed=0):
@@ -177,3 +181,54 @@ def test_int16_activations_stay_within_their_rounding(lib, bits, n, k, group, ac
     exact = F.linear(xb.double(), dense, b.double())
     assert got.dtype == torch.bfloat16
     assert bool(((got.double() - exact).abs() <= bound + exact.abs() * 2 ** -8).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
+                                                 (100, 96, -1, True), (33, 80, 20, True)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_int8_activations_stay_within_their_rounding(lib, bits, n, k, group, act_order, rows):
+    """quantize_x 2: x rounded to int8 per block of 32 positions (its scale the
+    block's largest |x| / 127) and the codes multiplied as bytes (vpdpbusd, or
+    vpmaddubsw: 4-bit codes summed in int16, 8-bit ones as q - 128 with x's
+    sum added back), every row-block size (1-4 and a remainder). The offsets
+    multiply the same rounded x, so each output is off by sum_k w[k] e[k], e
+    the rounding of x: at most half a step times sum |w| over the block, plus
+    fp32 sums. A row whose block is all zeros stays exact there."""
+    w, _, _ = random_weights(n, k, bits, group, act_order, zeros=not act_order, seed=rows)
+    g = torch.Generator().manual_seed(rows + 13)
+    x, b = torch.randn(rows, k, generator=g) * 3, torch.randn(n, generator=g)
+    x[0, :32] = 0
+    dense = w.dequantize().double()
+    step = x.abs().max(dim=1, keepdim=True).values.double() / 127      # at most a block's
+    for xin in (x, x.bfloat16()):
+        got = native.qlinear(xin, w, b, quantize_x=2, lib=lib)
+        exact = F.linear(xin.double(), dense, b.double())
+        bound = 0.5 * step * dense.abs().sum(1) + 4 * k * 2 ** -23 * F.linear(
+            xin.double().abs(), dense.abs()) + 1e-6
+        if xin.dtype == torch.bfloat16:
+            bound = bound + exact.abs() * 2 ** -8
+        assert got.dtype == xin.dtype and got.shape == (rows, n)
+        assert bool(((got.double() - exact).abs() <= bound).all())
+    # and the rounding is real: the int8 answer is not the fp32 one
+    assert not torch.equal(native.qlinear(x, w, quantize_x=2, lib=lib),
+                           native.qlinear(x, w, quantize_x=0, lib=lib))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_engine_mode_takes_int8_up_to_the_measured_row_count(lib, bits):
+    """quantize_x 3 (what the engine passes): int8 at up to
+    folio_qlinear_int8_rows(bits) rows, above it the float path for fp32 x and
+    int16 for bf16, bit for bit."""
+    limit = lib.folio_qlinear_int8_rows(bits)
+    assert 4 <= limit <= 64
+    w, _, _ = random_weights(48, 96, bits, 32, False)
+    g = torch.Generator().manual_seed(bits)
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 96, generator=g)
+        for xin, above in ((x, 0), (x.bfloat16(), 1)):
+            want = 2 if rows <= limit else above
+            got = native.qlinear(xin, w, quantize_x=native.QLINEAR_INT8_AT_FEW_ROWS, lib=lib)
+            assert torch.equal(got, native.qlinear(xin, w, quantize_x=want, lib=lib))

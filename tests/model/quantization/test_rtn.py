@@ -26,7 +26,8 @@ from folio import LLM
 from folio.model import native
 from folio.model.layers.quantization import get_quantization_config
 from folio.model.layers.quantization.rtn import group_of_inputs, quantize
-from tests.model.quantization.checkpoints import (FIXTURES, assert_greedy_tokens_equal,
+from tests.model.quantization.checkpoints import (FIXTURES, FP32,
+                                                  assert_greedy_tokens_equal,
                                                   assert_logits_match,
                                                   assert_tensor_parallel_2_matches, float_model,
                                                   folio_logits)
@@ -117,9 +118,9 @@ def float_copies(model, checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llms(model):
-    made = {bits: LLM(model, dtype="float32", num_kv_blocks=32, quantization=f"int{bits}")
+    made = {bits: LLM(model, dtype="float32", **FP32, num_kv_blocks=32, quantization=f"int{bits}")
             for bits in (8, 4)}
-    made[None] = LLM(model, dtype="float32", num_kv_blocks=32)
+    made[None] = LLM(model, dtype="float32", **FP32, num_kv_blocks=32)
     return made
 
 
@@ -217,7 +218,7 @@ def test_a_bf16_checkpoint_is_quantized_from_its_own_values(model, checkpoint, t
     config = json.loads((folder / "config.json").read_text())
     config["torch_dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16, quantization="int4")
+    llm = LLM(str(folder), dtype="float32", **FP32, num_kv_blocks=16, quantization="int4")
     for layer, keys in _layers(llm):
         w = torch.cat([half[k] for k in keys]).float().numpy()
         expect, _ = rtn(w, 4, **DEFAULTS[4])
@@ -287,7 +288,7 @@ def test_defaults_and_bad_options():
 def test_a_quantized_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--quantization int8 does not match the checkpoint, "
                                          "whose weights are gptq"):
-        LLM(str(FIXTURES / "gptq-w4-g32-sym"), quantization="int8", num_kv_blocks=16)
+        LLM(str(FIXTURES / "gptq-w4-g32-sym"), quantization="int8", **FP32, num_kv_blocks=16)
 
 
 def test_the_cli_lists_int8_and_int4():

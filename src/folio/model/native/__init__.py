@@ -59,6 +59,23 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# -mno-<feature> -> the /proc/cpuinfo flag of that feature
+_FEATURE_FLAGS = {"avx512f": "avx512f", "avxvnni": "avx_vnni", "avx2": "avx2"}
+
+
+def _no_op(flag: str) -> bool:
+    """Whether a -mno-<feature> flag turns off what this CPU does not have anyway
+    (so -march=native never enabled it)."""
+    feature = _FEATURE_FLAGS.get(flag[len("-mno-"):]) if flag.startswith("-mno-") else None
+    return feature is not None and feature not in _cpu_flags().split()
+
+
+def distinct_build(flags: tuple[str, ...]) -> bool:
+    """Whether the library built with these extra flags differs from this
+    machine's own (tests run each distinct build once)."""
+    return any(not _no_op(f) for f in flags)
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "folio" / "kernels"
@@ -71,6 +88,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     if compiler is None:
         logger.warning("no C compiler found: the torch layers run instead of the native kernels")
         return None
+    # -mno-X of a feature this CPU lacks changes nothing: the same library
+    extra_flags = tuple(f for f in extra_flags if not _no_op(f))
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
                          + " ".join(extra_flags).encode())
@@ -79,12 +98,20 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", *extra_flags, "-ffast-math", "-fopenmp",
-                   "-shared", "-fPIC", *map(str, _SOURCES), "-o", str(out), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
+            flags = [compiler, "-O3", "-march=native", *extra_flags, "-ffast-math", "-fopenmp",
+                     "-fPIC"]
+            # one compiler a source, as many at once as there are cores (the
+            # sources take 20-30 s together on one core), then one link
+            objects = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
+            pending = [(flags + ["-c", str(src), "-o", str(obj)]) for src, obj in
+                       zip(_SOURCES, objects)]
+            errors = _run_all(pending, max(1, os.cpu_count() or 1))
+            if not errors:
+                errors = _run_all([[compiler, "-fopenmp", "-shared", *map(str, objects),
+                                    "-o", str(out), "-lm"]], 1)
+            if errors:
                 logger.warning("building the native CPU kernels failed, using the torch "
-                               "layers:\n%s", done.stderr[-2000:])
+                               "layers:\n%s", errors[-2000:])
                 return None
             os.replace(out, target)        # atomic: concurrent builders agree
     lib = ctypes.CDLL(str(target))
@@ -102,6 +129,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_linear_bf16w": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
         "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
         "folio_qlinear_available": (ctypes.c_int, []),
+        "folio_qlinear_int8_rows": (ctypes.c_int, [i32]),
         "folio_attention_vector_width": (ctypes.c_int, []),
         "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
                                          i64, i64, i32, i32]),
@@ -110,6 +138,23 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+def _run_all(commands: list[list[str]], jobs: int) -> str:
+    """Run the commands, `jobs` at a time; the stderr of those that failed."""
+    errors, running = "", []
+    for cmd in commands + [None] * jobs:
+        if cmd is not None:
+            running.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, text=True))
+        if len(running) >= jobs or cmd is None:
+            if not running:
+                continue
+            proc = running.pop(0)
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                errors += err
+    return errors
 
 
 def load() -> Optional[ctypes.CDLL]:
@@ -219,13 +264,20 @@ def runs_qlinear(x: torch.Tensor) -> bool:
     return lib is not None and bool(lib.folio_qlinear_available())
 
 
+# qlinear's quantize_x: int8 at the row counts where it wins (qlinear.c's
+# folio_qlinear_int8_rows), else int16 for bf16 and fp32 arithmetic for fp32
+QLINEAR_INT8_AT_FEW_ROWS = 3
+
+
 def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
-            quantize_x: bool = False, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+            quantize_x: int = 0, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W an `IntGroups` (4- or 8-bit codes,
     float16 scales and offsets per group): [..., N] in x's dtype.
-    `quantize_x`: x quantized to int16 per block of 32 and multiplied as
-    integers (faster; x's int16 rounding), else in fp32. `lib`: the tests'
-    other builds."""
+    `quantize_x`: 0 (or False) fp32 arithmetic on the codes; 1 (or True) x
+    quantized to int16 per block of 32 positions and multiplied as integers;
+    2 the same in int8 (fewest instructions, x's int8 rounding); 3
+    (QLINEAR_INT8_AT_FEW_ROWS) int8 at few rows, else as 0 or 1 by x's dtype.
+    `lib`: the tests' other builds."""
     k = w.in_features
     weights, (n, positions) = w.kernel_args
     lead = x.shape[:-1]
@@ -238,7 +290,7 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
     if x2.shape[0] and (lib or load()).folio_qlinear(
             x2.data_ptr(), x2.stride(0), _DTYPE_CODES[x.dtype], *weights,
             None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n,
-            positions, quantize_x, torch.get_num_threads()):
+            positions, int(quantize_x), torch.get_num_threads()):
         raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
     return out
 

@@ -14,9 +14,9 @@
  *   folio_linear_bf16w (AVX2 + FMA). The module path keeps torch's fp32
  *   element-wise ops there, so the two agree to fp32 rounding, not bit for bit.
  * - quantized: 4- or 8-bit weights (folio_qweight, for folio_qlinear), with
- *   bf16 activations (x quantized to int8 per block, as the modules' layers do
- *   for bf16) or fp32 ones (the float path); the element-wise kernels as for
- *   the dtype.
+ *   bf16 or fp32 activations, in the mode the modules' layers take
+ *   (quantize_x: int8 at decode batch sizes, else int16 for bf16 and float for
+ *   fp32); the element-wise kernels as for the dtype.
  * The final norm and the LM head stay in torch.
  */
 #include <stdint.h>
@@ -85,6 +85,7 @@ typedef struct {
     int num_threads;
     int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
     int quantized;                            /* 1: folio_qweight projections */
+    int quantize_x;                           /* their folio_qlinear mode */
 } folio_step;
 
 /* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias);
@@ -95,7 +96,7 @@ static int linear(const folio_step *s, const void *x, int64_t x_stride, const vo
         const folio_qweight *q = w;
         return folio_qlinear(x, x_stride, s->dtype, q->perm, q->codes, q->bits, q->scales,
                              q->offsets, q->zeros, q->bounds, q->groups, bias, out, m, n,
-                             q->positions, s->dtype == 1, s->num_threads);
+                             q->positions, s->quantize_x, s->num_threads);
     }
     if (s->dtype)
         folio_linear(x, x_stride, w, bias, out, m, n, k, s->num_threads);

@@ -13,7 +13,8 @@ native linear kernels, one tensor-parallel rank, no bias but on qkv. Two kinds:
   to fp32 rounding (tested);
 - quantized weights (4- or 8-bit `IntGroups`, native/qlinear.c), with bf16
   activations (bit-identical to the modules, which call the same kernels) or
-  fp32 ones (the element-wise layers fused as above).
+  fp32 ones (the element-wise layers fused as above); int8 activations at
+  decode batch sizes or not, as the layers' --activation-quantization says.
 
 The model keeps its torch modules either way, and a step goes back to them
 whenever a kernel is switched off.
@@ -44,7 +45,8 @@ class _Step(ctypes.Structure):
                 ("max_blocks", _i64), ("token_rows", _p), ("context_lens", _p),
                 ("hidden_states", _p), ("residual", _p),
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
-                ("num_threads", _i32), ("dtype", _i32), ("quantized", _i32)]
+                ("num_threads", _i32), ("dtype", _i32), ("quantized", _i32),
+                ("quantize_x", _i32)]
 
 
 class _QWeight(ctypes.Structure):
@@ -82,6 +84,9 @@ class NativeDecoder:
         self.intermediate = mlp.gate_up_proj.out_features // 2
         self.eps = first.input_layernorm.eps
         self.scale = attn.attn.scale
+        # folio_qlinear's mode, as the modules' layers take it (IntGroupsLinear)
+        self.quantize_x = (attn.qkv_proj.quant_method.quantize_x(self.dtype)
+                           if self.quantized else 0)
         self._tables: dict[tuple[int, ...], ctypes.Array] = {}
 
     @classmethod
@@ -176,7 +181,8 @@ class NativeDecoder:
             hidden_states=hidden.data_ptr(), residual=residual.data_ptr(),
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
-            dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized))
+            dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized),
+            quantize_x=self.quantize_x)
         table = self._layer_table(kv_caches)
         if native.load().folio_decoder_layers(table, len(self.layers), ctypes.byref(step)):
             raise MemoryError("a native CPU kernel could not allocate its scratch memory")

@@ -37,8 +37,16 @@
  *   vpmaddwd), each block's integer sum (exact in int32) scaled once. About
  *   half the instructions a weight of the float path; x carries the rounding
  *   of 16 bits relative to its block's largest value (2^-16), far below bf16's
- *   2^-9 per value. (int8 x, llama.cpp's way, halves the instructions again
- *   but measured 4x the error of bf16 on the test models.)
+ *   2^-9 per value.
+ * - int8 (`quantize_x` 2): x quantized per row and per block of 32 positions
+ *   to int8 (scale: the block's largest |x| / 127), the codes multiplied as
+ *   bytes four at a time (vpdpbusd with VNNI, else vpmaddubsw; the int8 path
+ *   below says how it stays exact), a quarter of the float path's
+ *   instructions a weight. x carries up to 2^-8 of its block's largest value
+ *   (the drift this gives a model's logprobs: docs/benchmarks.md, bounded by
+ *   tests/engine/test_int8_activations.py).
+ * - `quantize_x` 3: int8 at up to folio_qlinear_int8_rows(bits) rows, where
+ *   it wins; above, int16 for bf16 x and float for fp32 x.
  * The activations are first gathered into position order and widened to fp32
  * once, with their exact per-group sums (the prologue).
  *
@@ -81,9 +89,22 @@ typedef __m512i ivec;
 #define itof(a) _mm512_cvtepi32_ps(a)
 #if defined(__AVX512VNNI__)
 #define idot(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#define VNNI8 1
+#define bdot(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 #else
 #define idot(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#define VNNI8 0
 #endif
+#define IMR 4     /* int8 path */
+#define INT 2
+#define iset16(v) _mm512_set1_epi16(v)
+#define iadd16(a, b) _mm512_add_epi16(a, b)
+#define imadd16(a, b) _mm512_madd_epi16(a, b)
+#define imaddubs(u, s) _mm512_maddubs_epi16(u, s)
+#define ixor(a, b) _mm512_xor_si512(a, b)
+#define iabs8(a) _mm512_abs_epi8(a)
+/* s negated where w < 0 (w == 0: |w| is 0 anyway); AVX-512 has no vpsignb */
+#define isign8(s, w) _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), izero(), s)
 #else
 typedef __m256 vec;
 typedef __m256i ivec;
@@ -110,9 +131,21 @@ typedef __m256i ivec;
 #define itof(a) _mm256_cvtepi32_ps(a)
 #if defined(__AVXVNNI__)
 #define idot(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#define VNNI8 1
+#define bdot(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #else
 #define idot(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#define VNNI8 0
 #endif
+#define IMR 4
+#define INT 1
+#define iset16(v) _mm256_set1_epi16(v)
+#define iadd16(a, b) _mm256_add_epi16(a, b)
+#define imadd16(a, b) _mm256_madd_epi16(a, b)
+#define imaddubs(u, s) _mm256_maddubs_epi16(u, s)
+#define ixor(a, b) _mm256_xor_si256(a, b)
+#define iabs8(a) _mm256_abs_epi8(a)
+#define isign8(s, w) _mm256_sign_epi8(s, w)
 #endif
 
 #define VPT (16 / VL)      /* vectors per tile of 16 output features */
@@ -134,6 +167,8 @@ typedef struct {
     const float *x, *xsum;         /* [m][kp] fp32 in position order; [m][groups] */
     const int32_t *xq;             /* int16 path: [m][kp / 2] pairs, and per block its scale */
     const float *xscale;           /* [m][blocks] */
+    const int8_t *x8;              /* int8 path: [m][kp] in position order */
+    const int32_t *x8sum;          /* [m][blocks]: each block's sum of x8 */
     const uint8_t *codes;
     const uint16_t *scales, *offsets;
     const int32_t *bounds;
@@ -486,10 +521,156 @@ static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next) {
     }
 }
 
+/* ---------------------------------------------------------------- int8 path */
+
+/* One step of a block's integer sums: the code bytes w (4 positions a lane)
+ * times x's 4 bytes there (xv, the same in every lane). */
+static inline __attribute__((always_inline)) ivec bstep(ivec acc, ivec w, ivec xv,
+                                                        const int bits) {
+#if VNNI8
+    (void)bits;
+    return bdot(acc, w, xv);             /* unsigned codes x signed x, 4 into each int32 */
+#else
+    if (bits == 4)                       /* pairs into int16: at most 2 x 15 x 127 */
+        return iadd16(acc, imaddubs(w, xv));
+    /* w = q - 128 (signed): |w| times x with w's sign, at most 2 x 128 x 127 a pair */
+    return iadd(acc, imadd16(imaddubs(iabs8(w), isign8(xv, w)), iset16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r0, int64_t t0,
+                                                         const int bits, const int mr,
+                                                         const int nt) {
+    const int64_t kp = J->kp, stride = tile_bytes(J);
+    /* vpdpbusd's latency: with one or two rows, the low and high words' sums in
+     * two chains (vpmaddubsw's sums are a one-cycle add) */
+    const int chains = VNNI8 && mr <= 2 ? 2 : 1;
+    vec acc[IMR][INT * VPT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
+    int64_t blk = 0;
+    for (int64_t g = 0; g < J->groups; g++) {
+        vec s[INT * VPT], o[INT * VPT];
+#pragma GCC unroll 2
+        for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+            for (int v = 0; v < VPT; v++)
+                group_scale(J, t0 + j, g, v, s + j * VPT + v, o + j * VPT + v);
+        for (int64_t p0 = J->bounds[g]; p0 < J->bounds[g + 1]; p0 += 32, blk++) {
+            const int64_t p1 = p0 + 32 < J->bounds[g + 1] ? p0 + 32 : J->bounds[g + 1];
+            ivec iacc[2][IMR][INT * VPT];
+#pragma GCC unroll 2
+            for (int c = 0; c < chains; c++)
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+                    for (int j = 0; j < nt * VPT; j++) iacc[c][r][j] = izero();
+            for (int64_t p = p0; p < p1; p += 8) {
+                /* each lane's word: positions 0..3 of the octet (lo), 4..7 (hi) */
+                ivec w[2][INT * VPT];
+                const int64_t at = (p >> 3) * (bits == 4 ? 64 : 128);
+#pragma GCC unroll 2
+                for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+                    for (int v = 0; v < VPT; v++) {
+                        const uint8_t *t = J->codes + (t0 + j) * stride + at + v * VL * 4;
+                        if (bits == 4) {
+                            const ivec c = iload(t), m4 = iset1(0x0f0f0f0f);
+                            w[0][j * VPT + v] = iand(c, m4);
+                            w[1][j * VPT + v] = iand(isrl(c, 4), m4);
+                        } else {
+                            w[0][j * VPT + v] = iload(t);
+                            w[1][j * VPT + v] = iload(t + 64);
+                            if (!VNNI8) {
+                                w[0][j * VPT + v] = ixor(w[0][j * VPT + v], iset1((int)0x80808080));
+                                w[1][j * VPT + v] = ixor(w[1][j * VPT + v], iset1((int)0x80808080));
+                            }
+                        }
+                    }
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+                    for (int r = 0; r < mr; r++) {
+                        int32_t word;
+                        memcpy(&word, J->x8 + (r0 + r) * kp + p + 4 * h, 4);
+                        const ivec xv = iset1(word);
+#pragma GCC unroll 4
+                        for (int j = 0; j < nt * VPT; j++)
+                            iacc[h % chains][r][j] = bstep(iacc[h % chains][r][j], w[h][j], xv,
+                                                           bits);
+                    }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                const vec xs = vbcast(J->xscale + (r0 + r) * J->blocks + blk);
+                const int32_t back = 128 * J->x8sum[(r0 + r) * J->blocks + blk];
+#pragma GCC unroll 4
+                for (int j = 0; j < nt * VPT; j++) {
+                    ivec sum = iacc[0][r][j];
+                    if (!VNNI8 && bits == 4) {
+                        if (chains == 2) sum = iadd16(sum, iacc[1][r][j]);  /* a block fits */
+                        sum = imadd16(sum, iset16(1));
+                    } else {
+                        if (chains == 2) sum = iadd(sum, iacc[1][r][j]);
+                        if (!VNNI8) sum = iadd(sum, iset1(back));             /* q = w + 128 */
+                    }
+                    acc[r][j] = vfma(itof(sum), vmul(s[j], xs), acc[r][j]);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            const vec xsum = vbcast(J->xsum + (r0 + r) * J->groups + g);
+#pragma GCC unroll 4
+            for (int j = 0; j < nt * VPT; j++) acc[r][j] = vfma(xsum, o[j], acc[r][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nt * VPT; j++)
+            store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
+}
+
+static void itile_group(const job *J, int64_t t0, int nt) {
+    for (int64_t r = 0; r < J->m; r += IMR) {
+        const int mr = J->m - r < IMR ? (int)(J->m - r) : IMR;
+#define FOLIO_IBLOCK(B, R, T) \
+    case (B == 4 ? 0 : 64) + R * 8 + T: iblock(J, r, t0, B, R, T); break;
+        switch ((J->bits == 4 ? 0 : 64) + mr * 8 + nt) {
+#if INT == 2
+            FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
+            FOLIO_IBLOCK(4, 1, 2) FOLIO_IBLOCK(4, 2, 2) FOLIO_IBLOCK(4, 3, 2) FOLIO_IBLOCK(4, 4, 2)
+            FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1) FOLIO_IBLOCK(8, 4, 1)
+            FOLIO_IBLOCK(8, 1, 2) FOLIO_IBLOCK(8, 2, 2) FOLIO_IBLOCK(8, 3, 2) FOLIO_IBLOCK(8, 4, 2)
+#else
+            FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
+            FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1) FOLIO_IBLOCK(8, 4, 1)
+#endif
+        }
+#undef FOLIO_IBLOCK
+    }
+}
+
 /* ---------------------------------------------------------------- entry */
 
 /* 2: the AVX-512 build, 1: the AVX2 one (0: neither, below). */
 int folio_qlinear_available(void) { return VL == 16 ? 2 : 1; }
+
+/* The most rows at which `quantize_x` 3 takes the int8 path for codes of
+ * `bits`: where it beat the float and int16 paths in docs/bench/qlinear_rows.py
+ * (AVX2 without VNNI, measured: 4-bit 1.25-2.2x the float path up to 16 rows,
+ * level from 48 to 512; 8-bit, whose codes take the sign trick, ahead only up
+ * to 4). The VNNI builds multiply 8-bit codes as directly as 4-bit ones. */
+int folio_qlinear_int8_rows(int bits) {
+#if VNNI8
+    return bits == 4 ? 48 : 16;
+#else
+    return bits == 4 ? 48 : 4;
+#endif
+}
 
 /* out [m][n] (contiguous, x's dtype: 0 fp32, 1 bf16) = x [m][k] (rows
  * x_stride apart) @ W^T + bias (fp32 or NULL); kp positions (perm: the input
@@ -500,18 +681,25 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                   const uint16_t *offsets, int zeros, const int32_t *bounds, int64_t groups,
                   const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
                   int quantize_x, int num_threads) {
+    if (quantize_x == 3)        /* int8 where it wins; else int16 for bf16, float for fp32 */
+        quantize_x = m <= folio_qlinear_int8_rows(bits) ? 2 : dtype == 1;
     int64_t blocks = 0;
     for (int64_t g = 0; g < groups; g++) blocks += (bounds[g + 1] - bounds[g] + 31) / 32;
-    /* floats: x, group sums, block scales; then the int16 pairs (2 per word) */
+    /* floats: x, group sums, block scales; then the int16 pairs (2 per word),
+     * or the int8 blocks' sums and bytes */
     const size_t floats = (size_t)(m * kp + m * groups + (quantize_x ? m * blocks : 0));
-    float *xf = (float *)malloc(sizeof(float) * floats + (quantize_x ? 2 * (size_t)(m * kp) : 0));
+    const size_t ints = quantize_x == 1 ? 2 * (size_t)(m * kp)
+                        : quantize_x == 2 ? 4 * (size_t)(m * blocks) + (size_t)(m * kp) : 0;
+    float *xf = (float *)malloc(sizeof(float) * floats + ints);
     if (!xf) return 1;
     float *xsum = xf + m * kp, *xscale = xsum + m * groups;
-    int32_t *xq = quantize_x ? (int32_t *)(xscale + m * blocks) : 0;
+    int32_t *xq = quantize_x == 1 ? (int32_t *)(xscale + m * blocks) : 0;
+    int32_t *x8sum = quantize_x == 2 ? (int32_t *)(xscale + m * blocks) : 0;
+    int8_t *x8 = quantize_x == 2 ? (int8_t *)(x8sum + m * blocks) : 0;
     const int64_t tiles = (n + 15) / 16;
-    job J = {xf, xsum, xq, xscale, codes, scales, offsets, bounds, bias, out,
+    job J = {xf, xsum, xq, xscale, x8, x8sum, codes, scales, offsets, bounds, bias, out,
              m, n, kp, groups, blocks, bits, dtype, zeros};
-    const float limit = 32767.0f;
+    const float limit = quantize_x == 2 ? 127.0f : 32767.0f;
     /* the group sums serve the int16 path and the few-row float one, not the panel */
     const int sums = quantize_x || m <= MR;
     int failed = 0;
@@ -541,13 +729,25 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                 float s = 0;
                 for (int64_t i = bounds[g]; i < bounds[g + 1]; i++) s += dst[i];
                 xsum[r * groups + g] = s;
-                if (!xq) continue;
+                if (!quantize_x) continue;
+                float qsum = 0;     /* int8: the group sum of x as quantized (below) */
                 for (int64_t p0 = bounds[g]; p0 < bounds[g + 1]; p0 += 32, blk++) {
                     const int64_t p1 = p0 + 32 < bounds[g + 1] ? p0 + 32 : bounds[g + 1];
                     float amax = 0;
                     for (int64_t i = p0; i < p1; i++) amax = fmaxf(amax, fabsf(dst[i]));
                     const float scale = amax / limit, inv = amax > 0 ? limit / amax : 0.0f;
                     xscale[r * blocks + blk] = scale;
+                    if (x8) {
+                        int32_t bsum = 0;
+                        for (int64_t i = p0; i < p1; i++) {
+                            const int32_t v = (int32_t)lrintf(dst[i] * inv);
+                            x8[r * kp + i] = (int8_t)v;
+                            bsum += v;
+                        }
+                        x8sum[r * blocks + blk] = bsum;
+                        qsum += scale * (float)bsum;
+                        continue;
+                    }
                     /* per octet the pairs (0,2) (1,3) (4,6) (5,7), low half first */
                     int32_t *pairs = xq + (r * kp + p0) / 2;
                     for (int64_t o = 0; o < p1 - p0; o += 8)
@@ -559,11 +759,18 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                                                          ((uint32_t)(uint16_t)hi << 16));
                         }
                 }
+                /* the offsets then multiply the x the scales' sums saw: each
+                 * output off by sum_k w[k] (x - x8 scale)[k], the zero points'
+                 * share cancelling */
+                if (x8) xsum[r * groups + g] = qsum;
             }
         }
         const int id = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t first = tiles * id / count, last = tiles * (id + 1) / count;
-        if (quantize_x) {
+        if (quantize_x == 2) {
+            for (int64_t t = first; t < last; t += INT)
+                itile_group(&J, t, last - t < INT ? (int)(last - t) : INT);
+        } else if (quantize_x) {
             for (int64_t t = first; t < last; t += QNT)
                 qtile_group(&J, t, last - t < QNT ? (int)(last - t) : QNT,
                             t + 2 * QNT <= last ? codes + (t + QNT) * tile_bytes(&J) : 0);
@@ -592,6 +799,11 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
 
 /* Built without AVX2, FMA and F16C: the torch path dequantizes instead. */
 int folio_qlinear_available(void) { return 0; }
+
+int folio_qlinear_int8_rows(int bits) {
+    (void)bits;
+    return 0;
+}
 
 int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *perm,
                   const uint8_t *codes, int bits, const uint16_t *scales,

@@ -218,9 +218,16 @@ class IntGroupsLinear(LinearMethod):
     dequantized per call (the reference both kernels are tested against)."""
 
     native_kind = "int"     # the one-call decoder runs these (native/decoder.py)
+    # the native kernel's int8 activations at decode batch sizes (else fp32
+    # arithmetic, int16 for bf16): set_activation_quantization
+    int8 = True
 
     def __init__(self, weights: IntGroups):
         self.weights = weights
+
+    def quantize_x(self, dtype: torch.dtype) -> int:
+        """native.qlinear's mode for activations of `dtype`."""
+        return native.QLINEAR_INT8_AT_FEW_ROWS if self.int8 else int(dtype == torch.bfloat16)
 
     def native_weight(self) -> IntGroups:
         return self.weights
@@ -231,8 +238,7 @@ class IntGroupsLinear(LinearMethod):
             from folio.model.layers.quantization.triton_qlinear import qlinear
             return qlinear(x, w, bias)
         if native.runs_qlinear(x):
-            # bf16 activations already carry bf16 rounding: the int8 path
-            return native.qlinear(x, w, bias, quantize_x=x.dtype == torch.bfloat16)
+            return native.qlinear(x, w, bias, quantize_x=self.quantize_x(x.dtype))
         return F.linear(x, w.dequantize(x.dtype), bias)
 
 
@@ -240,6 +246,15 @@ class IntGroupsLinear(LinearMethod):
 def _has_triton() -> bool:
     import importlib.util
     return importlib.util.find_spec("triton") is not None
+
+
+def set_activation_quantization(model: torch.nn.Module, mode: str) -> None:
+    """--activation-quantization for every quantized layer of `model`: "int8"
+    or "none" (config.ACTIVATION_QUANTIZATIONS)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, IntGroupsLinear):
+            method.int8 = mode == "int8"
 
 
 def hand_over(layer, weights: IntGroups, *names: str) -> None:

@@ -1,0 +1,65 @@
+"""The default model's quantized layers with int8 activations (native/qlinear.c's
+int8 path, --activation-quantization int8, the default) against the same
+codes multiplied in fp32 arithmetic (--activation-quantization none).
+
+Teacher forcing, as the bf16 tests do: both engines score the same texts
+through prompt logprobs. A prompt runs many rows at once, where the engine
+would keep fp32 arithmetic above folio_qlinear_int8_rows; here every layer
+takes the int8 path at every row count (the LM head included), so the drift
+measured is the whole of what a decode step sees. Measured on this model
+(docs/benchmarks.md): mean |d logprob| 0.041, max 0.24 over the 124 scored
+tokens, about 1.5x what a real bf16 run moves the unquantized model (mean
+0.026-0.028, max 0.13-0.21: test_bf16_fast_paths); the integer sums are exact,
+so every build (AVX2, AVX-512, VNNI) gives these up to fp32 rounding. The
+bounds leave half as much again.
+"""
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.model import native
+from folio.model.layers.quantization.int_groups import IntGroupsLinear
+from tests.engine.test_bf16_fast_paths import PROMPTS, _errors, _scores
+
+needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
+                                  reason="no AVX2 + FMA + F16C or AVX-512 kernel on this "
+                                         "machine (or no compiler)")
+
+MEAN_BOUND, MAX_BOUND = 0.06, 0.36
+
+
+@needs_kernel
+def test_int8_activations_stay_close_to_fp32_arithmetic(monkeypatch):
+    exact_llm = LLM(activation_quantization="none", num_kv_blocks=128)
+    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in exact_llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    exact = _scores(exact_llm, texts)
+    exact_llm.shutdown()
+    # int8 at every row count, the prompt's rows too
+    monkeypatch.setattr(IntGroupsLinear, "quantize_x", lambda self, dtype: 2)
+    int8_llm = LLM(activation_quantization="int8", num_kv_blocks=128)
+    model = int8_llm.engine.executor.runner.model
+    methods = [m.quant_method for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), IntGroupsLinear)]
+    assert methods and all(m.int8 for m in methods)
+    got = _scores(int8_llm, texts)
+    int8_llm.shutdown()
+    worst, mean = _errors(got, exact)
+    print(f"|int8 activations - fp32 arithmetic| max {worst:.4f} mean {mean:.4f} "
+          f"over {sum(len(s) for s in exact)} tokens")
+    assert 0 < mean <= MEAN_BOUND and worst <= MAX_BOUND
+
+
+@needs_kernel
+def test_none_keeps_the_fp32_path_and_the_flag_reaches_every_layer():
+    llm = LLM(activation_quantization="none", num_kv_blocks=16)
+    model = llm.engine.executor.runner.model
+    methods = [m.quant_method for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), IntGroupsLinear)]
+    assert methods and not any(m.int8 for m in methods)
+    assert {m.quantize_x(torch.float32) for m in methods} == {0}
+    assert model.model.native_decoder.quantize_x == 0
+    llm.shutdown()
+    with pytest.raises(ValueError, match="activation_quantization must be one of int8, none"):
+        LLM(activation_quantization="int4")
