@@ -1,7 +1,10 @@
 """The native quantized linear kernel with fp32 activations at decode-to-prefill
-row counts: GGUF Q4_1-shaped weights (4-bit codes, groups of 32, offsets) at
-the default model's MLP shapes, 2 threads, microseconds per call (best of 5
-timed loops), one line for the checkout it runs from. To compare two commits,
+row counts: GGUF Q4_1-shaped weights (4-bit codes, groups of 32, offsets; with
+--bits 8, Q8_0-shaped) at the default model's MLP shapes, 2 threads,
+microseconds per call (best of 5 timed loops, the ~27 us of the Python call
+included), one line for the checkout it runs from; with --modes, one line per
+quantize_x mode (0 float, 1 int16, 2 int8): where int8 stops winning is
+folio_qlinear_int8_rows. To compare two commits,
 run it from each (a `git worktree` of the other first on PYTHONPATH), in turn:
 
     .venv/bin/python docs/bench/qlinear_rows.py
@@ -13,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROWS = (4, 6, 8, 16, 32, 128, 512)
+ROWS = (1, 4, 6, 8, 16, 32, 48, 128, 512)
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536)}
 
 
@@ -21,6 +24,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--avx2-sim", action="store_true",
                    help="as an AVX2-only CPU would run it (scripts/avx2_sim.py)")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    p.add_argument("--modes", default="", metavar="0,1,2",
+                   help="quantize_x modes to time, one line each (default: the kernel's default)")
     args = p.parse_args()
     if args.avx2_sim:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -33,17 +39,22 @@ def main() -> None:
     from folio.model.layers.quantization.int_groups import IntGroups
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
-    cells = []
+    modes = [int(m) for m in args.modes.split(",")] if args.modes else [None]
+    lines = {mode: [] for mode in modes}
     for name, (n, k) in SHAPES.items():
-        codes = torch.randint(0, 16, (n, k), generator=g)
+        codes = torch.randint(0, 1 << args.bits, (n, k), generator=g)
         scale = torch.rand(n, k // 32, generator=g) * 0.01 + 0.001
         offset = -torch.rand(n, k // 32, generator=g) * 0.05
-        w = IntGroups.from_codes(codes, torch.arange(k) // 32, scale, 4, offset=offset)
+        w = IntGroups.from_codes(codes, torch.arange(k) // 32, scale, args.bits, offset=offset)
         for m in ROWS:
             x = torch.randn(m, k, generator=g)
             reps = max(2, int(2000 / (m * n * k / 1e6 + 1)))
-            cells.append(f"{name}/{m}:{best_us(lambda: native.qlinear(x, w), reps):.0f}")
-    print(" ".join(cells))
+            for mode in modes:
+                kw = {} if mode is None else {"quantize_x": mode}
+                us = best_us(lambda: native.qlinear(x, w, **kw), reps)
+                lines[mode].append(f"{name}/{m}:{us:.0f}")
+    for mode, cells in lines.items():
+        print(("" if mode is None else f"mode {mode}: ") + " ".join(cells))
 
 
 if __name__ == "__main__":

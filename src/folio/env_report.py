@@ -89,10 +89,17 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     greedy = "native argmax pass" if native.supports(t) else "torch argmax + log_softmax"
     x = torch.zeros(1, dtype=getattr(torch, dtype))
     if native.runs_qlinear(x):
-        isa = "AVX-512" if native.load().folio_qlinear_available() == 2 else "AVX2"
-        quantized = (f"native {isa} kernel on the codes, "
-                     + ("x as int16 per block of 32, integer dot products" if dtype == "bfloat16"
-                        else "fp32 arithmetic") + "; one native call for all layers")
+        lib = native.load()
+        isa = "AVX-512" if lib.folio_qlinear_available() == 2 else "AVX2"
+        vnni = "avx512_vnni" if isa == "AVX-512" else "avx_vnni"
+        dot = "vpdpbusd" if vnni in cpu_info()[1] else "vpmaddubsw"
+        above = ("x as int16 per block of 32" if dtype == "bfloat16" else "fp32 arithmetic")
+        quantized = (f"native {isa} kernel on the codes: x as int8 per block of 32 ({dot}) "
+                     f"at up to {lib.folio_qlinear_int8_rows(4)} rows (4-bit codes) / "
+                     f"{lib.folio_qlinear_int8_rows(8)} (8-bit), {above} above; "
+                     "--activation-quantization none: "
+                     + ("int16" if dtype == "bfloat16" else "fp32 arithmetic")
+                     + " throughout; one native call for all layers")
     else:
         quantized = "dequantized per call, then F.linear" + (
             f": {why_no_lib}" if lib is None else " (the kernel needs AVX2, FMA and F16C)")
