@@ -20,6 +20,7 @@ ctypes, which releases the GIL. Without a compiler the torch layers are used.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -142,19 +143,10 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
 
 def _run_all(commands: list[list[str]], jobs: int) -> str:
     """Run the commands, `jobs` at a time; the stderr of those that failed."""
-    errors, running = "", []
-    for cmd in commands + [None] * jobs:
-        if cmd is not None:
-            running.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.PIPE, text=True))
-        if len(running) >= jobs or cmd is None:
-            if not running:
-                continue
-            proc = running.pop(0)
-            _, err = proc.communicate()
-            if proc.returncode != 0:
-                errors += err
-    return errors
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        done = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
+                             commands))
+    return "".join(d.stderr for d in done if d.returncode != 0)
 
 
 def load() -> Optional[ctypes.CDLL]:
