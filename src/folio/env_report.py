@@ -94,9 +94,8 @@ def kernel_choices(dtype: str) -> dict[str, str]:
         vnni = "avx512_vnni" if isa == "AVX-512" else "avx_vnni"
         dot = "vpdpbusd" if vnni in cpu_info()[1] else "vpmaddubsw"
         above = ("x as int16 per block of 32" if dtype == "bfloat16" else "fp32 arithmetic")
-        quantized = (f"native {isa} kernel on the codes: x as int8 per block of 32 ({dot}) "
-                     f"at up to {lib.folio_qlinear_int8_rows(4)} rows (4-bit codes) / "
-                     f"{lib.folio_qlinear_int8_rows(8)} (8-bit), {above} above; "
+        quantized = (f"native {isa} kernel on the codes: x as int8 per block of 32 ({dot})"
+                     + _int8_rows(lib, above) +
                      "--activation-quantization none: "
                      + ("int16" if dtype == "bfloat16" else "fp32 arithmetic")
                      + " throughout; one native call for all layers")
@@ -106,6 +105,14 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     return {"attention": attention, "element-wise (norm, rotary, SiLU)": fused,
             "linear": linear, "quantized linear (4/8-bit codes)": quantized,
             "decoder layers": decoder, "greedy sampling": greedy}
+
+
+def _int8_rows(lib, above: str) -> str:
+    """Where the engine's int8 path stops (qlinear.c's folio_qlinear_int8_rows)."""
+    four, eight = lib.folio_qlinear_int8_rows(4), lib.folio_qlinear_int8_rows(8)
+    if four == eight == 0x7fffffff:
+        return " at every row count; "
+    return f" at up to {four} rows (4-bit codes) / {eight} (8-bit), {above} above; "
 
 
 def collect() -> dict:

@@ -19,7 +19,10 @@ def _close(got, expected, tol):
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
     if tol > 1e-3:     # bf16: the same rounding points, so nearly every value is identical
-        assert (got == expected).float().mean() > 0.99
+        # (an underflow counts as identical: silu(-100) * up is ~1e-42 exactly, torch
+        # flushes it to 0, the AVX-512 bf16 kernel's clamped exponential leaves ~1e-36)
+        same = (got == expected) | ((got.abs() < 1e-30) & (expected.abs() < 1e-30))
+        assert same.float().mean() > 0.99
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
