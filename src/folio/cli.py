@@ -112,7 +112,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=_tool_parser(args), api_keys_file=args.api_keys_file,
         usage_db=args.usage_db, cost_per_hour=args.cost_per_hour,
-        prompt_token_weight=args.prompt_token_weight)
+        prompt_token_weight=args.prompt_token_weight,
+        max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
+        request_timeout=args.request_timeout)
     kwargs = dict(engine_kwargs(args), max_logprobs=args.max_logprobs)
     template = _read_template(args.chat_template) if args.chat_template else None
 
@@ -228,6 +230,16 @@ def _add_serve(sub) -> None:
                        help="a web origin that browsers may call the API from (CORS); repeat "
                             "the flag or separate origins with commas; '*' allows any "
                             "(default: none, CORS off)")
+    serve.add_argument("--max-tokens-default", type=positive_int, metavar="N", default=None,
+                       help="the max_tokens of a request that gives none (default: what the "
+                            "context has left, as OpenAI's chat does)")
+    serve.add_argument("--max-tokens-limit", type=positive_int, metavar="N", default=None,
+                       help="the most tokens one request may generate (per choice): a request "
+                            "that asks for more is a 400, one that asks for none gets at most "
+                            "this (default: no limit but the context)")
+    serve.add_argument("--request-timeout", type=positive_float, metavar="SECONDS", default=None,
+                       help="seconds a request may generate for, from its start: past them it "
+                            "is aborted and its client gets a 504 (default: no limit)")
     serve.add_argument("--drain-timeout", type=non_negative_float, metavar="SECONDS", default=30.0,
                        help="seconds that SIGTERM waits for in-flight requests before exiting")
     serve.add_argument("--uvicorn-log-level", default="info",

@@ -82,10 +82,14 @@ class Grammars:
                                  f"{', '.join(bad)} (not supported: {', '.join(UNENFORCED)}, "
                                  f"uniqueItems, allOf of several schemas)")
         try:
+            if kind == "json" and json.loads(text) in ({}, {"type": "object"}) or \
+                    kind == "json_object":
+                # any JSON (value or object, OpenAI's json_object): numbers bounded
+                root = "value" if kind == "json" and text == "{}" else "object"
+                return compiler.compile_grammar(ANY_JSON.replace("root ::= value",
+                                                                 f"root ::= {root}"))
             if kind == "json":
                 return compiler.compile_json_schema(text, any_whitespace=False)
-            if kind == "json_object":       # OpenAI's json_object: an object, any keys
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":
@@ -98,6 +102,27 @@ class Grammars:
             raise ValueError(f"structured outputs {kind} cannot be compiled: "
                              f"{_reason(e)}") from e
 
+
+# Any JSON, as xgrammar's compact JSON-schema grammars write it (", " and ": "
+# between items, no other whitespace), but with numbers of at most 16 digits
+# before the point, 16 after and 3 in the exponent: a small model asked for
+# "any JSON" may otherwise write the digits of one number until max_tokens
+# (issue 34: 8,181 tokens of one number). Strings, members and nesting stay
+# unbounded: --max-tokens-limit and --request-timeout bound those.
+ANY_JSON = r"""
+root ::= value
+value ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" "}" | "{" member (", " member)* "}"
+member ::= string ": " value
+array ::= "[" "]" | "[" value (", " value)* "]"
+string ::= "\"" char* "\""
+char ::= [^"\\\0-\x1f] | "\\" escape
+escape ::= ["\\/bfnrt] | "u" [A-Fa-f0-9]{4}
+number ::= "-"? integer fraction? exponent?
+integer ::= "0" | [1-9] [0-9]{0,15}
+fraction ::= "." [0-9]{1,16}
+exponent ::= [eE] [+\-]? [0-9]{1,3}
+"""
 
 # JSON-schema keywords xgrammar 0.2.8 accepts but does not enforce (each probed:
 # it let a violating text through), so a schema using them is refused rather

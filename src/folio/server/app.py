@@ -64,6 +64,15 @@ class ServerConfig:
     usage_db: Optional[str] = None               # the SQLite usage ledger
     cost_per_hour: Optional[float] = None        # dollars an hour the machine costs
     prompt_token_weight: float = 0.25            # a prompt token's share of an output token's cost
+    max_tokens_default: Optional[int] = None     # a request's max_tokens when it gives none
+    max_tokens_limit: Optional[int] = None       # the most a request may generate
+    request_timeout: Optional[float] = None      # seconds a request may generate for
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_default is not None and self.max_tokens_limit is not None and \
+                self.max_tokens_default > self.max_tokens_limit:
+            raise ValueError(f"--max-tokens-default ({self.max_tokens_default}) is above "
+                             f"--max-tokens-limit ({self.max_tokens_limit})")
 
 
 class ServerState:
@@ -98,7 +107,10 @@ class ServerState:
             parser = HermesParser() if self.config.tool_call_parser == "hermes" else None
             self.served = ServedModel(engine, self.config.served_model_name,
                                       self.config.trust_request_chat_template, parser,
-                                      self.accounting)
+                                      self.accounting,
+                                      max_tokens_default=self.config.max_tokens_default,
+                                      max_tokens_limit=self.config.max_tokens_limit,
+                                      request_timeout=self.config.request_timeout)
             logger.info("serving %s", self.config.served_model_name)
         except BaseException as e:       # noqa: BLE001 - every failure ends the process
             self.load_error = e

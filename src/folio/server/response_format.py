@@ -25,10 +25,15 @@ class ResponseFormat(BaseModel):
     def _schema_given(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format json_schema needs its json_schema")
+        if self.type == "json_schema" and self.json_schema.json_schema is None:
+            # as OpenAI answers it; {"type": "json_object"} asks for any JSON object
+            raise ValueError("response_format json_schema needs a schema "
+                             "(json_schema.schema); for any JSON object give "
+                             '{"type": "json_object"}')
         return self
 
     def structured_outputs(self) -> Optional[dict[str, Any]]:
         """The StructuredOutputsParams fields it means (None: plain text)."""
         if self.type == "json_schema":
-            return {"json": self.json_schema.json_schema or {}}
+            return {"json": self.json_schema.json_schema}
         return {"json_object": True} if self.type == "json_object" else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
@@ -48,6 +49,10 @@ class ServedModel:
     trust_request_chat_template: bool = False   # run templates that requests send
     tool_parser: Any = None     # server/tools.py's parser of tool_choice "auto", when enabled
     accounting: Any = None      # server/accounting.py: tenants' limits, usage, the ledger
+    # --max-tokens-default, --max-tokens-limit, --request-timeout (None: unbounded)
+    max_tokens_default: Optional[int] = None
+    max_tokens_limit: Optional[int] = None
+    request_timeout: Optional[float] = None
 
     @property
     def tokenizer(self):
@@ -68,18 +73,24 @@ class ServedModel:
                                  "priority", "priority")
 
     def max_tokens_for(self, prompt_len: int, asked: Optional[int]) -> int:
-        """The completion budget: asked for, or what the context has left."""
+        """The completion budget: asked for (at most --max-tokens-limit), or what
+        the context has left, at most --max-tokens-default and the limit."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise HTTPError(400, f"This model's maximum context length is "
                                  f"{self.max_model_len} tokens, but the prompt has {prompt_len} "
                                  f"tokens, leaving no room for a completion.", "prompt")
         if asked is None:
-            return room
+            bounds = (room, self.max_tokens_default, self.max_tokens_limit)
+            return min(b for b in bounds if b is not None)
         if asked < 1:
             raise HTTPError(400, f"max_tokens must be at least 1 (0 only on /v1/completions "
                                  f"with echo: true, to score the prompt), got {asked}",
                             "max_tokens")
+        if self.max_tokens_limit is not None and asked > self.max_tokens_limit:
+            raise HTTPError(400, f"max_tokens is {asked}, but this server generates at most "
+                                 f"{self.max_tokens_limit} tokens a request "
+                                 f"(--max-tokens-limit)", "max_tokens")
         if prompt_len + asked > self.max_model_len:
             raise HTTPError(400, f"This model's maximum context length is {self.max_model_len} "
                                  f"tokens. However, you requested {prompt_len + asked} tokens "
@@ -109,6 +120,7 @@ async def collect(served: ServedModel, calls: list[EngineCall], raw: Request,
     fails, aborts them all (cancelling a call's task aborts its engine request).
     `seen` gets each call's latest output as it comes (what an abort used)."""
     seen = {} if seen is None else seen
+    deadline = Deadline(served.request_timeout)
 
     async def one(i: int, call: EngineCall) -> RequestOutput:
         last = None
@@ -121,13 +133,15 @@ async def collect(served: ServedModel, calls: list[EngineCall], raw: Request,
     try:
         pending = set(tasks)
         while pending:
-            done, pending = await asyncio.wait(pending, timeout=0.25,
+            done, pending = await asyncio.wait(pending, timeout=deadline.wait(0.25),
                                                return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
                 if t.exception() is not None:
                     raise t.exception()
             if pending and await raw.is_disconnected():
                 raise asyncio.CancelledError("client disconnected")
+            if pending:
+                deadline.check(list(seen.values()))
         return [t.result() for t in tasks]
     finally:
         for t in tasks:
@@ -152,20 +166,53 @@ async def merged(served: ServedModel, calls: list[EngineCall]
             await queue.put((i, done_marker))
 
     tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
+    deadline, latest = Deadline(served.request_timeout), {}
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
+            try:
+                i, item = await asyncio.wait_for(queue.get(), deadline.wait(None))
+            except asyncio.TimeoutError:
+                deadline.check(latest.values())
+                continue
             if item is done_marker:
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
+                latest[i] = item
+                deadline.check(latest.values())
                 yield i, item
     finally:
         for t in tasks:           # cancelling a pump aborts its engine request
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Deadline:
+    """--request-timeout: the seconds a request may generate for, counted from
+    the start of its generation (its time in the queue included). Past it the
+    request's engine calls are aborted (their blocks freed within a step) and
+    the client gets a 504; a stream keeps what it was sent, then the error."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.seconds = seconds
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def wait(self, most: Optional[float]) -> Optional[float]:
+        """How long a wait may last: at most `most` (None: any) and the time left."""
+        if self.at is None:
+            return most
+        left = max(self.at - time.monotonic(), 0.0)
+        return left if most is None else min(most, left)
+
+    def check(self, outputs) -> None:
+        """Raise the 504 once the time is up; `outputs`: the calls' latest RequestOutputs."""
+        if self.at is not None and time.monotonic() >= self.at:
+            made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            raise HTTPError(504, f"the request ran past this server's --request-timeout of "
+                                 f"{self.seconds:g} s and was aborted after {made} generated "
+                                 f"tokens", "request_timeout")
 
 
 class TicketedStream(StreamingResponse):
