@@ -73,6 +73,7 @@ _TINY_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
@@ -227,6 +228,7 @@ _GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
@@ -253,7 +255,7 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     """Convert a `make_tiny_model` folder to GGUF the way llama.cpp would; returns the path.
 
     Llama/Mistral become general.architecture "llama" with q/k rows permuted,
-    Qwen2 stays "qwen2" unpermuted. Matrices are stored as `qtype` (F32, F16,
+    Qwen2 and Qwen3 stay "qwen2" / "qwen3" unpermuted. Matrices are stored as `qtype` (F32, F16,
     BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); norms stay F32 as llama.cpp keeps
     them. The tokenizer.json vocabulary and merges go into the metadata.
     """
@@ -263,8 +265,11 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     from folio.model.loader import iter_weights, load_model_config
 
     mc = load_model_config(str(hf_folder))
-    arch = "qwen2" if mc.architecture == "Qwen2ForCausalLM" else "llama"
+    arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(mc.architecture,
+                                                                          "llama")
     writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_key_length(mc.head_dim)          # Qwen3's is not hidden / heads
+    writer.add_value_length(mc.head_dim)
     writer.add_block_count(mc.num_hidden_layers)
     writer.add_context_length(mc.max_position_embeddings)
     writer.add_embedding_length(mc.hidden_size)

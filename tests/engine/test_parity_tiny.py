@@ -1,5 +1,5 @@
-"""Greedy parity with transformers on tiny random HF folders: Llama-, Qwen2- and
-Mistral-style, both config dialects, tied and untied embeddings, Llama-3 rope
+"""Greedy parity with transformers on tiny random HF folders: Llama-, Qwen2-,
+Qwen3- and Mistral-style, both config dialects, tied and untied embeddings, Llama-3 rope
 scaling, sharded checkpoints; one at a time and in one continuous batch under a
 small token budget and KV pool (chunked prefill and preemption on the way)."""
 
@@ -22,6 +22,9 @@ CASES = {
     "qwen2-v5": dict(arch="qwen2", dialect="v5"),
     "qwen2-classic-tied": dict(arch="qwen2", dialect="classic", tie_word_embeddings=True),
     "mistral-v5": dict(arch="mistral", dialect="v5"),
+    # per-head q/k norms, and a head_dim (32) that is not hidden / heads (16)
+    "qwen3-v5": dict(arch="qwen3", dialect="v5", head_dim=32),
+    "qwen3-classic-tied": dict(arch="qwen3", dialect="classic", tie_word_embeddings=True),
 }
 NEW_TOKENS = 20
 
@@ -63,7 +66,7 @@ def test_batched_under_pressure(case):
 
 
 @pytest.mark.parametrize("arch,qtype", [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"),
-                                        ("llama", "F16")])
+                                        ("llama", "F16"), ("qwen3", "Q8_0")])
 def test_gguf_parity(tmp_path, arch, qtype):
     """A tiny model converted to GGUF as llama.cpp does (q/k rows permuted, matrices
     quantized) runs token for token as transformers' own GGUF load of it."""

@@ -72,9 +72,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention      # a family with its own attention names it here
+
     def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, backend, quant, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(cfg, dtype, backend, quant, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(cfg, dtype, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -88,14 +90,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None):
+    def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant,
                                                    "model.embed_tokens")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, backend, quant,
-                                                      f"model.layers.{i}")
+        self.layers = nn.ModuleList(layer_cls(cfg, dtype, backend, quant, f"model.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.native_decoder: NativeDecoder | None = None    # see build_native_decoder
@@ -113,6 +115,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls = LlamaDecoderLayer
     # checkpoint names -> our fused parameters (with each shard's id)
     packed_modules_mapping = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -125,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.attn_backend = attn_backend or get_attention_backend(device, dtype)
-        self.model = LlamaModel(cfg, dtype, self.attn_backend, quant_config)
+        self.model = LlamaModel(cfg, dtype, self.attn_backend, quant_config, self.layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config,
                                       "lm_head", tied=cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:

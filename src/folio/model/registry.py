@@ -20,6 +20,7 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": "folio.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "folio.model.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "folio.model.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "folio.model.qwen3:Qwen3ForCausalLM",
 }
 
 

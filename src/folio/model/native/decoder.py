@@ -103,6 +103,8 @@ class NativeDecoder:
             kinds.update(p.quant_method.native_kind for p in projections)
             if attn.attn.native_kind != "paged_cpu":     # the attention must be the kernel's
                 return None
+            if not getattr(attn, "native_decoder", True):   # a family the call does not run
+                return None
             if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
                 return None
             if any(p.bias is not None for p in projections[2:]):

@@ -1,0 +1,45 @@
+"""Qwen3 (dense): Llama's decoder with an RMSNorm over each head of q and of
+k before the rotation (`q_norm`, `k_norm`, one weight of head_dim shared by
+the heads), no q/k/v bias, and a head_dim of its own (config.json's, not
+hidden / heads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.config import ModelConfig
+from folio.model.layers.norm import RMSNorm
+from folio.model.layers.rotary import apply_rotary
+from folio.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    # the one-call native decoder has no per-head norm: these layers run as modules
+    native_decoder = False
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend, quant=None,
+                 prefix: str = ""):
+        super().__init__(cfg, dtype, backend, quant, prefix)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, rope, hidden, kv_cache, meta):
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)                      # [T, (H + 2 Hkv) * D]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm.norm(qkv[:, :h * d].view(t, h, d))
+        k = self.k_norm.norm(qkv[:, h * d:(h + hkv) * d].view(t, hkv, d))
+        qk = apply_rotary(torch.cat((q, k), dim=1), *rope)
+        q, k = qk.split([h, hkv], dim=1)
+        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(t, h * d))
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3DecoderLayer
