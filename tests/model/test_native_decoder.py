@@ -56,7 +56,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])      # qwen2: a bias on qkv
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # a qkv bias; per-head q/k norms
 def test_one_call_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, arch):
     llm = LLM(make_tiny_model(tmp_path, arch=arch), dtype="bfloat16", num_kv_blocks=64,
               max_num_batched_tokens=48)
@@ -70,7 +70,7 @@ def test_one_call_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, arch):
 
 
 @needs_avx2_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_split_one_call_agrees_with_the_modules_to_fp32_rounding(tmp_path, monkeypatch, arch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     llm = LLM(make_tiny_model(tmp_path, arch=arch), dtype="bfloat16", num_kv_blocks=64,
@@ -166,9 +166,10 @@ needs_quantized_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(
 
 
 @needs_quantized_kernel
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q8_0", "llama"),
+                                        ("Q4_1", "qwen3")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype, dtype):
+def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype, arch, dtype):
     """Quantized projections (a GGUF kept in its codes): bf16 runs call the
     same kernels in the same order both ways (bit for bit); fp32 ones (and
     bfloat16 asked on a CPU without native bf16, which runs fp32) fuse the
@@ -177,7 +178,7 @@ def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype
     that fp32 rounding moves across a rounding tie moves by a whole step."""
     if dtype == "bfloat16" and not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
         pytest.skip("no bf16 element-wise kernels here")
-    folder = make_tiny_model(tmp_path / "hf", intermediate_size=128)
+    folder = make_tiny_model(tmp_path / "hf", arch=arch, intermediate_size=128)
     path = write_tiny_gguf(folder, tmp_path / "m.gguf", qtype)
     acts = "none" if device.split_cpu_bf16(dtype, "cpu")[0] == "float32" else "int8"
     llm = LLM(path, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48,

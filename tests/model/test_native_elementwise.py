@@ -62,6 +62,25 @@ def test_rotary_in_place_on_the_fused_qkv_rows(dtype, tol, tokens):
 
 @pytest.mark.parametrize("build", builds())
 @pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("tokens,dim", [(1, 128), (5, 64), (300, 128)])   # 300: threaded
+def test_head_rmsnorm(build, dtype, tol, tokens, dim):
+    """Qwen3's q/k norms: each head of the q (then k) part of a strided qkv row,
+    in place, against RMSNorm.norm head by head; the v part is untouched."""
+    heads, kv_heads = 4, 2
+    g = torch.Generator().manual_seed(tokens)
+    norm = RMSNorm(dim, 1e-6, dtype)
+    norm.weight.data = torch.rand(dim, generator=g).add(0.5).to(dtype)
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    expected = norm.norm(q)
+    rest = qkv[:, heads * dim:].clone()
+    assert native.head_rmsnorm_(q, norm.weight, norm.eps, library(build)) is q
+    _close(q, expected, tol)
+    assert torch.equal(qkv[:, heads * dim:], rest)
+
+
+@pytest.mark.parametrize("build", builds())
+@pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("rows,d", [(1, 1536), (9, 1536), (64, 1536), (3, 21)])
 def test_silu_mul(build, dtype, tol, rows, d):
     """64 x 1536: the threaded path; d = 21: vectors and a scalar tail. Gates

@@ -1,7 +1,8 @@
 """Qwen3 (dense): Llama's decoder with an RMSNorm over each head of q and of
 k before the rotation (`q_norm`, `k_norm`, one weight of head_dim shared by
 the heads), no q/k/v bias, and a head_dim of its own (config.json's, not
-hidden / heads).
+hidden / heads). The CPU's one-call native decoder runs the norms too
+(native.head_rmsnorm_, the kernel the bf16 modules call).
 """
 
 from __future__ import annotations
@@ -9,15 +10,13 @@ from __future__ import annotations
 import torch
 
 from folio.config import ModelConfig
+from folio.model import native
 from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import apply_rotary
 from folio.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    # the one-call native decoder has no per-head norm: these layers run as modules
-    native_decoder = False
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, backend, quant=None,
                  prefix: str = ""):
         super().__init__(cfg, dtype, backend, quant, prefix)
@@ -28,9 +27,14 @@ class Qwen3Attention(LlamaAttention):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                      # [T, (H + 2 Hkv) * D]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm.norm(qkv[:, :h * d].view(t, h, d))
-        k = self.k_norm.norm(qkv[:, h * d:(h + hkv) * d].view(t, hkv, d))
-        qk = apply_rotary(torch.cat((q, k), dim=1), *rope)
+        q, k = qkv[:, :h * d].view(t, h, d), qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
+        if native.fuses(qkv):       # bf16 on the CPU: in place, as the one-call decoder does
+            native.head_rmsnorm_(q, self.q_norm.weight, self.q_norm.eps)
+            native.head_rmsnorm_(k, self.k_norm.weight, self.k_norm.eps)
+            qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
+        else:
+            qk = torch.cat((self.q_norm.norm(q), self.k_norm.norm(k)), dim=1)
+        qk = apply_rotary(qk, *rope)
         q, k = qk.split([h, hkv], dim=1)
         v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
         out = self.attn.forward(q, k, v, kv_cache, meta)

@@ -122,6 +122,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
                                   + [i64, f32, i32, i32]),
         "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
+        "folio_head_rmsnorm": (None, [p, i64, i64, i32, i32, p, f32, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
         "folio_linear_available": (ctypes.c_int, []),
@@ -320,6 +321,19 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
                            weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
                            _DTYPE_CODES[x.dtype], residual is not None, torch.get_num_threads())
     return out, (x if residual is None else residual)
+
+
+def head_rmsnorm_(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """RMSNorm in place over each head of x [T, heads, D] (rows may be strided,
+    heads and D dense), one weight [D] for all heads. `lib`: the tests' other builds."""
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim:
+        raise ValueError("head_rmsnorm_ needs each token's heads packed together")
+    (lib or load()).folio_head_rmsnorm(x.data_ptr(), tokens, x.stride(0), heads, dim,
+                                       weight.data_ptr(), eps, _DTYPE_CODES[x.dtype],
+                                       torch.get_num_threads())
+    return x
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

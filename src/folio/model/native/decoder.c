@@ -1,6 +1,7 @@
 /* Every decoder layer of a Llama-family model for one step, in one call: the
  * same native kernels the torch modules call one by one (residual add +
- * RMSNorm, the linear layer, rotary, paged attention, SiLU-and-multiply), in
+ * RMSNorm, the linear layer, Qwen3's per-head q/k norms, rotary, paged attention,
+ * SiLU-and-multiply), in
  * the same order on the same buffers; what goes is the Python between them
  * (module calls, tensor allocations, the KV write as two index_copy_ calls),
  * which at decode batch sizes cost about a quarter of a step (measured in
@@ -27,6 +28,8 @@ void folio_add_rmsnorm(const void *x, void *residual, const void *weight, void *
                        int num_threads);
 void folio_rotary(void *x, int64_t tokens, int64_t row_stride, int heads, int head_dim,
                   const float *cos_table, const float *sin_table, int dtype, int num_threads);
+void folio_head_rmsnorm(void *x, int64_t tokens, int64_t row_stride, int heads, int head_dim,
+                        const void *weight, float eps, int dtype, int num_threads);
 void folio_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t d, int dtype,
                     int num_threads);
 void folio_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
@@ -60,11 +63,13 @@ typedef struct {
  * projection has one here) in the activations' dtype (fp32 for quantized
  * projections); projections packed for the step's linear kernel (quantized:
  * each a folio_qweight); its KV cache [2][num_blocks][block_size][kv_heads]
- * [head_dim], in the activations' dtype. */
+ * [head_dim], in the activations' dtype; Qwen3's per-head norms of q and k
+ * [head_dim] in the activations' dtype, or NULL. */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
     void *kv_cache;
+    const void *q_norm, *k_norm;
 } folio_layer;
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
@@ -120,6 +125,12 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
         if (i == 0)                 /* the first layer: its input is the residual */
             memcpy(s->residual, x, elt * (size_t)(t * h));
         if (linear(s, s->normed, h, w->qkv, w->qkv_bias, qkv, t, qkv_width, h)) return 1;
+        if (w->q_norm) {            /* Qwen3: each head of q and of k normed before rotary */
+            folio_head_rmsnorm(qkv, t, qkv_width, s->heads, s->head_dim, w->q_norm, s->eps,
+                               dtype, threads);
+            folio_head_rmsnorm(qkv + elt * (size_t)q_size, t, qkv_width, s->kv_heads,
+                               s->head_dim, w->k_norm, s->eps, dtype, threads);
+        }
         folio_rotary(qkv, t, qkv_width, s->heads + s->kv_heads, s->head_dim, s->cos, s->sin,
                      dtype, threads);
         char *cache = w->kv_cache;

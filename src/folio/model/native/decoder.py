@@ -1,8 +1,9 @@
 """Every decoder layer of a step in one native call (`decoder.c`).
 
 `NativeDecoder.build(layers)` says whether the decoder layers of a loaded
-Llama-family model can take this path: every projection packed for one of the
-native linear kernels, one tensor-parallel rank, no bias but on qkv. Two kinds:
+Llama-family model (Qwen3's per-head q/k norms included) can take this path:
+every projection packed for one of the native linear kernels, one
+tensor-parallel rank, no bias but on qkv. Three kinds:
 
 - bf16 (weights packed for the AVX512-BF16 kernel): the modules call the same
   kernels in the same order, so the two give bit-identical hidden states
@@ -34,7 +35,7 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
-                                        "gate_up", "down", "kv_cache")]
+                                        "gate_up", "down", "kv_cache", "q_norm", "k_norm")]
 
 
 class _Step(ctypes.Structure):
@@ -103,8 +104,6 @@ class NativeDecoder:
             kinds.update(p.quant_method.native_kind for p in projections)
             if attn.attn.native_kind != "paged_cpu":     # the attention must be the kernel's
                 return None
-            if not getattr(attn, "native_decoder", True):   # a family the call does not run
-                return None
             if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
                 return None
             if any(p.bias is not None for p in projections[2:]):
@@ -154,6 +153,9 @@ class NativeDecoder:
                 entry.gate_up = self._weight(mlp.gate_up_proj, keep)
                 entry.down = self._weight(mlp.down_proj, keep)
                 entry.kv_cache = cache.data_ptr()
+                q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+                entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
+                entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
             self._tables = {key: table}          # one cache set at a time
             self._keep = keep
         return table

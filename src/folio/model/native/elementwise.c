@@ -61,6 +61,32 @@ void folio_add_rmsnorm(const void *x, void *residual, const void *weight, void *
     }
 }
 
+/* RMSNorm in place over each of `heads` heads of each token's row (Qwen3's
+ * q_norm / k_norm: one weight [head_dim] for every head), rows row_stride
+ * apart: x = weight * round(x / sqrt(mean(x^2) + eps)), as add_rmsnorm. */
+void folio_head_rmsnorm(void *x, int64_t tokens, int64_t row_stride, int heads, int head_dim,
+                        const void *weight, float eps, int dtype, int num_threads) {
+    int threads = tokens * heads * head_dim >= FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = t * row_stride + (int64_t)h * head_dim;
+            float ss = 0.f;
+#pragma omp simd reduction(+:ss)
+            for (int i = 0; i < head_dim; i++) {
+                float v = load(x, base + i, dtype);
+                ss += v * v;
+            }
+            const float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
+#pragma omp simd
+            for (int i = 0; i < head_dim; i++) {
+                float y = round_to(load(x, base + i, dtype) * inv, dtype);
+                store(x, base + i, y * load(weight, i, dtype), dtype);
+            }
+        }
+    }
+}
+
 /* Rotate-half rotary embedding in place on `heads` heads of each token's row
  * (q and k side by side), with cos/sin [tokens][head_dim / 2] in fp32. */
 void folio_rotary(void *x, int64_t tokens, int64_t row_stride, int heads, int head_dim,
