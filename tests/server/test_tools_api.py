@@ -2,9 +2,13 @@
 serve` on the default model with a tool-calling chat template (the Hermes
 template vLLM ships, tests/fixtures/chat_templates/hermes_tool_use.jinja):
 a named function or "required", the arguments generated under the tool's
-schema so they always validate; streamed calls equal unstreamed ones; tool
-history accepted; the 400s of a tool_choice that cannot be served."""
+schema so they always validate; streamed arguments come as they are
+generated and join into the unstreamed ones; an answer cut by max_tokens
+keeps the calls it completed; tool history accepted in OpenAI's form; the
+400s of a tool_choice that cannot be served; the README's server examples,
+run as written."""
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +21,8 @@ pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (a depen
 from tests.server.conftest import ServerProcess
 
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "hermes_tool_use.jinja"
+README = Path(__file__).parents[2] / "README.md"
+MODEL = "SmolLM2-135M-Instruct"     # the default model's served name, as the README calls it
 
 
 class GetWeather(BaseModel):
@@ -38,7 +44,7 @@ TOOLS = [openai.pydantic_function_tool(GetWeather, name="get_weather"),
 @pytest.fixture(scope="module")
 def client():
     srv = ServerProcess(["--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks",
-                         "256", "--served-model-name", "smol", "--chat-template", str(TEMPLATE),
+                         "256", "--chat-template", str(TEMPLATE),
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--uvicorn-log-level", "warning"])
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -53,7 +59,7 @@ def ask(text):
 
 def test_a_named_tool_call_parses_into_its_model(client):
     done = client.chat.completions.parse(
-        model="smol", messages=ask("What is the weather in Paris?"), tools=TOOLS,
+        model=MODEL, messages=ask("What is the weather in Paris?"), tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         temperature=0, max_tokens=100)
     choice = done.choices[0]
@@ -68,54 +74,140 @@ def test_a_named_tool_call_parses_into_its_model(client):
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_calls_one_of_the_tools_with_valid_arguments(client, parallel):
     done = client.chat.completions.create(
-        model="smol", messages=ask("Book a table for two at Luigi's."), tools=TOOLS,
+        model=MODEL, messages=ask("Book a table for two at Luigi's."), tools=TOOLS,
         tool_choice="required", parallel_tool_calls=parallel, temperature=0.7, seed=3, n=3,
         max_tokens=150)
     models = {"get_weather": GetWeather, "book_table": Book}
     ended = [c for c in done.choices if c.finish_reason == "tool_calls"]
     # one call a choice always ends; parallel calls may run on to max_tokens, and
-    # then come back as the text they are, finish_reason "length"
+    # then come back as the calls completed before the cut, finish_reason "length"
     assert len(ended) == 3 if not parallel else ended
-    assert all(c.finish_reason == "length" and c.message.content and not c.message.tool_calls
-               for c in done.choices if c not in ended)
-    for choice in ended:
+    assert all(c.finish_reason == "length" for c in done.choices if c not in ended)
+    for choice in done.choices:
         calls = choice.message.tool_calls
-        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        assert choice.message.content is None and len(calls) >= 1
+        assert parallel or len(calls) == 1
         for call in calls:
             models[call.function.name].model_validate_json(call.function.arguments)
 
 
-def test_streamed_calls_join_into_the_unstreamed_ones(client):
-    kwargs = dict(model="smol", messages=ask("Weather in Oslo, please."), tools=TOOLS,
-                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                  temperature=0, max_tokens=100)
-    full = client.chat.completions.create(**kwargs).choices[0]
-    calls: dict[int, dict] = {}
-    finishes = []
+def stream_calls(client, **kwargs):
+    """(the calls joined from a stream's deltas, its finish_reasons, the deltas),
+    checking each delta has OpenAI's shape: a call's first names it, with its
+    id and empty arguments; the next ones carry arguments alone."""
+    calls, finishes, deltas = {}, [], []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             finishes += [c.finish_reason] if c.finish_reason else []
+            assert c.delta.content is None
             for d in c.delta.tool_calls or []:
-                got = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                got["name"] += d.function.name or ""
-                got["arguments"] += d.function.arguments or ""
-    assert finishes == ["tool_calls"]
-    assert [calls[i] for i in sorted(calls)] == [
-        {"name": t.function.name, "arguments": t.function.arguments}
-        for t in full.message.tool_calls]
+                deltas.append(d)
+                if d.id is not None:
+                    assert d.index == len(calls) and d.type == "function"
+                    assert d.function.name and d.function.arguments == ""
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                else:
+                    assert d.type is None and d.function.name is None and d.function.arguments
+                    calls[d.index]["arguments"] += d.function.arguments
+    return [calls[i] for i in sorted(calls)], finishes, deltas
 
 
-def test_a_conversation_with_tool_history_is_served(client):
-    history = ask("What is the weather in Paris?") + [
+FORCED = {"named": {"type": "function", "function": {"name": "get_weather"}},
+          "required, one call": "required", "required, parallel": "required"}
+
+
+@pytest.mark.parametrize("choice", FORCED)
+def test_streamed_arguments_come_as_generated_and_join_into_the_unstreamed_ones(client, choice):
+    kwargs = dict(model=MODEL, messages=ask("Weather in Oslo, and a table for two at Luigi's."),
+                  tools=TOOLS, tool_choice=FORCED[choice], temperature=0, max_tokens=120,
+                  parallel_tool_calls=choice.endswith("parallel"))
+    full = client.chat.completions.create(**kwargs).choices[0]
+    expected = [(t.function.name, t.function.arguments) for t in full.message.tool_calls]
+    calls, finishes, deltas = stream_calls(client, **kwargs)
+    assert finishes == [full.finish_reason] and expected
+    assert [(c["name"], c["arguments"]) for c in calls[:len(expected)]] == expected
+    # a call cut by max_tokens has streamed what it had; the unstreamed answer drops it
+    assert len(calls) == len(expected) + (full.finish_reason == "length" and
+                                          len(calls) > len(expected))
+    assert len(deltas) > 3 * len(calls)         # the arguments came in pieces, not whole
+
+
+def test_the_openai_stream_helper_rebuilds_the_calls(client):
+    with client.chat.completions.stream(
+            model=MODEL, messages=ask("Book a table for two at Luigi's."), tools=TOOLS,
+            tool_choice="required", parallel_tool_calls=False, temperature=0,
+            max_tokens=120) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert isinstance(call.function.parsed_arguments, (GetWeather, Book))
+    assert events.count("tool_calls.function.arguments.delta") > 3
+    assert events.count("tool_calls.function.arguments.done") == 1
+
+
+def test_required_cut_by_max_tokens_returns_the_calls_it_completed(client):
+    from folio.server.tools import forced_calls
+    kwargs = dict(model=MODEL, messages=ask("Weather in Oslo, then book a table at Luigi's."),
+                  tools=TOOLS, tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(max_tokens=300, logprobs=True, **kwargs).choices[0]
+    tokens = [t.token for t in whole.logprobs.content]
+    first = whole.message.tool_calls[0]
+    # the number of tokens after which the first call is whole
+    upto = next(n for n in range(1, len(tokens) + 1)
+                if forced_calls("".join(tokens[:n]), "required", "length")[0])
+    cut = client.chat.completions.create(max_tokens=upto, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in cut.message.tool_calls] == \
+        [(first.function.name, first.function.arguments)]
+    calls, finishes, _ = stream_calls(client, max_tokens=upto, **kwargs)
+    assert finishes == ["length"]
+    assert (calls[0]["name"], calls[0]["arguments"]) == (first.function.name,
+                                                         first.function.arguments)
+    # cut before any call was whole: the text as it is
+    early = client.chat.completions.create(max_tokens=upto - 1, **kwargs).choices[0]
+    assert early.finish_reason == "length" and not early.message.tool_calls
+    assert early.message.content == "".join(tokens[:upto - 1])
+
+
+def test_a_tool_without_description_or_parameters_is_served(client):
+    class Ping(BaseModel):
+        host: str = Field(max_length=10)        # no docstring: no description sent
+    tools = [openai.pydantic_function_tool(Ping, name="ping"),
+             {"type": "function", "function": {"name": "now"}}]
+    assert "description" not in tools[0]["function"]
+    done = client.chat.completions.create(model=MODEL, messages=ask("Ping example.org"),
+                                          tools=tools, tool_choice="required", temperature=0,
+                                          parallel_tool_calls=False, max_tokens=40)
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name in ("ping", "now")
+
+
+def tool_history(answer):
+    return ask("What is the weather in Paris?") + [
         {"role": "assistant", "content": None, "tool_calls": [{
             "id": "call_1", "type": "function", "function": {
                 "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
-         "content": "18 degrees, sunny"},
+        {"role": "tool", "content": "18 degrees, sunny", **answer},
     ]
-    done = client.chat.completions.create(model="smol", messages=history, tools=TOOLS,
-                                          tool_choice="none", temperature=0, max_tokens=12)
+
+
+# OpenAI's own form names the call by tool_call_id alone; the Hermes template
+# wants the function's name, taken from the call of that id
+@pytest.mark.parametrize("answer", [{"tool_call_id": "call_1", "name": "get_weather"},
+                                    {"tool_call_id": "call_1"}])
+def test_a_conversation_with_tool_history_is_served(client, answer):
+    done = client.chat.completions.create(model=MODEL, messages=tool_history(answer),
+                                          tools=TOOLS, tool_choice="none", temperature=0,
+                                          max_tokens=12)
     assert done.choices[0].message.content and not done.choices[0].message.tool_calls
+
+
+def test_an_answer_to_no_earlier_call_is_left_to_the_template(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=tool_history({"tool_call_id": "x"}),
+                                       tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert "Tool response dicts require a 'name' key" in str(e.value)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -129,7 +221,7 @@ def test_a_conversation_with_tool_history_is_served(client):
 ])
 def test_a_tool_choice_that_cannot_be_served_is_a_400(client, body, message):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smol", messages=ask("Hi"), max_tokens=4,
+        client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=4,
                                        extra_body=body)
     assert message in str(e.value)
 
@@ -146,12 +238,36 @@ def test_earlier_calls_reach_the_template_as_objects():
                {"role": "assistant", "content": None, "tool_calls": [{
                    "id": "c", "type": "function",
                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-               {"role": "tool", "name": "get_weather", "content": "cold"}]
+               {"role": "tool", "name": "get_weather", "content": "cold"},
+               {"role": "tool", "tool_call_id": "c", "content": "windy"}]     # OpenAI's form
     text = tok.apply_chat_template(template_messages(history), chat_template=TEMPLATE.read_text(),
                                    tools=[t for t in TOOLS])
     assert '{ "arguments": {"city": "Oslo"}, "name": "get_weather"}' in text
     assert '<tool_response>\n{"name": "get_weather", "content": "cold"}' in text
+    assert '<tool_response>\n{"name": "get_weather", "content": "windy"}' in text
     assert history[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'  # untouched
+    assert "name" not in history[3]
+
+
+def test_tools_reach_the_template_with_what_it_reads():
+    """pydantic_function_tool sends no description without a docstring; the
+    Hermes template writes `" - " + tool.description`."""
+    from folio.model.loader import load_model_config
+    from folio.server.tools import Tool, template_tools
+    from folio.tokenizer import get_tokenizer
+    tok = get_tokenizer(load_model_config(None))
+
+    class Ping(BaseModel):
+        host: str
+    given = [openai.pydantic_function_tool(Ping, name="ping"),
+             {"type": "function", "function": {"name": "now"}}]
+    tools = template_tools([Tool.model_validate(t) for t in given])
+    assert tools[0]["function"]["description"] == "" and tools[0]["function"]["strict"] is True
+    assert tools[1]["function"] == {"name": "now", "description": "",
+                                    "parameters": {"type": "object", "properties": {}}}
+    text = tok.apply_chat_template(ask("Hi"), chat_template=TEMPLATE.read_text(), tools=tools)
+    assert '"name": "ping", "description": "ping(host: str) - ' in text
+    assert '{"name": "now", "description": "now() - \n\n", "parameters": {}}' in text
 
 
 # "auto": the model's own <tool_call> text is parsed. A 135M model rarely
@@ -168,7 +284,7 @@ def _regex(text):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_reads_the_calls_the_model_writes(client, stream):
-    kwargs = dict(model="smol", messages=ask("Weather in Oslo?"), tools=TOOLS, temperature=0,
+    kwargs = dict(model=MODEL, messages=ask("Weather in Oslo?"), tools=TOOLS, temperature=0,
                   max_tokens=60, extra_body={"structured_outputs": {
                       "regex": "Let me check\\.\\n" + _regex(CALL_TEXT)}})
     if not stream:
@@ -191,7 +307,7 @@ def test_auto_reads_the_calls_the_model_writes(client, stream):
 
 def test_auto_answers_in_text_when_the_model_writes_no_call(client):
     choice = client.chat.completions.create(
-        model="smol", messages=ask("Hello"), tools=TOOLS, tool_choice="auto", max_tokens=20,
+        model=MODEL, messages=ask("Hello"), tools=TOOLS, tool_choice="auto", max_tokens=20,
         extra_body={"structured_outputs": {"choice": ["It is sunny <tool"]}}).choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == "It is sunny <tool"
     assert not choice.message.tool_calls
@@ -208,7 +324,7 @@ def test_auto_needs_the_server_flags(server):
 def test_tool_answers_match_the_published_models(client):
     from tests.server.conftest import http
     from folio.server.responses import ChatCompletionResponse, ChatCompletionStreamResponse
-    body = {"model": "smol", "messages": ask("Weather?"), "tools": TOOLS, "max_tokens": 60,
+    body = {"model": MODEL, "messages": ask("Weather?"), "tools": TOOLS, "max_tokens": 60,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     status, _, answer = http("POST", client.url + "/v1/chat/completions", body)
     assert status == 200 and answer["choices"][0]["message"]["tool_calls"]
@@ -219,6 +335,31 @@ def test_tool_answers_match_the_published_models(client):
     assert any("tool_calls" in e for e in events)
     for e in events:
         ChatCompletionStreamResponse.model_validate(json.loads(e))
+
+
+def readme_python(section: str = "## The server") -> list[str]:
+    text = README.read_text()
+    start = text.index(f"\n{section}\n")
+    end = text.find("\n## ", start + 1)
+    return re.findall(r"^```python\n(.*?)^```$", text[start:end], re.S | re.M)
+
+
+def test_the_readme_server_examples_run_as_written(client, monkeypatch, capsys):
+    """The README's python of its server section, verbatim, against a server
+    of the default model with the Hermes template (as the README says to
+    serve it); only the client's address is this test's server's."""
+    blocks = readme_python()
+    assert blocks and "pydantic_function_tool(GetWeather" in blocks[-1]
+
+    class ToThisServer(openai.OpenAI):
+        def __init__(self, *, base_url, **kwargs):
+            assert base_url == "http://127.0.0.1:8000/v1"     # `make run`'s
+            super().__init__(base_url=client.url + "/v1", **kwargs)
+    monkeypatch.setattr(openai, "OpenAI", ToThisServer)
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith("get_weather city=")
 
 
 def test_the_hermes_parser():

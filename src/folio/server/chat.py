@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 from folio.chat_template import ChatTemplateError
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, random_id
-from folio.server.tools import template_messages, tool_calls
+from folio.server.tools import (ForcedCallStream, forced_calls, forced_finish,
+                                template_messages)
 from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStream,
                                   choice_usage, collect,
                                   holdback, merged, sse, sse_error, token_text, usage)
@@ -75,14 +76,16 @@ def _logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> dict:
 
 def _message(served: ServedModel, req: ChatCompletionRequest,
              c: CompletionOutput) -> tuple[dict, Optional[str]]:
-    """(the choice's message, its finish_reason): a forced tool call that
-    ended is `tool_calls`; one cut short stays text, as it is. Under "auto"
-    the calls the model wrote are parsed from its text."""
+    """(the choice's message, its finish_reason): a forced answer is its calls,
+    those completed before a cut included (finish_reason "length"); one that
+    completed none stays text, as it is. Under "auto" the calls the model
+    wrote are parsed from its text."""
     forced = req.forced_tool
-    if forced is not None and c.finish_reason == "stop":
-        return ({"role": "assistant", "content": None,
-                 "tool_calls": tool_calls(c.text, forced)}, "tool_calls")
-    if req.auto_tools and c.finish_reason == "stop":
+    if forced is not None:
+        calls, finish = forced_calls(c.text, forced, c.finish_reason)
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, finish
+    elif req.auto_tools and c.finish_reason == "stop":
         content, calls = served.tool_parser.parse(c.text)
         if calls:
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
@@ -101,29 +104,52 @@ def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput) 
             "model": served.name, "choices": choices, "usage": usage([out])}
 
 
+# A streamed choice's next chunk: (delta, logprobs, finish_reason, characters of text sent)
+_Step = tuple[dict, Optional[dict], Optional[str], int]
+
+
+def _text_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
+                chars: int, toks: int, keep: int) -> Optional[_Step]:
+    upto = len(c.text) if c.finished else max(chars, len(c.text) - keep)
+    if upto <= chars and not c.finished:
+        return None
+    lp = (_logprobs(served.tokenizer, c, toks, req.top_logprobs or 0)
+          if req.logprobs else None)
+    return {"content": c.text[chars:upto]}, lp, c.finish_reason, upto
+
+
 def _tool_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
-                chars: int, keep: int) -> Optional[tuple[dict, int, Optional[str]]]:
-    """A streamed choice of a request with tools: (delta, chars of text sent,
-    finish) or None. Text streams while it cannot be a call (none with a
-    forced call); the calls come whole in the last chunk, once parsed."""
+                chars: int, toks: int, keep: int) -> Optional[_Step]:
+    """A streamed choice under "auto": text streams while it cannot be a call;
+    the calls come whole in the last chunk, once parsed."""
     if not c.finished:
-        if req.forced_tool is not None:
-            return None
         upto = min(len(c.text) - keep, served.tool_parser.safe_prefix(c.text))
-        return ({"content": c.text[chars:upto]}, upto, None) if upto > chars else None
+        return ({"content": c.text[chars:upto]}, None, None, upto) if upto > chars else None
     message, finish = _message(served, req, c)
     content = message["content"] or ""
     delta = {"content": content[chars:] if content.startswith(c.text[:chars]) else ""}
     if "tool_calls" in message:
         delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(message["tool_calls"])]
-        if req.forced_tool is not None:
-            delta["content"] = None
-    return delta, len(c.text), finish
+    return delta, None, finish, len(c.text)
+
+
+def _forced_deltas(stream: ForcedCallStream, c: CompletionOutput, keep: int) -> list[_Step]:
+    """A streamed choice of a forced call: each call's arguments stream as they
+    are generated, then a last chunk with the finish_reason ("length" when cut).
+    An answer cut before any call began ends as its text, as unstreamed."""
+    upto = len(c.text) if c.finished else max(0, len(c.text) - keep)
+    steps: list[_Step] = [({"tool_calls": [entry]}, None, None, upto)
+                          for entry in stream.deltas(c.text[:upto], c.finished)]
+    if c.finished:
+        steps.append(({}, None, forced_finish(stream.scanner, c.finish_reason), upto)
+                     if stream.begun else ({"content": c.text}, None, c.finish_reason, upto))
+    return steps
 
 
 async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineCall,
                   created: int, ticket) -> AsyncIterator[str]:
     sent: dict[int, tuple[int, int]] = {}   # choice -> (chars sent, tokens sent)
+    forced: dict[int, ForcedCallStream] = {}
     done: set[int] = set()
     keep, last = holdback(call.params), None
 
@@ -141,28 +167,19 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
             for c in out.outputs:
                 if c.index in done:
                     continue
-                if req.forced_tool is not None or req.auto_tools:
-                    step = _tool_delta(served, req, c, sent.get(c.index, (0, 0))[0], keep)
-                    if step is not None:
-                        delta, upto, finish = step
-                        if c.index not in sent:
-                            delta = {"role": "assistant", **delta}
-                        yield chunk(c.index, delta, None, finish, choice_usage(out, c))
-                        sent[c.index] = (upto, len(c.token_ids))
-                    if c.finished:
-                        done.add(c.index)
-                    continue
-                chars, toks = sent.get(c.index, (0, 0))
-                upto = len(c.text) if c.finished else max(chars, len(c.text) - keep)
-                if upto <= chars and not c.finished:
-                    continue
-                # The role rides on the choice's first chunk, sent with its first text.
-                delta = {"role": "assistant"} if c.index not in sent else {}
-                delta["content"] = c.text[chars:upto]
-                lp = (_logprobs(served.tokenizer, c, toks, req.top_logprobs or 0)
-                      if req.logprobs else None)
-                yield chunk(c.index, delta, lp, c.finish_reason, choice_usage(out, c))
-                sent[c.index] = (upto, len(c.token_ids))
+                if req.forced_tool is not None:
+                    if c.index not in forced:
+                        forced[c.index] = ForcedCallStream(req.forced_tool)
+                    steps = _forced_deltas(forced[c.index], c, keep)
+                else:
+                    step = (_tool_delta if req.auto_tools else _text_delta)(
+                        served, req, c, *sent.get(c.index, (0, 0)), keep)
+                    steps = [] if step is None else [step]
+                for delta, lp, finish, upto in steps:
+                    if c.index not in sent:     # the role rides on the choice's first chunk
+                        delta = {"role": "assistant", **delta}
+                    yield chunk(c.index, delta, lp, finish, choice_usage(out, c))
+                    sent[c.index] = (upto, len(c.token_ids))
                 if c.finished:
                     done.add(c.index)
         if last is not None:

@@ -28,7 +28,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, 
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from folio.server.response_format import ResponseFormat
 from folio.server.tools import (NamedToolChoice, Tool, ToolChoice, forced_constraint,
-                                tool_choice_problem)
+                                template_tools, tool_choice_problem)
 from folio.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("folio")
@@ -333,7 +333,7 @@ class ChatCompletionRequest(_Sampling, _Templated):
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return template_tools(self.tools) if self.tools else None
 
     def _check(self) -> None:
         problem = tool_choice_problem(self.tools or [], self.tool_choice)

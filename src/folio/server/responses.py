@@ -110,8 +110,16 @@ class ChatMessage(_Response):
     tool_calls: Optional[list[ToolCall]] = None
 
 
-class ToolCallDelta(ToolCall):
+class FunctionCallDelta(_Response):
+    name: Optional[str] = None          # in the call's first chunk
+    arguments: Optional[str] = None     # the text generated since the call's last chunk
+
+
+class ToolCallDelta(_Response):
     index: int
+    id: Optional[str] = None            # in the call's first chunk, with its type and name
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionCallDelta] = None
 
 
 class ChatChoice(_Response):
@@ -134,7 +142,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = None    # whole, in a choice's last chunk
+    tool_calls: Optional[list[ToolCallDelta]] = None    # forced: as generated; auto: whole
 
 
 class ChatStreamChoice(_Response):
