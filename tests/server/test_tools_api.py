@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (a dependency)")
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, http
 
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "hermes_tool_use.jinja"
 README = Path(__file__).parents[2] / "README.md"
@@ -201,6 +201,25 @@ def test_a_conversation_with_tool_history_is_served(client, answer):
                                           tools=TOOLS, tool_choice="none", temperature=0,
                                           max_tokens=12)
     assert done.choices[0].message.content and not done.choices[0].message.tool_calls
+
+
+def test_tokenize_renders_tools_and_history_as_chat_does(client):
+    """POST /tokenize with messages and tools: the prompt chat runs, token for token
+    (its count is chat's usage.prompt_tokens; without the tools it is shorter)."""
+    messages = tool_history({"tool_call_id": "call_1"})
+    done = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                          tool_choice="none", max_tokens=1)
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS}
+    status, _, tokens = http("POST", client.url + "/tokenize", body)
+    assert status == 200, tokens
+    assert tokens["count"] == done.usage.prompt_tokens
+    _, _, bare = http("POST", client.url + "/tokenize", {"model": MODEL, "messages": ask("x")})
+    _, _, with_tools = http("POST", client.url + "/tokenize",
+                            {"model": MODEL, "messages": ask("x"), "tools": TOOLS})
+    assert with_tools["count"] > bare["count"]
+    status, _, err = http("POST", client.url + "/tokenize",
+                          {"model": MODEL, "prompt": "x", "tools": TOOLS})
+    assert status == 400 and err["error"]["param"] == "tools"
 
 
 def test_an_answer_to_no_earlier_call_is_left_to_the_template(client):

@@ -46,7 +46,7 @@ from folio.server.responses import (ChatCompletionResponse, ChatCompletionStream
                                     UsageReport, VersionResponse)
 from folio.server.serving import HTTPError, ServedModel
 from folio.server.tenants import KeyBook
-from folio.server.tools import HermesParser
+from folio.server.tools import HermesParser, template_messages
 from folio.server.usage_ledger import UsageLedger
 from folio.usage_report import usage_rows
 
@@ -315,9 +315,12 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(req: TokenizeRequest):
         served = state.ready()
         served.check_model(req.model)
-        if req.messages is not None:
-            ids = await asyncio.to_thread(render_chat_ids, served, req.messages,
-                                          req.template_kwargs())
+        if req.messages is not None:       # rendered as /v1/chat/completions renders them
+            kwargs = req.template_kwargs()
+            if req.tools:
+                kwargs["tools"] = req.template_tools()
+            ids = await asyncio.to_thread(render_chat_ids, served,
+                                          template_messages(req.messages), kwargs)
         elif req.prompt is not None:
             ids = await asyncio.to_thread(served.tokenizer.encode, req.prompt,
                                           req.add_special_tokens)

@@ -353,11 +353,17 @@ class TokenizeRequest(_Templated):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[Tool]] = None      # with messages: rendered as chat renders them
     add_special_tokens: bool = True         # for a prompt; a chat's template decides
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        return template_tools(self.tools) if self.tools else None
 
     def _check(self) -> None:
         super()._check()
         if self.messages is None:
+            if self.tools is not None:
+                raise InvalidRequest("tools go with messages", "tools")
             return
         if self.prompt is not None:
             raise InvalidRequest("give 'prompt' or 'messages', not both", "prompt")
