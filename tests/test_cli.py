@@ -1,6 +1,7 @@
 import io
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,20 @@ def test_chat_survives_a_conversation_longer_than_the_context(tiny, capsys, monk
     assert "max_model_len is 64" in out.err and "(/reset starts over)" in out.err
     assert "[user] more" not in out.out           # the message that did not fit is dropped
     assert out.err.count("[reply cut") == 2       # and after /reset the chat goes on
+
+
+def test_an_unknown_command_is_refused_and_never_sent_to_the_model(tiny, capsys, monkeypatch):
+    rc, out = run_chat(monkeypatch, capsys, "/bogus\n  /histroy all\n/history\n//bogus\n"
+                       "/history\n/exit\n", "--model", tiny, "--max-tokens", "2",
+                       "--ignore-eos", "--temperature", "0", *ENGINE)
+    assert rc == 0
+    usage = "; commands: /history, /reset, /exit, /quit (// sends a message that starts with /)"
+    assert f"unknown command /bogus{usage}\n" in out.err
+    assert f"unknown command /histroy{usage}\n" in out.err
+    before, after = out.out.split("(no messages yet)\n")    # the first /history: nothing sent
+    assert "[user]" not in before
+    assert after.count("[user]") == 1 and "[user] /bogus\n" in after   # // sent it, from its /
+    assert after.count("[assistant]") == 1
 
 
 def test_chat_without_a_template_fails_before_the_prompt(tmp_path, capsys, monkeypatch):
@@ -214,6 +229,19 @@ def test_a_bad_port_is_one_line_and_status_2():
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["folio serve: error: argument --port: 99999 is not a "
                                         "TCP port (0..65535) (see `folio serve --help`)"]
+
+
+def test_a_port_in_use_is_one_line_and_status_1_before_the_model_loads(tiny):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = folio("serve", "--model", tiny, "--port", str(port), *ENGINE)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert error_lines(proc.stderr) == [
+        f"folio: error: port {port} on 127.0.0.1 is in use (Address already in use): stop "
+        f"what listens there or pass another --port"]
+    assert "environment (folio env)" not in proc.stderr        # logged once the model loaded
 
 
 def broken_copy(tiny, tmp_path, name: str, break_it) -> str:

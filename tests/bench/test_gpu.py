@@ -43,3 +43,35 @@ def test_the_script_dry_runs_every_step(tmp_path):
 def test_the_full_run_needs_a_gpu(tmp_path, capsys):
     assert main(["bench", "gpu", "--out", str(tmp_path)]) == 1
     assert "needs a CUDA device (or --tiny" in capsys.readouterr().err
+
+
+def _fake_python(path: Path, name: str) -> None:
+    """An executable that says which python it is and what it was asked to run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\necho "{name} $*"\n')
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("has_venv, python_env, expected", [
+    (True, None, "venv"),          # after `make run`: the checkout's .venv, which has torch
+    (False, None, "system"),       # no .venv: the machine's own python3
+    (True, "chosen", "chosen"),    # PYTHON wins over both
+])
+def test_the_script_picks_the_checkouts_venv_python(tmp_path, has_venv, python_env, expected):
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks").mkdir(parents=True)
+    script = checkout / "benchmarks" / "gpu.sh"
+    script.write_text((ROOT / "benchmarks" / "gpu.sh").read_text())
+    script.chmod(0o755)
+    if has_venv:
+        _fake_python(checkout / ".venv" / "bin" / "python", "venv")
+    _fake_python(tmp_path / "bin" / "python3", "system")
+    _fake_python(tmp_path / "chosen", "chosen")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    if python_env:
+        env["PYTHON"] = str(tmp_path / python_env)
+    done = subprocess.run([str(script), "--tiny"], capture_output=True, text=True, env=env,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{expected} -m folio.cli bench gpu --tiny\n"

@@ -15,6 +15,11 @@ pytestmark = needs_helm
 
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 
+LEDGER_SETS = ("apiKeysFile.existingSecret=folio-tenants", "usageDb.enabled=true",
+               "autoscaling.mode=none", "cost.perHour=2.5", "cost.promptTokenWeight=0.5",
+               "requestLimits.maxTokensDefault=512", "requestLimits.maxTokensLimit=4096",
+               "requestLimits.timeoutSeconds=300")
+
 VARIANTS = {
     "hpa on cpu (the defaults)": ((), {"PodDisruptionBudget", "ConfigMap", "Service", "Deployment",
                                        "HorizontalPodAutoscaler", "PrometheusRule",
@@ -28,6 +33,9 @@ VARIANTS = {
          "image.tag=cuda"),
         {"PodDisruptionBudget", "ConfigMap", "Service", "Deployment", "HorizontalPodAutoscaler",
          "PrometheusRule", "ServiceMonitor"}),
+    "tenants, usage ledger, cost, request limits": (
+        LEDGER_SETS, {"PodDisruptionBudget", "ConfigMap", "Service", "Deployment",
+                      "PersistentVolumeClaim", "PrometheusRule", "ServiceMonitor"}),
     "fixed replicas, plain Prometheus": (
         ("autoscaling.mode=none", "replicaCount=3", "metrics.serviceMonitor.enabled=false",
          "metrics.prometheusRule.enabled=false", "metrics.grafanaDashboard.enabled=false",
@@ -43,7 +51,8 @@ def serve_args(deployment: dict):
 
 
 def test_the_chart_lints():
-    for sets in ([], ["--set", "autoscaling.mode=keda"], ["--set", "accelerator=gpu"]):
+    for sets in ([], ["--set", "autoscaling.mode=keda"], ["--set", "accelerator=gpu"],
+                 ["--set", ",".join(LEDGER_SETS)]):
         out = helm("lint", "--strict", str(CHART), *sets, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
 
@@ -161,12 +170,75 @@ def test_scrape_annotations_replace_the_service_monitor_when_it_is_off():
     assert "annotations" not in by_kind(render())["Deployment"]["spec"]["template"]["metadata"]
 
 
+def mounted(pod: dict, container: dict, name: str) -> tuple[dict, dict]:
+    """(the volume, its mount in the container) of the volume `name`."""
+    volume = next(v for v in pod["volumes"] if v["name"] == name)
+    return volume, next(m for m in container["volumeMounts"] if m["name"] == name)
+
+
+def test_tenants_the_ledger_and_cost_reach_folio_serve():
+    o = by_kind(render(*LEDGER_SETS))
+    pod = o["Deployment"]["spec"]["template"]["spec"]
+    container, args = serve_args(o["Deployment"])
+    # --api-keys-file: the Secret's key, projected read-only where the flag points
+    volume, mount = mounted(pod, container, "tenants")
+    assert volume["secret"] == {"secretName": "folio-tenants",
+                                "items": [{"key": "keys.yaml", "path": "keys.yaml"}]}
+    assert mount["readOnly"] is True
+    assert args.api_keys_file == f"{mount['mountPath']}/keys.yaml"
+    # --usage-db: a file on the PersistentVolumeClaim the chart makes, kept on uninstall
+    volume, mount = mounted(pod, container, "usage")
+    claim = o["PersistentVolumeClaim"]
+    assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"]}
+    assert args.usage_db.startswith(mount["mountPath"] + "/") and not mount.get("readOnly")
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"],
+                             "resources": {"requests": {"storage": "1Gi"}}}
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # one pod writes the ledger: an upgrade ends the old pod before the new one opens it
+    assert o["Deployment"]["spec"]["strategy"] == {"type": "Recreate"}
+    assert o["Deployment"]["spec"]["replicas"] == 1
+    assert (args.cost_per_hour, args.prompt_token_weight) == (2.5, 0.5)
+    assert (args.max_tokens_default, args.max_tokens_limit, args.request_timeout) == (
+        512, 4096, 300.0)
+
+
+def test_without_those_values_none_of_their_flags_volumes_or_claim_render():
+    o = by_kind(render())
+    container, args = serve_args(o["Deployment"])
+    assert (args.api_keys_file, args.usage_db, args.cost_per_hour) == (None, None, None)
+    assert (args.max_tokens_default, args.max_tokens_limit, args.request_timeout) == (
+        None, None, None)
+    assert "PersistentVolumeClaim" not in o
+    assert {m["name"] for m in container["volumeMounts"]} == {"models", "tmp"}
+    assert o["Deployment"]["spec"]["strategy"]["type"] == "RollingUpdate"
+
+
+def test_the_ledger_can_live_on_an_existing_claim():
+    o = by_kind(render("usageDb.enabled=true", "autoscaling.mode=none",
+                       "usageDb.existingClaim=ledger", "usageDb.storageClassName=fast"))
+    assert "PersistentVolumeClaim" not in o
+    pod = o["Deployment"]["spec"]["template"]["spec"]
+    volume, _ = mounted(pod, pod["containers"][0], "usage")
+    assert volume["persistentVolumeClaim"] == {"claimName": "ledger"}
+    made = by_kind(render("usageDb.enabled=true", "autoscaling.mode=none",
+                          "usageDb.storageClassName=fast", "usageDb.size=20Gi"))
+    claim = made["PersistentVolumeClaim"]
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    validate(claim)
+
+
 @pytest.mark.parametrize("setting, message", [
     ("autoscaling.minReplicas=0", "cannot scale from zero"),
     ("autoscaling.mode=cpu", "autoscaling.mode must be hpa, keda or none"),
     ("accelerator=tpu", "accelerator must be cpu or gpu"),
     ("modelVolume.type=nfs", "modelVolume.type must be pvc or hostPath"),
     ("autoscaling.maxReplicas=0", "maxReplicas must be at least"),
+    ("usageDb.enabled=true", "usageDb.enabled needs one replica (autoscaling.mode none, "
+                             "replicaCount 1)"),
+    ("usageDb.enabled=true,autoscaling.mode=none,replicaCount=2", "usageDb.enabled needs one "
+                                                                  "replica"),
+    ("cost.perHour=-1", "cost.perHour must be 0 (not set) or more"),
 ])
 def test_impossible_values_fail_the_render_saying_why(setting, message):
     out = helm("template", "x", str(CHART), "--set", setting, check=False)

@@ -44,13 +44,53 @@ def _reason(reason) -> str:
 
 def _served_model(args) -> str:
     """--model, else the server's first model; asked of the server either way,
-    so that a server that is down fails here, before any work."""
+    so that a server that is down, or does not serve --model, fails here,
+    before any work."""
     models = _get_json(args, "/v1/models").get("data") or []
+    served = [m["id"] for m in models if isinstance(m, dict) and "id" in m]
     if args.model:
+        if served and args.model not in served:
+            _check_unlisted_model(args, served)
         return args.model
-    if not models:
+    if not served:
         raise ValueError(f"{args.base_url}/v1/models lists no model: pass --model")
-    return models[0]["id"]
+    return served[0]
+
+
+def _check_unlisted_model(args, served: list[str]) -> None:
+    """A --model that /v1/models does not list: one request of one token says
+    whether the server takes it anyway (llama-server answers any name) or
+    refuses it with a 404, which is then the error, naming what it serves."""
+    body = {"model": args.model, "max_tokens": 1, "temperature": 0}
+    if args.endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    request = urllib.request.Request(args.base_url + args.endpoint,
+                                     data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code != 404:
+            return          # another refusal: the run reports it per request
+        message = _error_message(e)
+    except (urllib.error.URLError, OSError):
+        return              # the run reports it per request
+    raise ValueError(f"{args.base_url} does not serve --model {args.model!r} (HTTP 404: "
+                     f"{message}); it serves: {', '.join(served)}")
+
+
+def _error_message(e: "urllib.error.HTTPError") -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    text = e.read().decode(errors="replace")
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:200] or e.reason
 
 
 def _workload(args, model: str, seed: int):
@@ -90,19 +130,23 @@ def _costs(args, summary: dict) -> dict:
 
 
 def _line(s: dict) -> str:
+    """One run's summary; a figure no request completed to give is '-'."""
     return (f"rate {s['request_rate']}: {s['completed']} ok, {s['failed']} failed in "
             f"{s['seconds']:.1f} s | {s['request_throughput']:.2f} req/s, "
-            f"{s['output_throughput']:.1f} out tok/s | TTFT median {s['ttft_ms']['median']:.0f} "
-            f"p99 {s['ttft_ms']['p99']:.0f} ms | TPOT median {_ms(s['tpot_ms']['median'])} "
+            f"{s['output_throughput']:.1f} out tok/s | TTFT median "
+            f"{_ms(s['ttft_ms']['median'], '.0f')} p99 {_ms(s['ttft_ms']['p99'], '.0f')} ms | "
+            f"TPOT median {_ms(s['tpot_ms']['median'])} "
             f"p99 {_ms(s['tpot_ms']['p99'])} ms | ITL p99 {_ms(s['itl_ms']['p99'])} ms"
             + (f" | goodput {s['goodput']:.2f} req/s" if "goodput" in s else "")
-            + (f" | $/1K output tokens: {s['cost_per_1k']['from_throughput']['output']:.5f} "
-               f"from throughput, {s['cost_per_1k']['server'].get('output', float('nan')):.5f} "
-               f"the server's" if "cost_per_1k" in s else ""))
+            + (f" | $/1K output tokens: "
+               f"{_ms(s['cost_per_1k']['from_throughput']['output'], '.5f')} from throughput, "
+               f"{_ms(s['cost_per_1k']['server'].get('output'), '.5f')} the server's"
+               if "cost_per_1k" in s else "")
+            + (f" | first error: {s['errors'][0]}" if s["failed"] and s["errors"] else ""))
 
 
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _ms(v, spec: str = ".1f") -> str:
+    return "-" if v is None or v != v else format(v, spec)
 
 
 def _need_matplotlib() -> None:
@@ -163,6 +207,10 @@ def cmd_bench_serve(args) -> int:
               "input_len": format_range(args.input_len),
               "output_len": format_range(args.output_len), "seed": args.seed,
               "runs": summaries}
+    for s in summaries:
+        if s["completed"] == 0:         # nothing measured: no plot or result, but why
+            raise ValueError(f"every request at rate {s['request_rate']} failed: "
+                             f"{s['errors'][0] if s['errors'] else 'no answer'}")
     if args.sweep_rates:
         from folio.bench.sweep_plot import plot_sweep
         plot_sweep(summaries, args.plot, _title(result))

@@ -8,15 +8,20 @@ set of plain dataclasses that every part may import.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
-from folio.config import (ACTIVATION_QUANTIZATIONS, CacheConfig, FolioConfig,
+from folio.config import (ACTIVATION_QUANTIZATIONS, CacheConfig, FolioConfig, ModelConfig,
                           ParallelConfig, SchedulerConfig, parse_size)
+from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
-from folio.model.layers.quantization import get_quantization_config
+from folio.model.layers.quantization import (float_weight_methods, get_quantization_config,
+                                             quantization_class)
 from folio.model.loader import load_model_config
 # through the module: tests stand in for what the CPU can do (device.split_cpu_bf16)
 from folio.worker import device as devices
+
+logger = logging.getLogger("folio")
 
 
 def default_step_tokens(device: str, max_model_len: int) -> int:
@@ -25,6 +30,49 @@ def default_step_tokens(device: str, max_model_len: int) -> int:
     matmuls (measured: the same throughput as 8192, with steps 16x shorter); a
     GPU wants more: the model length clamped to 2048..8192."""
     return 512 if device == "cpu" else max(2048, min(max_model_len, 8192))
+
+
+def with_quantization_flag(model_config: ModelConfig, quantization: str) -> ModelConfig:
+    """The checkpoint's config under --quantization. A checkpoint runs in its
+    own format or, where its weights can be had as floats, with a method that
+    loads float weights (`loads_float_weights`: none, int8, int4): any float
+    checkpoint, and a GGUF, whose blocks are then all dequantized at load
+    (iter_gguf_weights does so for a config whose quantization is not gguf).
+    Such a method's config is {"load_dtype": the checkpoint's dtype}: int8 and
+    int4 quantize the checkpoint's own values, not their run-dtype copies."""
+    name = quantization.lower()
+    method = quantization_class(name)           # an unknown name fails here
+    stored = model_config.quantization
+    gguf = model_config.format == "gguf" and name != "gguf"
+    if gguf and not method.loads_float_weights:
+        again = " / ".join(n for n in float_weight_methods() if n != "none")
+        raise ValueError(
+            f"--quantization {name} reads the tensors of {name} checkpoints, which a GGUF "
+            f"file does not hold; a GGUF runs as gguf (its Q4_0/Q4_1/Q8_0 blocks as stored, "
+            f"the default), none (dequantized to float at load) or {again} (its "
+            "dequantized weights requantized at load)")
+    if stored is not None and stored != name and not gguf:
+        raise ValueError(f"--quantization {name} does not match the checkpoint, whose "
+                         f"weights are {stored}")
+    if not method.loads_float_weights:
+        return dataclasses.replace(model_config, quantization=name)
+    if gguf and name != "none":
+        _say_requantized(model_config.path, name)
+    stored_dtype = model_config.checkpoint_dtype
+    options = {"load_dtype": stored_dtype} if stored_dtype in devices.DTYPES else {}
+    return dataclasses.replace(model_config, quantization=name, quantization_config=options)
+
+
+def _say_requantized(path: str, name: str) -> None:
+    kinds = gguf_loader.quantized_tensor_types(path)
+    if not kinds:
+        logger.info("--quantization %s on a GGUF of float weights: its linear layers are "
+                    "quantized with %s at load, round to nearest", name, name)
+        return
+    logger.info("--quantization %s on a GGUF: its %s tensors are dequantized to float at "
+                "load and its linear layers requantized with %s, round to nearest (a "
+                "second rounding, on top of the file's own; the embeddings stay float)",
+                name, "/".join(kinds), name)
 
 
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
@@ -42,20 +90,14 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  activation_quantization: str = "int8") -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
-    it)."""
-    model_config = load_model_config(model)
-    if quantization is not None:
-        stored = model_config.quantization
-        if stored == "gguf" and quantization == "none":
-            # a GGUF's blocks can always be dequantized at load instead
-            model_config = dataclasses.replace(model_config, quantization_config=None)
-        elif stored is not None and stored != quantization:
-            raise ValueError(f"--quantization {quantization} does not match the "
-                             f"checkpoint, whose weights are {stored}")
-        model_config = dataclasses.replace(model_config, quantization=quantization)
+    it). Everything is checked here, from the flags and the checkpoint's config
+    (or a GGUF's metadata) alone, before a tokenizer, worker or weight loads."""
     device = devices.resolve_device(device)
     run_dtype, weight_dtype = devices.split_cpu_bf16(devices.resolve_dtype(dtype, device),
                                                      device)
+    model_config = load_model_config(model)
+    if quantization is not None:
+        model_config = with_quantization_flag(model_config, quantization)
     # named choices fail here, before any worker starts or weight is read
     get_quantization_config(model_config.quantization, model_config.quantization_config,
                             weight_dtype=weight_dtype)

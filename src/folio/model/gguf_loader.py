@@ -184,6 +184,13 @@ def packed_linear_tensors(reader) -> dict[str, str]:
     return packed
 
 
+def quantized_tensor_types(path: str) -> list[str]:
+    """The GGUF types of the file's tensors that are not plain floats (Q4_1,
+    Q6_K, ...), sorted."""
+    return sorted({t.tensor_type.name for t in gguf_reader(path).tensors}
+                  - {"F32", "F16", "BF16"})
+
+
 def _vocab_size(reader, arch: str) -> int:
     size = _field(reader, f"{arch}.vocab_size", None)
     if size is not None:

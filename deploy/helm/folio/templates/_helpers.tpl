@@ -42,6 +42,11 @@ scaleDown:
       periodSeconds: {{ .Values.autoscaling.scaleDown.periodSeconds }}
 {{- end -}}
 
+{{/* The usage ledger's claim: an existing one, or the chart's. */}}
+{{- define "folio.usageClaim" -}}
+{{- .Values.usageDb.existingClaim | default (printf "%s-usage" (include "folio.fullname" .)) -}}
+{{- end -}}
+
 {{- define "folio.checkValues" -}}
 {{- $a := .Values.autoscaling -}}
 {{- if not (has $a.mode (list "hpa" "keda" "none")) -}}
@@ -58,5 +63,14 @@ scaleDown:
 {{- end -}}
 {{- if not (has .Values.modelVolume.type (list "pvc" "hostPath")) -}}
 {{- fail (printf "modelVolume.type must be pvc or hostPath, not %q" .Values.modelVolume.type) -}}
+{{- end -}}
+{{- if and .Values.usageDb.enabled (or (ne $a.mode "none") (ne (int .Values.replicaCount) 1)) -}}
+{{- fail "usageDb.enabled needs one replica (autoscaling.mode none, replicaCount 1): the ledger is one SQLite file that one pod writes" -}}
+{{- end -}}
+{{- if and .Values.apiKeysFile.existingSecret (not .Values.apiKeysFile.key) -}}
+{{- fail "apiKeysFile.key must name the Secret's key that holds the keys file" -}}
+{{- end -}}
+{{- if lt (float64 .Values.cost.perHour) 0.0 -}}
+{{- fail "cost.perHour must be 0 (not set) or more" -}}
 {{- end -}}
 {{- end -}}

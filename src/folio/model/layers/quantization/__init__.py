@@ -39,19 +39,39 @@ def supported() -> list[str]:
     return sorted(set(_MODULES) | set(_REGISTRY))
 
 
+def _lookup(name: str) -> Optional[type[QuantizationConfig]]:
+    if name not in _REGISTRY and name in _MODULES:
+        importlib.import_module(_MODULES[name])
+    return _REGISTRY.get(name)
+
+
+def quantization_class(name: str) -> type[QuantizationConfig]:
+    """The class of a format the user names (--quantization)."""
+    cls = _lookup(name)
+    if cls is None:
+        raise ValueError(f"unknown quantization method {name!r}; known: "
+                         f"{', '.join(supported())}")
+    return cls
+
+
+def float_weight_methods() -> list[str]:
+    """The formats that load a float checkpoint's weights (`loads_float_weights`):
+    what a GGUF's weights, dequantized at load, can run as."""
+    return [name for name in supported() if quantization_class(name).loads_float_weights]
+
+
 def get_quantization_config(name: Optional[str], config: Optional[dict[str, Any]] = None, *,
                             weight_dtype: Optional[str] = None) -> QuantizationConfig:
     """The config for `name` (None: "none"), built from the checkpoint's
     `quantization_config` dict."""
     name = name or "none"
-    if name not in _REGISTRY and name in _MODULES:
-        importlib.import_module(_MODULES[name])
-    cls = _REGISTRY.get(name)
+    cls = _lookup(name)
     if cls is None:
         raise ValueError(f"quantization method {name!r} is not supported; supported: "
                          f"{', '.join(supported())}")
     return cls(dict(config or {}), weight_dtype=weight_dtype)
 
 
-__all__ = ["LinearMethod", "QuantizationConfig", "get_quantization_config",
-           "register_quantization", "supported"]
+__all__ = ["LinearMethod", "QuantizationConfig", "float_weight_methods",
+           "get_quantization_config", "quantization_class", "register_quantization",
+           "supported"]

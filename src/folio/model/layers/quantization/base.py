@@ -76,6 +76,11 @@ class QuantizationConfig:
     `quant_method` value of config.json)."""
 
     name: str = ""
+    # True: the layers load a float checkpoint's own weights (and may quantize
+    # them once loaded), so any float checkpoint serves the format, a GGUF's
+    # weights dequantized at load included ("none", int8, int4); False: the
+    # format reads tensors of its own, which only its checkpoints hold.
+    loads_float_weights: bool = False
 
     def __init__(self, config: dict[str, Any], *, weight_dtype: Optional[str] = None):
         self.config, self.weight_dtype = config, weight_dtype

@@ -1,6 +1,9 @@
 """`--quantization int8` and `--quantization int4`: round-to-nearest (RTN)
 weight-only quantization, at load, of a plain float checkpoint (bf16, fp16
-or fp32), for users who have no quantized checkpoint.
+or fp32), for users who have no quantized checkpoint. A GGUF serves too: its
+blocks are dequantized to float at load and its linear weights requantized
+here (a second rounding, on top of the file's own; engine/config_builder.py
+says so in the log).
 
 Each linear layer of the decoder loads its float [out, in] weight exactly as
 the plain method does (so tensor parallelism shards it as a plain weight),
@@ -25,7 +28,12 @@ stay float.
 Options, from the config dict (the CLI gives none, so these are the
 defaults): `group_size` (int8: -1, per channel; int4: 128; -1 means one group
 per output feature) and `sym` (int8: true; int4: false; symmetric uses
-s = max |w| / (2^(bits-1) - 1) around zero point 2^(bits-1)).
+s = max |w| / (2^(bits-1) - 1) around zero point 2^(bits-1)), and
+`load_dtype`, which engine/config_builder.py sets to the checkpoint's own
+dtype: the float weights load in it rather than in the run dtype, so each is
+quantized from the checkpoint's value (a bf16 run would otherwise round an
+fp32 checkpoint's weights, or a GGUF's dequantized ones, to bf16 first: a
+rounding of up to a quarter of int8's step before int8's own).
 
 Groups are runs of `group_size` input features counted from the start of the
 checkpoint's input axis. Where a layer's input features are not a multiple
@@ -59,6 +67,9 @@ from folio.model.layers.quantization.int_groups import IntGroups, hand_over
 
 # rows quantized at a time: bounds the fp32 temporaries of a large layer
 _ROWS = 1024
+# load_dtype -> the loaded weights' dtype (quantize() computes in fp32 anyway)
+_LOAD_DTYPES = {"float32": torch.float32, "float64": torch.float32,
+                "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RTNConfig(QuantizationConfig):
@@ -67,6 +78,7 @@ class RTNConfig(QuantizationConfig):
     bits: int = 0
     default_group_size: int = -1
     default_sym: bool = True
+    loads_float_weights = True
 
     def __init__(self, config: dict[str, Any], *, weight_dtype: Optional[str] = None):
         super().__init__(config, weight_dtype=weight_dtype)
@@ -80,6 +92,11 @@ class RTNConfig(QuantizationConfig):
         if not isinstance(sym, bool):
             raise ValueError(f"{self.name} sym {sym!r} is not valid (true or false)")
         self.sym: bool = sym
+        load = config.get("load_dtype")
+        if load is not None and load not in _LOAD_DTYPES:
+            raise ValueError(f"{self.name} load_dtype {load!r} is not valid "
+                             f"({', '.join(_LOAD_DTYPES)})")
+        self.load_dtype: Optional[torch.dtype] = _LOAD_DTYPES.get(load)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return RTNLinearMethod(self, prefix)
@@ -158,8 +175,8 @@ class RTNLinearMethod(LinearMethod):
         self.config, self.prefix = config, prefix
 
     def create_weights(self, layer, in_features, out_features, dtype):
-        weight_param(layer, "weight", (out_features, in_features), dtype,
-                     output_dim=0, input_dim=1)
+        weight_param(layer, "weight", (out_features, in_features),
+                     self.config.load_dtype or dtype, output_dim=0, input_dim=1)
         # where this rank's inputs start on the checkpoint's input axis
         row_parallel = getattr(layer, "input_is_parallel", False)
         self.first_input = tp_rank() * in_features if row_parallel else 0
@@ -177,4 +194,4 @@ class RTNLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         # only before the weights are processed (the layer is handed over then)
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, layer.weight.to(x.dtype), bias)

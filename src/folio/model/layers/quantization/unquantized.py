@@ -13,5 +13,7 @@ from folio.model.layers.quantization.base import LinearMethod, QuantizationConfi
 
 @register_quantization("none")
 class UnquantizedConfig(QuantizationConfig):
+    loads_float_weights = True
+
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         return PlainLinearMethod(self.weight_dtype)
