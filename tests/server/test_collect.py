@@ -34,7 +34,7 @@ class StillThere:
 
 def test_one_failing_call_cancels_the_others():
     engine = StubEngine()
-    served = SimpleNamespace(engine=engine)
+    served = SimpleNamespace(engine=engine, request_timeout=None)
     calls = [EngineCall(rid, None, [1], None) for rid in ("good-1", "bad", "good-2")]
 
     async def main():
@@ -47,7 +47,7 @@ def test_one_failing_call_cancels_the_others():
 
 def test_all_calls_finish_in_order():
     engine = StubEngine()
-    served = SimpleNamespace(engine=engine)
+    served = SimpleNamespace(engine=engine, request_timeout=None)
     calls = [EngineCall(rid, None, [1], None) for rid in ("a", "b")]
     outs = asyncio.run(collect(served, calls, StillThere()))
     assert [o.request_id for o in outs] == ["a", "b"] and sorted(engine.finished) == ["a", "b"]

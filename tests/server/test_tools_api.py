@@ -8,6 +8,7 @@ keeps the calls it completed; tool history accepted in OpenAI's form; the
 400s of a tool_choice that cannot be served; the README's server examples,
 run as written."""
 
+import json
 import re
 from pathlib import Path
 from typing import Literal
@@ -350,7 +351,6 @@ def test_tool_answers_match_the_published_models(client):
     ChatCompletionResponse.model_validate(answer)
     raw = http("POST", client.url + "/v1/chat/completions", {**body, "stream": True})[2]
     events = [line[6:] for line in raw.splitlines() if line.startswith("data: {")]
-    import json
     assert any("tool_calls" in e for e in events)
     for e in events:
         ChatCompletionStreamResponse.model_validate(json.loads(e))
@@ -379,6 +379,32 @@ def test_the_readme_server_examples_run_as_written(client, monkeypatch, capsys):
         exec(compile(code, str(README), "exec"), {"__name__": "readme"})
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("get_weather city=")
+
+
+def test_the_readme_server_curl_examples_run_as_written(client):
+    """The README's curl commands of its server section, verbatim but for the
+    address: a completion, and a streamed chat that ends with [DONE]."""
+    import subprocess
+    text = README.read_text()
+    start = text.index("\n## The server\n")
+    [block] = re.findall(r"^```sh\n(.*?)^```$", text[start:text.find("\n## ", start + 1)],
+                         re.S | re.M)
+    commands = ["curl " + c for c in block.split("\ncurl ")[1:]]    # after `make run`
+    assert len(commands) == 2
+    host = client.url.removeprefix("http://")
+    outputs = []
+    for command in commands:
+        assert "localhost:8000" in command
+        done = subprocess.run(["bash", "-c", command.replace("localhost:8000", host)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    completion = json.loads(outputs[0])
+    assert completion["choices"][0]["text"] and completion["usage"]["completion_tokens"] <= 16
+    events = [line[6:] for line in outputs[1].splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1] if json.loads(e)["choices"])
 
 
 def test_the_hermes_parser():
