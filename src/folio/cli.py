@@ -160,6 +160,7 @@ def _listen(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)       # listening now: a second server's bind fails here too
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:

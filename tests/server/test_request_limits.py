@@ -20,7 +20,7 @@ import pytest
 from tests.server.conftest import ServerProcess, http, wait_for
 from tests.server.test_lifecycle import metrics
 
-LIMIT, DEFAULT, TIMEOUT = 48, 24, 3.0
+LIMIT, DEFAULT, TIMEOUT = 200, 160, 3.0
 CHAT = "/v1/chat/completions"
 
 
@@ -64,28 +64,48 @@ CONSTRAINTS = {
 
 @pytest.mark.parametrize("constraint", list(CONSTRAINTS))
 def test_a_request_without_max_tokens_ends_within_the_cap_beside_another(server, constraint):
-    """The hostile case: no max_tokens, EOS ignored (so only a limit can end it),
-    under each constraint; a second request is answered while it runs."""
-    result = {}
+    """The hostile case: no max_tokens, EOS ignored (so only a limit or the
+    grammar's end can stop it), under each constraint, streamed; a second
+    request sent once the first has begun is answered while the first runs."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    seen = {"chunks": 0, "begun": threading.Event()}
 
     def hostile():
-        result["hostile"] = http("POST", server.url + CHAT, chat(
-            "Write one very long number.", ignore_eos=True, stream=False,
-            **CONSTRAINTS[constraint]), timeout=120)
+        fields = dict(CONSTRAINTS[constraint], ignore_eos=True)
+        for chunk in client.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": "Write a long number."}],
+                stream=True, stream_options={"include_usage": True}, extra_body=fields):
+            if chunk.choices and chunk.choices[0].finish_reason:
+                seen["finish"] = chunk.choices[0].finish_reason
+            if chunk.usage:
+                seen["tokens"] = chunk.usage.completion_tokens
+            seen["chunks"] += 1
+            seen["begun"].set()
+        seen["ended"] = time.monotonic()
 
     t = threading.Thread(target=hostile)
     t.start()
+    assert seen["begun"].wait(60)
     status, _, other = http("POST", server.url + CHAT, chat("Say hi", max_tokens=4))
+    answered = time.monotonic()
     t.join(120)
     assert status == 200 and other["usage"]["completion_tokens"] <= 4
-    status, _, body = result["hostile"]
-    assert status == 200, body
-    usage, choice = body["usage"], body["choices"][0]
     # the default applies to a request that asks for nothing; a grammar may end it sooner
-    assert 1 <= usage["completion_tokens"] <= DEFAULT
-    if choice["finish_reason"] == "length":
-        assert usage["completion_tokens"] == DEFAULT
+    assert 1 <= seen["tokens"] <= DEFAULT
+    if seen["finish"] == "length":
+        assert seen["tokens"] == DEFAULT
+        assert answered < seen["ended"]         # served alongside, not after
+    if constraint in ("none", "regex of digits"):     # nothing but the cap ends these
+        assert seen["finish"] == "length"
     assert wait_for(lambda: idle(server))
+
+
+def test_min_tokens_above_the_default_raises_the_budget(server):
+    """Chat without max_tokens: not "min_tokens must not exceed max_tokens (160)"."""
+    status, _, body = http("POST", server.url + CHAT, chat("Once", min_tokens=DEFAULT + 10,
+                                                           ignore_eos=True))
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == DEFAULT + 10
 
 
 def test_max_tokens_above_the_limit_is_a_400_and_at_it_runs(server):
@@ -134,8 +154,14 @@ def test_a_request_past_the_timeout_is_aborted_with_a_504(slow_server):
     assert "--request-timeout of 3 s" in body["error"]["message"]
     assert TIMEOUT <= took < TIMEOUT + 5
     assert wait_for(lambda: idle(slow_server))
+    # the openai client with its default retries: told not to retry the 504
+    client = openai.OpenAI(base_url=slow_server.url + "/v1", api_key="unused")
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="smol", messages=[
+            {"role": "user", "content": "Tell me a long story."}], extra_body={"ignore_eos": True})
+    assert e.value.status_code == 504 and time.monotonic() - t0 < 2 * TIMEOUT
     # streamed: the text so far, then the error event, then [DONE]
-    client = openai.OpenAI(base_url=slow_server.url + "/v1", api_key="unused", max_retries=0)
     got = []
     with pytest.raises(openai.APIError) as e:
         for chunk in client.chat.completions.create(

@@ -207,13 +207,15 @@ def cmd_bench_serve(args) -> int:
               "input_len": format_range(args.input_len),
               "output_len": format_range(args.output_len), "seed": args.seed,
               "runs": summaries}
-    for s in summaries:
-        if s["completed"] == 0:         # nothing measured: no plot or result, but why
-            raise ValueError(f"every request at rate {s['request_rate']} failed: "
-                             f"{s['errors'][0] if s['errors'] else 'no answer'}")
+    if all(s["completed"] == 0 for s in summaries):  # nothing measured: no plot or result
+        s = summaries[0]
+        raise ValueError(f"every request at rate {s['request_rate']} failed: "
+                         f"{s['errors'][0] if s['errors'] else 'no answer'}")
+    # a sweep whose top rates failed whole keeps the rates below (the saturation point it
+    # looked for), and exits 1 as any failure does
     if args.sweep_rates:
         from folio.bench.sweep_plot import plot_sweep
-        plot_sweep(summaries, args.plot, _title(result))
+        plot_sweep([s for s in summaries if s["completed"]], args.plot, _title(result))
         result["plot"] = args.plot
     write_result(args, result)
     return 0 if all(s["failed"] == 0 for s in summaries) else 1

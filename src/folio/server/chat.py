@@ -51,7 +51,7 @@ def render_chat_ids(served: ServedModel, messages: list, kwargs: dict[str, Any])
 
 def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int]) -> EngineCall:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = served.max_tokens_for(len(ids), asked)
+    max_tokens = served.max_tokens_for(len(ids), asked, req.min_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(max_tokens, logprobs)
     if req.auto_tools:      # a model's call markers may be special tokens: keep them

@@ -57,7 +57,7 @@ def _calls(served: ServedModel, req: CompletionRequest, prompts) -> list[EngineC
     calls = []
     asked = 1 if req.scores_prompt_only else req.max_tokens
     for i, (text, ids) in enumerate(prompts):
-        max_tokens = served.max_tokens_for(len(ids), asked)
+        max_tokens = served.max_tokens_for(len(ids), asked, req.min_tokens)
         if req.use_beam_search:
             calls.append(EngineCall(f"{base}-{i}", text, ids, _beam_params(req, max_tokens),
                                     req.priority))

@@ -72,17 +72,19 @@ class ServedModel:
             raise HTTPError(400, "priority needs a server started with --scheduling-policy "
                                  "priority", "priority")
 
-    def max_tokens_for(self, prompt_len: int, asked: Optional[int]) -> int:
+    def max_tokens_for(self, prompt_len: int, asked: Optional[int], at_least: int = 0) -> int:
         """The completion budget: asked for (at most --max-tokens-limit), or what
-        the context has left, at most --max-tokens-default and the limit."""
+        the context has left, at most --max-tokens-default (raised to the
+        request's min_tokens, `at_least`) and the limit."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise HTTPError(400, f"This model's maximum context length is "
                                  f"{self.max_model_len} tokens, but the prompt has {prompt_len} "
                                  f"tokens, leaving no room for a completion.", "prompt")
         if asked is None:
-            bounds = (room, self.max_tokens_default, self.max_tokens_limit)
-            return min(b for b in bounds if b is not None)
+            default = (None if self.max_tokens_default is None
+                       else max(self.max_tokens_default, at_least))
+            return min(b for b in (room, default, self.max_tokens_limit) if b is not None)
         if asked < 1:
             raise HTTPError(400, f"max_tokens must be at least 1 (0 only on /v1/completions "
                                  f"with echo: true, to score the prompt), got {asked}",
@@ -170,6 +172,9 @@ async def merged(served: ServedModel, calls: list[EngineCall]
     try:
         remaining = len(tasks)
         while remaining:
+            # checked before each wait: the output that arrives past the deadline is
+            # still sent (and charged), the next wait ends the stream
+            deadline.check(latest.values())
             try:
                 i, item = await asyncio.wait_for(queue.get(), deadline.wait(None))
             except asyncio.TimeoutError:
@@ -181,7 +186,6 @@ async def merged(served: ServedModel, calls: list[EngineCall]
                 raise item
             else:
                 latest[i] = item
-                deadline.check(latest.values())
                 yield i, item
     finally:
         for t in tasks:           # cancelling a pump aborts its engine request
@@ -210,9 +214,11 @@ class Deadline:
         """Raise the 504 once the time is up; `outputs`: the calls' latest RequestOutputs."""
         if self.at is not None and time.monotonic() >= self.at:
             made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            # a 5xx that clients must not retry: the same request would time out again
+            # (the openai client retries a 5xx twice unless told not to)
             raise HTTPError(504, f"the request ran past this server's --request-timeout of "
                                  f"{self.seconds:g} s and was aborted after {made} generated "
-                                 f"tokens", "request_timeout")
+                                 f"tokens", "request_timeout", headers={"x-should-retry": "false"})
 
 
 class TicketedStream(StreamingResponse):
