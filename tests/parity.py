@@ -37,3 +37,50 @@ def assert_greedy_parity(ours: list[int], ref: list[int], gaps: list[float], lab
             return i
     assert len(ours) == len(ref), f"{label}: lengths differ\nours: {ours}\nref:  {ref}"
     return len(ours)
+
+
+def prompt_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    """The engine's logprob of each prompt token after the first (teacher forcing)."""
+    from folio import SamplingParams
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None
+    return torch.tensor([entry[t] for entry, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+@torch.inference_mode()
+def reference_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logprob of each prompt token after the first."""
+    logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def assert_tp2_greedy_parity(path: str, ref_model, batch: list[list[int]], new_tokens: int):
+    """Tensor parallelism 2 (fp32) gives transformers' greedy tokens on `batch`."""
+    from folio import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for ids, out in zip(batch, outs):
+        ref, gaps = reference_greedy(ref_model, ids, new_tokens, ())
+        assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label=f"tp2 {len(ids)}")
+
+
+def assert_prefix_hit_parity(path: str, ref_model, new_tokens: int):
+    """A prompt that shares 48 tokens with an earlier one hits the prefix cache
+    (blocks of 8) and still gives transformers' greedy tokens."""
+    import random
+
+    from folio import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    shared = [random.Random(3).randrange(5, 384) for _ in range(48)]
+    first, second = shared + [7, 8, 9], shared + [11, 12]
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
+    llm.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 48
+    ref, gaps = reference_greedy(ref_model, second, new_tokens, ())
+    assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label="prefix hit")

@@ -74,6 +74,11 @@ _TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # mixture of experts: pass the expert counts and sizes (e.g. num_local_experts=4,
+    # num_experts_per_tok=2; Qwen3-MoE: num_experts, moe_intermediate_size)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -110,6 +115,8 @@ def make_tiny_model(path: str | os.PathLike, arch: str = "llama", dialect: str =
                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                   bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID,
                   tie_word_embeddings=tie_word_embeddings)
+    if arch == "gemma3":
+        params.update(GEMMA3_TINY)
     params.update(overrides)
     rope = {"rope_type": "default", "rope_theta": params.pop("rope_theta")}
     if rope_scaling:
@@ -117,18 +124,62 @@ def make_tiny_model(path: str | os.PathLike, arch: str = "llama", dialect: str =
         scaling.setdefault("rope_type", scaling.pop("type", "default"))
         scaling.pop("type", None)
         rope.update(scaling)
+    if arch == "gemma3":        # a rope per layer kind; scaling on the global layers only
+        rope = {"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": params.pop("rope_local_base_freq")}}
     config = getattr(transformers, config_name)(rope_parameters=rope, **params)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     _randomize(model)
+    if arch == "gemma3":        # norms scale by (1 + w): the same 0.5 .. 1.5 as the others
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.sub_(1.0)
     model.save_pretrained(path)
     if num_shards > 1:
         _reshard(path, num_shards)
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": TINY_BOS_ID, "eos_token_id": [TINY_EOS_ID, TINY_IM_END_ID]}, indent=2))
     write_tiny_tokenizer(path, vocab_size=TINY_VOCAB_SIZE)
-    _rewrite_dialect(path / "config.json", dialect)
+    if arch == "gemma3":
+        _rewrite_gemma3_dialect(path / "config.json", dialect)
+    else:
+        _rewrite_dialect(path / "config.json", dialect)
     return str(path)
+
+
+# Gemma 3's tiny shape: a 16-token window (prompts run past it), two local
+# layers then a global one (the classic dialect's sliding_window_pattern 3),
+# rope bases of their own, head_dim given (Gemma's default is 256)
+GEMMA3_TINY = dict(num_hidden_layers=3, head_dim=16, sliding_window=16,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   query_pre_attn_scalar=24)
+
+
+def _rewrite_gemma3_dialect(config_path: Path, dialect: str) -> None:
+    """Gemma 3's two dialects: transformers 5's layer_types and rope_parameters
+    per layer kind, or the older sliding_window_pattern, rope_theta,
+    rope_local_base_freq and rope_scaling (as Hub configs of 2025 have them)."""
+    cfg = json.loads(config_path.read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    if dialect == "v5":
+        cfg["dtype"] = "float32"
+    else:
+        rope = cfg.pop("rope_parameters")
+        full, local = dict(rope["full_attention"]), rope["sliding_attention"]
+        cfg["rope_theta"] = full.pop("rope_theta")
+        cfg["rope_local_base_freq"] = local["rope_theta"]
+        cfg["rope_scaling"] = None if full.get("rope_type") == "default" else full
+        types = cfg.pop("layer_types")
+        pattern = types.index("full_attention") + 1
+        assert all((t == "full_attention") == ((i + 1) % pattern == 0)
+                   for i, t in enumerate(types)), "layer_types without a pattern"
+        cfg["sliding_window_pattern"] = pattern
+        cfg["torch_dtype"] = "float32"
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def _randomize(model) -> None:

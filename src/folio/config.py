@@ -68,6 +68,26 @@ class ModelConfig:
     # quantization_config["quant_method"], or --quantization; None: plain weights
     quantization: Optional[str] = None
     quantization_config: Optional[dict[str, Any]] = None
+    # Gemma 3 (the loader reads them; other architectures keep the defaults):
+    # layers of kind "sliding_attention" attend to the last `sliding_window`
+    # positions with rope base `rope_local_theta`; "full_attention" ones to all
+    # with rope_theta and rope_scaling. () : every layer global.
+    sliding_window: Optional[int] = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None   # attention scale = this ** -0.5
+    final_logit_softcapping: Optional[float] = None
+    # mixture of experts (Mixtral, Qwen3-MoE; model/moe_config.py reads them):
+    # num_experts 0 is a dense model. A MoE layer routes each token to its
+    # num_experts_per_tok best experts of moe_intermediate_size, weights
+    # renormalized over those when norm_topk_prob; Qwen3-MoE's layers are MoE
+    # where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

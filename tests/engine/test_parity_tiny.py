@@ -1,7 +1,8 @@
 """Greedy parity with transformers on tiny random HF folders: Llama-, Qwen2-,
-Qwen3- and Mistral-style, both config dialects, tied and untied embeddings, Llama-3 rope
-scaling, sharded checkpoints; one at a time and in one continuous batch under a
-small token budget and KV pool (chunked prefill and preemption on the way)."""
+Qwen3-, Mistral-, Mixtral-, Qwen3-MoE- and Gemma 3-style, both config dialects, tied and
+untied embeddings, Llama-3 rope scaling, sharded checkpoints; one at a time and
+in one continuous batch under a small token budget and KV pool (chunked
+prefill and preemption on the way)."""
 
 import random
 import zlib
@@ -25,6 +26,16 @@ CASES = {
     # per-head q/k norms, and a head_dim (32) that is not hidden / heads (16)
     "qwen3-v5": dict(arch="qwen3", dialect="v5", head_dim=32),
     "qwen3-classic-tied": dict(arch="qwen3", dialect="classic", tie_word_embeddings=True),
+    # mixture of experts (tests/engine/test_moe.py has more): top-2 of 4 / of 8 experts
+    "mixtral-v5": dict(arch="mixtral", dialect="v5", num_local_experts=4, num_experts_per_tok=2,
+                       intermediate_size=48),
+    "qwen3moe-classic": dict(arch="qwen3_moe", dialect="classic", num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=32,
+                             norm_topk_prob=True),
+    # Gemma 3: a 16-token window on two local layers, one global (prompts run past it)
+    "gemma3-v5": dict(arch="gemma3", dialect="v5"),
+    "gemma3-classic-tied-rope": dict(arch="gemma3", dialect="classic", tie_word_embeddings=True,
+                                     rope_scaling={"rope_type": "linear", "factor": 4.0}),
 }
 NEW_TOKENS = 20
 

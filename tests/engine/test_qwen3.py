@@ -10,7 +10,8 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.model.loader import load_model_config
-from tests.parity import assert_greedy_parity, reference_greedy
+from tests.parity import (assert_prefix_hit_parity, assert_tp2_greedy_parity, prompt_logprobs,
+                          reference_prompt_logprobs)
 from tests.utils import load_reference_model, make_tiny_model
 
 NEW = 16
@@ -47,38 +48,16 @@ def test_the_config_and_weights_are_qwen3s(qwen3):
 
 def test_a_prefix_hit_gives_transformers_tokens(qwen3):
     path, ref_model = qwen3
-    shared = [random.Random(3).randrange(5, 384) for _ in range(48)]
-    first, second = shared + [7, 8, 9], shared + [11, 12]
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8)
-    llm.generate({"prompt_token_ids": first}, PARAMS)
-    out = llm.generate({"prompt_token_ids": second}, PARAMS)[0]
-    assert out.num_cached_tokens == 48
-    ref, gaps = reference_greedy(ref_model, second, NEW, ())
-    assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label="prefix hit")
+    assert_prefix_hit_parity(path, ref_model, NEW)
 
 
 def test_tensor_parallel_2_gives_transformers_tokens(qwen3):
     path, ref_model = qwen3
-    batch = _prompts(3, 5)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    try:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], PARAMS, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for ids, out in zip(batch, outs):
-        ref, gaps = reference_greedy(ref_model, ids, NEW, ())
-        assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label=f"tp2 {len(ids)}")
+    assert_tp2_greedy_parity(path, ref_model, _prompts(3, 5), NEW)
 
 
-@torch.inference_mode()
 def test_prompt_logprobs_match_transformers(qwen3):
     path, ref_model = qwen3
     [ids] = _prompts(1, 9)
-    llm = LLM(path, dtype="float32", num_kv_blocks=32)
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    got = [next(iter(entry.values())) if entry else None for entry in out.prompt_logprobs]
-    logits = ref_model(torch.tensor([ids])).logits[0].float()
-    want = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert got[0] is None
-    assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-4)
+    got = prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=32), ids)
+    assert torch.allclose(got, reference_prompt_logprobs(ref_model, ids), atol=1e-4)

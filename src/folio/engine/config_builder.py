@@ -18,6 +18,7 @@ from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import (float_weight_methods, get_quantization_config,
                                              quantization_class)
 from folio.model.loader import load_model_config
+from folio.model.moe_config import refuse_quantized_experts
 # through the module: tests stand in for what the CPU can do (device.split_cpu_bf16)
 from folio.worker import device as devices
 
@@ -99,6 +100,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if quantization is not None:
         model_config = with_quantization_flag(model_config, quantization)
     # named choices fail here, before any worker starts or weight is read
+    refuse_quantized_experts(model_config)
     get_quantization_config(model_config.quantization, model_config.quantization_config,
                             weight_dtype=weight_dtype)
     if attention_backend is not None:

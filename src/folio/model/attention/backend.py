@@ -47,12 +47,23 @@ class AttentionBackend:
     # decode steps may be replayed from CUDA graphs: `graph_metadata` gives a
     # fixed plan on persistent buffers (worker/cuda_graphs.py)
     supports_graphs: ClassVar[bool] = False
+    # whether it runs a sliding-window layer (keys in the last `sliding_window`
+    # positions only); one that does not refuses such a layer when it is made
+    supports_sliding_window: ClassVar[bool] = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: Optional[int] = None):
+        if sliding_window is not None and not self.supports_sliding_window:
+            raise ValueError(f"attention backend {self.name} does not run sliding-window "
+                             f"layers (window {sliding_window}); choose one that does "
+                             "with --attention-backend")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # a query at position p sees the keys at positions p - window < k <= p
+        # (transformers' sliding_window_overlay); None: every key up to p
+        self.sliding_window = sliding_window
 
     @classmethod
     def supports(cls, device: str, dtype: torch.dtype) -> bool:

@@ -20,6 +20,7 @@ from folio.model.attention.torch_backend import TorchAttentionBackend
 class CPUNativeAttentionBackend(TorchAttentionBackend):
     name = "CPU_NATIVE"
     native_kind = "paged_cpu"
+    supports_sliding_window = True
 
     @classmethod
     def supports(cls, device, dtype):
@@ -43,5 +44,6 @@ class CPUNativeAttentionBackend(TorchAttentionBackend):
         self.write_kv(k, v, kv_cache, meta)
         if native.supports(q):
             return native.paged_attention(q, kv_cache, meta.block_tables, meta.token_rows,
-                                          meta.context_lens, self.scale)
+                                          meta.context_lens, self.scale,
+                                          sliding_window=self.sliding_window)
         return self.attend(q, k, v, kv_cache, meta)

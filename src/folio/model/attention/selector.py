@@ -23,6 +23,11 @@ def backend_names() -> list[str]:
     return list(_BACKENDS)
 
 
+def windowed_backends() -> list[str]:
+    """Names of the backends that run sliding-window layers."""
+    return [n for n in _BACKENDS if _load(n).supports_sliding_window]
+
+
 def _load(name: str) -> type[AttentionBackend]:
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)

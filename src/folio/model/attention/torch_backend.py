@@ -6,7 +6,8 @@ masked by each sequence's context length. Prefill chunks run one SDPA call per
 sequence: `is_causal` for a chunk that starts the sequence, otherwise a mask
 built from absolute positions (SDPA's `is_causal` aligns the triangle to the
 top-left, which is wrong once a sequence resumes mid-prompt with keys before
-its first query).
+its first query). A sliding-window layer masks the keys at or before
+position - window as well.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "TORCH_SDPA"
+    supports_sliding_window = True
 
     @classmethod
     def supports(cls, device, dtype):
@@ -82,6 +84,9 @@ class TorchAttentionBackend(AttentionBackend):
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
         positions = torch.arange(keys.shape[1], device=q.device)
         invalid = positions[None, :] >= meta.decode_context_lens[:, None]        # [B, L]
+        if self.sliding_window is not None:
+            lo = meta.decode_context_lens[:, None] - self.sliding_window           # [B, 1]
+            invalid |= positions[None, :] < lo
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))          # [B, Hkv, G, D]
@@ -92,7 +97,9 @@ class TorchAttentionBackend(AttentionBackend):
         # 4-D inputs with grouped heads: torch's CPU flash-attention kernel takes
         # them (3-D ones fall to the unfused math path, 2.5x slower here).
         q4 = q.transpose(0, 1)[None]                                 # [1, H, n, D]
-        if span.start_pos == 0:     # a whole prompt: the plain causal triangle
+        window = self.sliding_window
+        if span.start_pos == 0 and (window is None or window >= n):
+            # a whole prompt, every key in the window: the plain causal triangle
             out = F.scaled_dot_product_attention(
                 q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 scale=self.scale, enable_gqa=True)
@@ -101,7 +108,10 @@ class TorchAttentionBackend(AttentionBackend):
         k = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None]
         v = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None]
         query_pos = span.start_pos + torch.arange(n, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]   # [n, ctx]
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = key_pos <= query_pos[:, None]                                      # [n, ctx]
+        if window is not None:
+            mask &= key_pos > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask[None, None],
                                              scale=self.scale, enable_gqa=True)  # [1, H, n, D]
         return out[0].transpose(0, 1)

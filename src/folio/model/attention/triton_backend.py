@@ -63,6 +63,7 @@ def split_plan(num_seqs: int, num_kv_heads: int, max_context: int, target_progra
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON"
     supports_graphs = True
+    supports_sliding_window = True
     requirement = (" (it needs triton, and CUDA, or on the CPU triton's interpreter: "
                    "TRITON_INTERPRET=1, slow, for tests)")
     block_m = 16              # query tokens per prefill program
@@ -126,17 +127,20 @@ class TritonAttentionBackend(AttentionBackend):
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
+        window = self.sliding_window or 0
         if d:
-            splits, per = split_plan(d, self.num_kv_heads, meta.max_decode_context,
-                                     self._target(q.device), self.min_split_tokens,
-                                     self.block_n)
+            # a windowed layer's decode reads at most `window` keys a sequence
+            keys = min(meta.max_decode_context, window) if window else meta.max_decode_context
+            splits, per = split_plan(d, self.num_kv_heads, keys, self._target(q.device),
+                                     self.min_split_tokens, self.block_n)
             tk.paged_decode(q[:d], k_cache, v_cache, meta.decode_block_tables,
                             meta.decode_context_lens, self.scale, out[:d], splits, per,
-                            self.block_n)
+                            self.block_n, window=window)
         if meta.num_tiles:
             tk.paged_prefill(q, k_cache, v_cache, out, meta.prefill_block_tables,
                              meta.tile_seqs, meta.tile_starts, meta.prefill_starts,
                              meta.prefill_lens, meta.prefill_positions, self.scale,
-                             self.block_m, self.block_n, dot_fp32=interpreting())
+                             self.block_m, self.block_n, dot_fp32=interpreting(),
+                             window=window)
         return out
 

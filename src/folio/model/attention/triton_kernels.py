@@ -16,6 +16,10 @@
   position, so a chunk that resumes mid-prompt (or after a prefix-cache hit)
   sees every key before it, all read from the cache the step just wrote.
 
+A sliding window W > 0 (a local layer) limits a query at position p to the
+keys p - W < k <= p: a decode's splits share out only the last W keys, a
+prefill tile starts at its first token's first key.
+
 Keys are taken BLOCK_N at a time, each key's block looked up from its own
 position, so any block size works. Arithmetic is fp32; the matmuls of the
 prefill take fp16/bf16 inputs as they are on a GPU (`DOT_FP32` upcasts them,
@@ -28,6 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+NO_WINDOW = 1 << 40     # the kernels' window of a global layer: longer than any context
 
 
 def _pow2(n: int) -> int:
@@ -67,7 +74,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_lens, scale,
-                   q_stride, table_stride, tokens_per_split,
+                   q_stride, table_stride, tokens_per_split, window,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -86,7 +93,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    start = split * tokens_per_split
+    lo = tl.maximum(ctx - window, 0)            # the first key seen (NO_WINDOW: 0)
+    start = lo + split * tokens_per_split       # splits share out the keys lo .. ctx - 1
     end = tl.minimum(start + tokens_per_split, ctx)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + n
@@ -131,8 +139,10 @@ def _combine_kernel(part_out, part_m, part_l, out_ptr, out_stride, num_splits,
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                 num_splits: int, tokens_per_split: int, block_n: int = 32) -> None:
-    """q [S, H, D] (one token per sequence) -> out [S, H, D] (rows contiguous)."""
+                 num_splits: int, tokens_per_split: int, block_n: int = 32,
+                 window: int = 0) -> None:
+    """q [S, H, D] (one token per sequence) -> out [S, H, D] (rows contiguous);
+    each sees its last `window` keys where that is > 0 (the splits cover them)."""
     q = _rows(q)
     S, H, D = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -142,7 +152,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     part_l = torch.empty_like(part_m)
     _decode_kernel[(S, hkv, num_splits)](
         q, k_cache, v_cache, part_out, part_m, part_l, tables, ctx_lens, scale, q.stride(0),
-        tables.stride(0), tokens_per_split, NUM_HEADS=H, NUM_KV_HEADS=hkv, G=G, G_PAD=_pow2(G),
+        tables.stride(0), tokens_per_split, window or NO_WINDOW, NUM_HEADS=H,
+        NUM_KV_HEADS=hkv, G=G, G_PAD=_pow2(G),
         D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n)
     _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
                             NUM_HEADS=H, D=D, D_PAD=d_pad, SPLITS_PAD=_pow2(num_splits))
@@ -150,7 +161,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0, q_starts,
-                    q_lens, start_positions, scale, q_stride, out_stride, table_stride,
+                    q_lens, start_positions, scale, q_stride, out_stride, table_stride, window,
                     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -177,7 +188,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
     l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
     end = start_pos + tl.minimum(q0 + BLOCK_M, q_len)      # keys 0 .. the tile's last position
-    for n0 in range(0, end, BLOCK_N):
+    # a window: from the first key the tile's first token sees
+    first = tl.maximum(start_pos + q0 - window + 1, 0)
+    for n0 in range(first, end, BLOCK_N):
         pos = n0 + n
         valid = pos < end
         block = tl.load(tables + i * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
@@ -192,17 +205,20 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
         causal = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        causal = causal & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))    # key 0 is in every row's first tile
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # a row whose window starts past these keys has seen none yet: no NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # padding rows may have seen no key
     tl.store(out_ptr + (q_start + tok)[:, None] * out_stride + head[:, None] * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
 
@@ -211,13 +227,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, tables: torch.Tensor, tile_seq: torch.Tensor,
                   tile_q0: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                   start_positions: torch.Tensor, scale: float, block_m: int,
-                  block_n: int = 32, dot_fp32: bool = False) -> None:
+                  block_n: int = 32, dot_fp32: bool = False, window: int = 0) -> None:
     """The prompt chunks of q [T, H, D] -> the same rows of out [T, H, D]; chunk
     i is rows q_starts[i] .. + q_lens[i] at positions start_positions[i] ..,
     its keys in the cache through tables[i]; one program per (tile, KV head),
     tile t the `block_m` tokens of chunk tile_seq[t] from tile_q0[t] (with
     block_m x query heads per group >= 16 rows, the smallest triton matmul).
-    `dot_fp32` upcasts half-precision matmul inputs (the interpreter needs it)."""
+    `dot_fp32` upcasts half-precision matmul inputs (the interpreter needs it);
+    `window` > 0: each token sees its last `window` keys only."""
     q = _rows(q)
     H, D = q.shape[1], q.shape[2]
     _, bs, hkv, _ = k_cache.shape
@@ -227,5 +244,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[(tile_seq.shape[0], hkv)](
         q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
-        NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs, BLOCK_M=block_m,
+        window or NO_WINDOW, NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs,
+        BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), DOT_FP32=fp32)

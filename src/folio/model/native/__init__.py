@@ -120,6 +120,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     signatures = {
         "folio_paged_attention": (ctypes.c_int, [p, i64, p, p, p, i64, p, p, i64] + [i32] * 4
                                   + [i64, f32, i32, i32]),
+        "folio_paged_attention_window": (ctypes.c_int, [p, i64, p, p, p, i64, p, p, i64]
+                                         + [i32] * 4 + [i64, f32, i32, i32, i64]),
         "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
         "folio_head_rmsnorm": (None, [p, i64, i64, i32, i32, p, f32, i32, i32]),
@@ -290,21 +292,27 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                    lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+                    lib: Optional[ctypes.CDLL] = None,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
     """Attention of every query token of a step: q [T, H, D] (rows may be
     strided, heads and D dense), kv_cache [2, NB, BS, Hkv, D]; token t reads
-    block_tables[token_rows[t]] up to context_lens[t] keys. -> [T, H, D]."""
+    block_tables[token_rows[t]] up to context_lens[t] keys, the last
+    `sliding_window` of them only where that is given. -> [T, H, D]."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     tables = block_tables.contiguous()
-    failed = (lib or load()).folio_paged_attention(
-        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-        tables.shape[1], token_rows.contiguous().data_ptr(), context_lens.contiguous().data_ptr(),
-        tokens, heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-        _DTYPE_CODES[q.dtype], torch.get_num_threads())
+    lib = lib or load()
+    args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
+            tables.shape[1], token_rows.contiguous().data_ptr(),
+            context_lens.contiguous().data_ptr(), tokens, heads, num_kv_heads, head_dim,
+            block_size, num_blocks, scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
+    if sliding_window is None:
+        failed = lib.folio_paged_attention(*args)
+    else:
+        failed = lib.folio_paged_attention_window(*args, sliding_window)
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out

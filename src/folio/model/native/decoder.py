@@ -97,7 +97,15 @@ class NativeDecoder:
             return None
         kinds = set()
         for layer in layers:
+            # Llama's layer shape only (a family with other norms or activations,
+            # Gemma's, says so); the one call attends over the whole context
+            if not getattr(layer, "native_decoder_shape", True):
+                return None
             attn, mlp = layer.self_attn, layer.mlp
+            if getattr(attn.attn, "sliding_window", None) is not None:
+                return None
+            if not hasattr(mlp, "gate_up_proj"):     # a MoE block: the one call has no experts
+                return None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             # each weight method says whether, and with which kernel, the one
             # call can run its layer

@@ -9,7 +9,9 @@
  * block_tables [rows][max_blocks] int64; token_rows[t] is token t's row of the
  * tables and context_lens[t] the number of keys it sees (its position + 1).
  * Scores, softmax and the weighted sum of values are accumulated in fp32;
- * dtype 0 is float32, 1 is bfloat16.
+ * dtype 0 is float32, 1 is bfloat16. A sliding window w > 0 (a local layer):
+ * a token of context c sees only the keys at c - w .. c - 1 (positions
+ * p - w < k <= p), and the blocks wholly before them are not read.
  *
  * Two implementations of a task:
  * - with AVX-512 or AVX2 + FMA (simd.h; head_dim a multiple of the vector
@@ -87,9 +89,10 @@ static inline void block_scores(const void *kv, int64_t first_row, int64_t rows,
 /* Portable path: one query token and one KV head (its whole query group); the
  * token's queries start at q + q_row, its output at out + out_row. */
 static void one_task(const void *q, int64_t q_row, const void *kv, void *out, int64_t out_row,
-                     const int64_t *table, int64_t ctx, int kvh, int num_heads, int num_kv_heads,
-                     int head_dim, int block_size, int64_t num_blocks, float scale, int dtype,
-                     float *scores, float *qbuf, float *acc, float *row) {
+                     const int64_t *table, int64_t ctx, int64_t lo, int kvh, int num_heads,
+                     int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
+                     float scale, int dtype, float *scores, float *qbuf, float *acc,
+                     float *row) {
     const int group = num_heads / num_kv_heads;
     const int64_t stride = (int64_t)num_kv_heads * head_dim;   /* between tokens of a block */
     const int64_t v_offset = num_blocks * block_size * stride;
@@ -97,7 +100,8 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
     for (int g = 0; g < group; g++)
         load_row(q, q_row + (int64_t)(kvh * group + g) * head_dim, dtype, head_dim,
                  qbuf + g * head_dim);
-    for (int64_t b = 0; b < nblk; b++) {
+    const int64_t blo = lo / block_size;           /* the first block in the window */
+    for (int64_t b = blo; b < nblk; b++) {
         int64_t p0 = b * block_size;
         int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
         int64_t first = table[b] * block_size * stride + (int64_t)kvh * head_dim;
@@ -106,18 +110,18 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
     }
     for (int g = 0; g < group; g++) {
         float *sg = scores + g * ctx, m = -FLT_MAX, sum = 0.f;
-        for (int64_t p = 0; p < ctx; p++) m = sg[p] > m ? sg[p] : m;
+        for (int64_t p = lo; p < ctx; p++) m = sg[p] > m ? sg[p] : m;
 #pragma omp simd reduction(+:sum)
-        for (int64_t p = 0; p < ctx; p++) { sg[p] = expf(sg[p] - m); sum += sg[p]; }
+        for (int64_t p = lo; p < ctx; p++) { sg[p] = expf(sg[p] - m); sum += sg[p]; }
         float inv = 1.f / sum;
-        for (int64_t p = 0; p < ctx; p++) sg[p] *= inv;
+        for (int64_t p = lo; p < ctx; p++) sg[p] *= inv;
     }
     memset(acc, 0, sizeof(float) * group * head_dim);
-    for (int64_t b = 0; b < nblk; b++) {
+    for (int64_t b = blo; b < nblk; b++) {
         int64_t p0 = b * block_size;
         int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
         int64_t first = v_offset + table[b] * block_size * stride + (int64_t)kvh * head_dim;
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = lo > p0 ? lo - p0 : 0; r < rows; r++) {
             load_row(kv, first + r * stride, dtype, head_dim, row);
             for (int g = 0; g < group; g++) {
                 float w = scores[g * ctx + p0 + r];
@@ -370,7 +374,7 @@ static inline __attribute__((always_inline)) void task_vec(
         const void *q, int64_t q_stride, const void *kv, void *out, const int64_t *table,
         const int64_t *ctx, int ntok, int64_t tok0, int kvh0, int kvh1, int num_heads,
         int num_kv_heads, const int head_dim, int block_size, int64_t num_blocks, float scale,
-        int dtype, float *scores, int64_t b0, int64_t b1, float *part) {
+        int dtype, float *scores, int64_t b0, int64_t b1, float *part, int64_t window) {
     const int group = num_heads / num_kv_heads;
     const int nv = head_dim / FOLIO_VW;
     const int per_head = ntok * group;             /* queries of one KV head */
@@ -381,6 +385,9 @@ static inline __attribute__((always_inline)) void task_vec(
     const int64_t last_ctx = ctx[ntok - 1];        /* positions rise along the tile */
     const int64_t all_blocks = (last_ctx + block_size - 1) / block_size;
     const int64_t nblk = b1 < all_blocks ? b1 : all_blocks;   /* this task's blocks b0 .. */
+    /* the first key any token of the tile sees (the first token's: positions rise) */
+    const int64_t lo0 = window > 0 && ctx[0] > window ? ctx[0] - window : 0;
+    if (b0 < lo0 / block_size) b0 = lo0 / block_size;
     const int span = (kvh1 - kvh0) * head_dim * elt;   /* the task's heads in a cached row */
     /* query i = (head h, token t, group member g) at (h * ntok + t) * group + g */
     fvec qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
@@ -432,16 +439,20 @@ static inline __attribute__((always_inline)) void task_vec(
                 block_scores_f32_t(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
                                    scores, block_size);
             for (int t = 0; t < ntok; t++) {
-                /* keys this token sees in the block: causal within a prefill chunk */
+                /* keys this token sees in the block, rows first .. valid - 1:
+                 * causal within a prefill chunk, after its window's start */
                 const int64_t valid = ctx[t] - p0 < rows ? ctx[t] - p0 : rows;
+                const int64_t lo = window > 0 ? ctx[t] - window - p0 : 0;
+                const int64_t first = lo > 0 ? lo : 0;
                 for (int g = 0; g < group; g++) {
                     const int i = i0 + t * group + g;
                     float *si = scores + (int64_t)(t * group + g) * block_size;
-                    if (valid <= 0) {
+                    if (valid <= first) {
                         memset(si, 0, sizeof(float) * (size_t)rows);
                         continue;
                     }
-                    float corr = block_softmax_vec(si, valid, m + i, l + i);
+                    float corr = block_softmax_vec(si + first, valid - first, m + i, l + i);
+                    for (int64_t r = 0; r < first; r++) si[r] = 0.f;
                     for (int64_t r = valid; r < rows; r++) si[r] = 0.f;
                     if (corr != 1.f)
                         for (int j = 0; j < nv; j++)
@@ -491,18 +502,20 @@ static void task_vec_any(const void *q, int64_t q_stride, const void *kv, void *
                          const int64_t *table, const int64_t *ctx, int ntok, int64_t tok0,
                          int kvh0, int kvh1, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, int64_t num_blocks, float scale, int dtype,
-                         float *scores, int64_t b0, int64_t b1, float *part) {
+                         float *scores, int64_t b0, int64_t b1, float *part, int64_t window) {
     /* constant head_dim for the common sizes so the loops over it unroll */
     if (head_dim == 64)
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores, b0, b1, part);
+                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores, b0, b1, part,
+                 window);
     else if (head_dim == 128)
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores, b0, b1, part);
+                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores, b0, b1, part,
+                 window);
     else
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
                  num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores, b0, b1,
-                 part);
+                 part, window);
 }
 #endif
 
@@ -530,11 +543,12 @@ int folio_attention_vector_width(void) {
 #endif
 }
 
-int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
-                          const int64_t *block_tables, int64_t max_blocks,
-                          const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
-                          int num_heads, int num_kv_heads, int head_dim, int block_size,
-                          int64_t num_blocks, float scale, int dtype, int num_threads) {
+static int paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
+                           const int64_t *block_tables, int64_t max_blocks,
+                           const int64_t *token_rows, const int64_t *context_lens,
+                           int64_t tokens, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, int64_t num_blocks, float scale, int dtype,
+                           int num_threads, int64_t window) {
     int64_t max_ctx = 0;
     for (int64_t t = 0; t < tokens; t++)
         max_ctx = context_lens[t] > max_ctx ? context_lens[t] : max_ctx;
@@ -575,7 +589,9 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
     int64_t shares = 1, share_blocks = 0;
     (void)share_blocks;
 #ifdef FOLIO_HAVE_VEC
-    if (vector && tiles == tokens && tiles * per_tile < 4 * num_threads && num_threads > 1) {
+    /* (not for a windowed layer: its shares would lie mostly before the window) */
+    if (vector && window <= 0 && tiles == tokens && tiles * per_tile < 4 * num_threads
+            && num_threads > 1) {
         const int64_t blocks = (max_ctx + block_size - 1) / block_size;
         shares = (4 * num_threads + tiles * per_tile - 1) / (tiles * per_tile);
         if (shares > blocks / FOLIO_SHARE_BLOCKS) shares = blocks / FOLIO_SHARE_BLOCKS;
@@ -625,11 +641,11 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
                                  kvh1, num_heads, num_kv_heads, head_dim, block_size,
                                  num_blocks, scale, dtype, scores, share * share_blocks,
                                  (share + 1) * share_blocks,
-                                 parts + task * chunk * group * (head_dim + 2));
+                                 parts + task * chunk * group * (head_dim + 2), window);
                 else
                     task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
                                  kvh1, num_heads, num_kv_heads, head_dim, block_size,
-                                 num_blocks, scale, dtype, scores, 0, INT64_MAX, 0);
+                                 num_blocks, scale, dtype, scores, 0, INT64_MAX, 0, window);
                 continue;
             }
 #endif
@@ -638,9 +654,11 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
             float *qbuf = scores + group * max_ctx;
             float *acc = qbuf + group * head_dim;
             float *row = acc + group * head_dim;
+            const int64_t c = context_lens[t0];
             one_task(q, t0 * q_stride, kv, out, t0 * (int64_t)num_heads * head_dim, table,
-                     context_lens[t0], kvh0, num_heads, num_kv_heads, head_dim, block_size,
-                     num_blocks, scale, dtype, scores, qbuf, acc, row);
+                     c, window > 0 && c > window ? c - window : 0, kvh0, num_heads,
+                     num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores, qbuf,
+                     acc, row);
         }
         free(scores);
 #ifdef FOLIO_HAVE_VEC
@@ -683,4 +701,26 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
     free(starts);
     (void)vector;
     return failed;
+}
+
+int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
+                          const int64_t *block_tables, int64_t max_blocks,
+                          const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          int64_t num_blocks, float scale, int dtype, int num_threads) {
+    return paged_attention(q, q_stride, kv, out, block_tables, max_blocks, token_rows,
+                           context_lens, tokens, num_heads, num_kv_heads, head_dim, block_size,
+                           num_blocks, scale, dtype, num_threads, 0);
+}
+
+/* The same for a sliding-window layer: each token sees its last `window` keys. */
+int folio_paged_attention_window(const void *q, int64_t q_stride, const void *kv, void *out,
+                                 const int64_t *block_tables, int64_t max_blocks,
+                                 const int64_t *token_rows, const int64_t *context_lens,
+                                 int64_t tokens, int num_heads, int num_kv_heads, int head_dim,
+                                 int block_size, int64_t num_blocks, float scale, int dtype,
+                                 int num_threads, int64_t window) {
+    return paged_attention(q, q_stride, kv, out, block_tables, max_blocks, token_rows,
+                           context_lens, tokens, num_heads, num_kv_heads, head_dim, block_size,
+                           num_blocks, scale, dtype, num_threads, window);
 }

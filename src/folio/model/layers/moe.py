@@ -1,0 +1,173 @@
+"""The fused mixture-of-experts layer: a router and every expert's weights stacked.
+
+Each token goes to its top-k experts (softmax over all experts, the k best,
+renormalized over those k where the model says so) and its output is the
+router-weighted sum of their SwiGLU MLPs. The experts are two stacked tensors:
+
+    w13  [E, 2 * I, H]   gate rows then up rows of every expert
+    w2   [E, H, I]       down projection of every expert
+
+A step's T tokens become T * k (token, expert) rows, sorted by expert; each
+expert with rows runs one matmul pair over all of them, so its weights are read
+once per step whatever the number of tokens that chose it; the rows are then
+weighted and scattered back to their tokens (`fused_experts`). Under CUDA graph
+capture the row counts cannot be read back, so every expert runs on every
+token and the unchosen outputs are weighted by zero (`dense_experts`: still
+each expert's weights once per step). `reference_experts` is the plain
+per-token loop the tests hold both to.
+
+Tensor parallelism splits I: each rank holds a slice of every expert's gate,
+up and down (column-parallel w13, row-parallel w2) and the partial outputs are
+all-reduced, as the dense MLP does; the router is replicated, so every rank
+routes alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from folio.model.layers.activation import silu_and_mul
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          weights_in_float: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) from router logits [T, E]: softmax in
+    fp32 over all experts, then the k best. `weights_in_float`: the weights stay
+    fp32 (Mixtral multiplies in fp32), else they take the logits' dtype
+    (Qwen3-MoE), as transformers does."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if weights_in_float else weights.to(logits.dtype)), ids
+
+
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU MLP on rows x [N, H] -> [N, H]."""
+    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+
+
+def _silu_and_mul_any(h: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul over the last dim of a tensor of any rank."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H] through its chosen experts, grouped by expert -> [T, H]."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)                                   # [T * k], row r = (r // k, r % k)
+    order = torch.argsort(flat, stable=True)                 # rows sorted by expert id
+    tokens = order // k                                      # [T * k] the token of each row
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = x[tokens]                                         # [T * k, H]
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start:start + n] = _expert(rows[start:start + n], w13[e], w2[e])
+            start += n
+    scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, the unchosen weighted by zero: no host read
+    (CUDA graph capture), for the small batches of decode steps."""
+    gate = torch.zeros(x.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device)
+    gate.scatter_(1, ids, weights)                           # [T, E]
+    h = torch.einsum("th,eih->eti", x, w13)                  # [E, T, 2I]
+    y = torch.einsum("eti,ehi->eth", _silu_and_mul_any(h), w2)  # [E, T, H]
+    return torch.einsum("eth,te->th", y.to(gate.dtype), gate).to(x.dtype)
+
+
+def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The per-token loop: token i is sum_j weights[i, j] * expert_{ids[i, j]}(x_i)."""
+    out = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[i, j])
+            gate, up = F.linear(x[i], w13[e]).chunk(2)
+            y = F.linear(F.silu(gate) * up, w2[e])
+            out[i] += (y * weights[i, j]).to(x.dtype)
+    return out
+
+
+class Router(nn.Module):
+    """The replicated router: logits = x W^T, W [E, H]."""
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """Router plus stacked experts, loaded from per-expert checkpoint tensors.
+
+    `checkpoint_prefix` is where the block lives in the checkpoint (e.g.
+    "model.layers.0.block_sparse_moe"), `names` its experts' (gate, up, down)
+    tensor names ("w1", "w3", "w2" for Mixtral). Each stacked parameter says
+    which checkpoint tensors fill it (`checkpoint_names`, shard -> name), which
+    the generic loader reads to route them and to name the missing ones.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 renormalize: bool, dtype: torch.dtype, checkpoint_prefix: str,
+                 names: tuple[str, str, str], weights_in_float: bool = False):
+        super().__init__()
+        self.tp = tp_size()
+        if intermediate % self.tp:
+            raise ValueError(f"the experts' intermediate size ({intermediate}) is not divisible "
+                             f"by the tensor-parallel size ({self.tp})")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.weights_in_float = renormalize, weights_in_float
+        self.intermediate = intermediate // self.tp          # this rank's slice of I
+        self.gate = Router(hidden, num_experts, dtype)
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=dtype),
+            requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden, self.intermediate, dtype=dtype),
+            requires_grad=False)
+        gate, up, down = (f"{checkpoint_prefix}.experts.{{}}.{n}.weight" for n in names)
+        self.gate.weight.checkpoint_names = {None: f"{checkpoint_prefix}.gate.weight"}
+        self.w13_weight.checkpoint_names = {
+            (e, part): name.format(e) for e in range(num_experts)
+            for part, name in ((0, gate), (1, up))}
+        self.w2_weight.checkpoint_names = {e: down.format(e) for e in range(num_experts)}
+        self.w13_weight.weight_loader = self._load_w13
+        self.w2_weight.weight_loader = self._load_w2
+
+    def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
+        """Expert e's gate (part 0) or up (part 1) [I, H]: this rank's rows."""
+        e, part = shard
+        n = self.intermediate
+        _copy(param.data[e, part * n:(part + 1) * n], loaded.narrow(0, tp_rank() * n, n))
+
+    def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, e: int) -> None:
+        """Expert e's down [H, I]: this rank's columns."""
+        n = self.intermediate
+        _copy(param.data[e], loaded.narrow(1, tp_rank() * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        experts = dense_experts if capturing else fused_experts
+        return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids), self.tp)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit "
+                         f"the expert's slice of shape {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))

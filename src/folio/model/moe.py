@@ -1,0 +1,119 @@
+"""Mixture-of-experts decoders: Mixtral and Qwen3-MoE, Llama's assembly with a
+fused MoE block (layers/moe.py) in place of the MLP where the config says.
+
+Mixtral: Llama's attention, every layer MoE (checkpoint names
+`block_sparse_moe.experts.E.w1/w3/w2` and `block_sparse_moe.gate`), the top-k
+weights renormalized and applied in fp32. Qwen3-MoE: Qwen3's attention (per-head
+q/k norms), layer i MoE where (i + 1) % decoder_sparse_step == 0 and i is not
+in mlp_only_layers, else a dense MLP of intermediate_size (names
+`mlp.experts.E.gate_proj/up_proj/down_proj` and `mlp.gate`), renormalized
+only with norm_topk_prob. Neither has shared experts. transformers' fused
+form of the experts (3-D tensors) loads too.
+
+Quantized experts are not supported yet: a quantized checkpoint or
+--quantization on these models is refused (engine/config_builder.py says so
+before any weight is read; the model refuses too, for callers that build it
+directly). The CPU's one-call native decoder declines MoE layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from folio.config import ModelConfig
+from folio.model.layers.moe import FusedMoE
+from folio.model.layers.norm import RMSNorm
+from folio.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from folio.model.moe_config import refuse_quantized_experts
+from folio.model.qwen3 import Qwen3Attention
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoEStyle:
+    """How a family names and weighs its experts."""
+    checkpoint_block: str                   # the MoE block's name under model.layers.N
+    names: tuple[str, str, str]             # the experts' (gate, up, down) tensor names
+    weights_in_float: bool                  # top-k weights applied in fp32 (else the dtype)
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer whose `mlp` is a FusedMoE on the layers `is_moe` picks."""
+    style: _MoEStyle
+
+    def __init__(self, cfg: ModelConfig, dtype, backend, quant=None, prefix: str = ""):
+        nn.Module.__init__(self)
+        index = int(prefix.rsplit(".", 1)[1])
+        self.self_attn = self.attention_cls(cfg, dtype, backend, quant, f"{prefix}.self_attn")
+        if self.is_moe(cfg, index):
+            s = self.style
+            self.mlp = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype,
+                                f"{prefix}.{s.checkpoint_block}", s.names, s.weights_in_float)
+        else:
+            self.mlp = LlamaMLP(cfg, dtype, quant, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    @staticmethod
+    def is_moe(cfg: ModelConfig, index: int) -> bool:
+        return cfg.num_experts > 0
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    layer_cls: type[MoEDecoderLayer]
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str, quant_config=None,
+                 attn_backend=None):
+        refuse_quantized_experts(cfg)
+        super().__init__(cfg, dtype, device, quant_config, attn_backend)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The per-expert tensors transformers writes by default, or its fused form
+        (save_pretrained(save_original_format=False)): `mlp.experts.gate_up_proj`
+        [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], split here into the
+        per-expert names the layers declare (the router is `mlp.gate.weight`
+        there, which is its parameter's own name)."""
+        super().load_weights(self._per_expert(weights))
+
+    def _per_expert(self, weights):
+        style = self.layer_cls.style
+        gate, up, down = style.names
+        for name, tensor in weights:
+            base, _, kind = name.rpartition(".experts.")
+            if not base or kind not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+                yield name, tensor
+                continue
+            experts = f"{base.rsplit('.', 1)[0]}.{style.checkpoint_block}.experts"
+            for e, t in enumerate(tensor):
+                if kind == "down_proj":
+                    yield f"{experts}.{e}.{down}.weight", t
+                else:
+                    g, u = t.chunk(2)
+                    yield f"{experts}.{e}.{gate}.weight", g
+                    yield f"{experts}.{e}.{up}.weight", u
+
+
+class MixtralDecoderLayer(MoEDecoderLayer):
+    style = _MoEStyle("block_sparse_moe", ("w1", "w3", "w2"), weights_in_float=True)
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    layer_cls = MixtralDecoderLayer
+
+
+class Qwen3MoeDecoderLayer(MoEDecoderLayer):
+    attention_cls = Qwen3Attention
+    style = _MoEStyle("mlp", ("gate_proj", "up_proj", "down_proj"), weights_in_float=False)
+
+    @staticmethod
+    def is_moe(cfg: ModelConfig, index: int) -> bool:
+        return (cfg.num_experts > 0 and index not in cfg.mlp_only_layers
+                and (index + 1) % cfg.decoder_sparse_step == 0)
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    layer_cls = Qwen3MoeDecoderLayer

@@ -1,0 +1,189 @@
+"""Mixtral and Qwen3-MoE beyond test_parity_tiny.py's greedy cases, each against
+transformers on a tiny random checkpoint it saved: the config read as each
+family spells it, the experts loaded into the stacked tensors, dense and MoE
+layers where Qwen3-MoE's config puts them, a prefix-cache hit, tensor
+parallelism 2 and prompt logprobs; a missing expert named; quantization and MoE
+GGUFs refused, the one-call native decoder declined (bf16 runs the modules)."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from folio import LLM, SamplingParams
+from folio.engine.config_builder import build_config
+from folio.model.layers.moe import FusedMoE
+from folio.model.llama import LlamaMLP
+from folio.model.loader import load_model_config
+from folio.model.native.decoder import NativeDecoder
+from tests.parity import (assert_greedy_parity, assert_prefix_hit_parity,
+                          assert_tp2_greedy_parity, prompt_logprobs, reference_greedy,
+                          reference_prompt_logprobs)
+from tests.utils import load_reference_model, make_tiny_model
+
+NEW = 16
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+MODELS = {
+    "mixtral": dict(arch="mixtral", dialect="v5", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48),
+    # three layers: MoE, dense (mlp_only_layers), MoE; top-2 of 8 not renormalized
+    "qwen3_moe": dict(arch="qwen3_moe", dialect="v5", num_hidden_layers=3, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                      norm_topk_prob=False, head_dim=32),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def moe_model(request, tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), **MODELS[request.param])
+    return request.param, path, load_reference_model(path)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 384) for _ in range(rng.randint(20, 60))] for _ in range(n)]
+
+
+def test_the_config_and_the_experts_are_the_checkpoints(moe_model):
+    name, path, ref = moe_model
+    cfg = load_model_config(path)
+    if name == "mixtral":
+        assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == (
+            "MixtralForCausalLM", 4, 48)
+        assert cfg.norm_topk_prob
+        moe_layers = [0, 1]
+    else:
+        assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == (
+            "Qwen3MoeForCausalLM", 8, 32)
+        assert not cfg.norm_topk_prob and cfg.mlp_only_layers == (1,)
+        moe_layers = [0, 2]
+    assert cfg.num_experts_per_tok == 2
+    llm = LLM(path, dtype="float32", num_kv_blocks=32)
+    model = llm.engine.executor.runner.model
+    for i, (ours, theirs) in enumerate(zip(model.model.layers, ref.model.layers)):
+        if i not in moe_layers:
+            assert isinstance(ours.mlp, LlamaMLP)
+            continue
+        assert isinstance(ours.mlp, FusedMoE)
+        assert torch.equal(ours.mlp.gate.weight, theirs.mlp.gate.weight)
+        # transformers keeps them stacked the same way in memory: gate rows, then up
+        assert torch.equal(ours.mlp.w13_weight, theirs.mlp.experts.gate_up_proj)
+        assert torch.equal(ours.mlp.w2_weight, theirs.mlp.experts.down_proj)
+    # the CPU's one-call decoder has no experts: it declines, the modules run
+    assert model.model.native_decoder is None
+    assert NativeDecoder.build(list(model.model.layers)) is None
+
+
+def test_bf16_on_the_cpu_runs_the_modules(moe_model):
+    """bf16 is where the one-call native decoder would take a dense model's
+    layers: for MoE layers it declines (rather than failing on their missing
+    gate_up_proj) and the modules run."""
+    _, path, _ = moe_model
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=32)
+    model = llm.engine.executor.runner.model
+    assert model.model.native_decoder is None
+    assert model.model.layers[0].mlp.w13_weight.dtype == torch.bfloat16
+    out = llm.generate({"prompt_token_ids": _prompts(1, 4)[0]}, PARAMS)[0].outputs[0]
+    assert len(out.token_ids) == NEW
+
+
+def test_a_prefix_hit_gives_transformers_tokens(moe_model):
+    _, path, ref_model = moe_model
+    assert_prefix_hit_parity(path, ref_model, NEW)
+
+
+def test_tensor_parallel_2_gives_transformers_tokens(moe_model):
+    """Each rank holds half of every expert's intermediate size."""
+    _, path, ref_model = moe_model
+    assert_tp2_greedy_parity(path, ref_model, _prompts(3, 5), NEW)
+
+
+def test_prompt_logprobs_match_transformers(moe_model):
+    _, path, ref_model = moe_model
+    [ids] = _prompts(1, 9)
+    got = prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=32), ids)
+    assert torch.allclose(got, reference_prompt_logprobs(ref_model, ids), atol=1e-4)
+
+
+def test_transformers_fused_expert_tensors_load_too(moe_model, tmp_path):
+    """save_pretrained(save_original_format=False) stores each layer's experts as
+    two 3-D tensors (and Mixtral's router under mlp.gate): the same model."""
+    _, path, ref_model = moe_model
+    folder, fused = tmp_path / "fused", tmp_path / "saved"
+    shutil.copytree(path, folder)
+    ref_model.save_pretrained(fused, save_original_format=False)
+    names = load_file(str(fused / "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    shutil.copy(fused / "model.safetensors", folder / "model.safetensors")
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32)
+    layer = llm.engine.executor.runner.model.model.layers[0].mlp
+    assert torch.equal(layer.w13_weight, ref_model.model.layers[0].mlp.experts.gate_up_proj)
+    assert torch.equal(layer.gate.weight, ref_model.model.layers[0].mlp.gate.weight)
+    [ids] = _prompts(1, 11)
+    out = llm.generate({"prompt_token_ids": ids}, PARAMS)[0].outputs[0]
+    ref, gaps = reference_greedy(ref_model, ids, NEW, ())
+    assert_greedy_parity(out.token_ids, ref, gaps, label="fused tensors")
+
+
+def test_a_missing_expert_is_named(moe_model, tmp_path):
+    name, path, _ = moe_model
+    folder = tmp_path / "cut"
+    shutil.copytree(path, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    gone = ("model.layers.1.block_sparse_moe.experts.3.w3.weight" if name == "mixtral"
+            else "model.layers.2.mlp.experts.5.down_proj.weight")
+    del tensors[gone]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"checkpoint lacks weights for: \\['{gone}'\\]"):
+        LLM(str(folder), dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_flags_are_refused(moe_model, method):
+    _, path, _ = moe_model
+    with pytest.raises(ValueError, match=f"quantized experts are not supported yet "
+                                         f"\\(quantization '{method}'\\)"):
+        build_config(path, quantization=method)
+
+
+def test_a_quantized_checkpoint_is_refused(moe_model, tmp_path):
+    _, path, _ = moe_model
+    folder = tmp_path / "gptq"
+    shutil.copytree(path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                  "desc_act": False, "sym": True}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized experts are not supported yet "
+                                         "\\(quantization 'gptq'\\)"):
+        build_config(str(folder))
+
+
+def test_mixtral_length_is_capped_at_its_window(tmp_path):
+    path = make_tiny_model(tmp_path / "w", **MODELS["mixtral"], sliding_window=96)
+    assert load_model_config(path).max_position_embeddings == 96
+
+
+def test_a_moe_gguf_is_refused(tmp_path):
+    """A Mixtral GGUF says "llama" with an expert count: refused by name."""
+    import gguf
+    import numpy as np
+
+    out = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((8, 32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"mixture-of-experts GGUFs \(8 experts\) are not "
+                                         "supported yet"):
+        load_model_config(str(out))

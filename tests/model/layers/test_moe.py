@@ -1,0 +1,137 @@
+"""The fused MoE layer against the per-token reference: random inputs over
+expert counts and top-k, every token on one expert, experts nobody picks; each
+chosen expert run once per step; the routers against transformers' own; the
+tensor-parallel slices summing to the whole layer."""
+
+import pytest
+import torch
+import transformers
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from folio.model.layers import moe
+from folio.model.layers.moe import (FusedMoE, dense_experts, fused_experts, reference_experts,
+                                    route)
+
+
+def _weights(e: int, h: int, i: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, 2 * i, h, generator=g) * 0.3, torch.randn(e, h, i, generator=g) * 0.3,
+            torch.randn(64, h, generator=g))
+
+
+@pytest.mark.parametrize("experts,top_k,tokens", [(1, 1, 5), (4, 2, 1), (4, 2, 17), (8, 2, 33),
+                                                  (8, 3, 9), (16, 4, 50), (5, 5, 7)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_matches_the_per_token_loop(experts, top_k, tokens, renormalize):
+    w13, w2, xs = _weights(experts, 24, 12, experts * 100 + top_k)
+    x = xs[:tokens]
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = route(logits, top_k, renormalize, weights_in_float=True)
+    want = reference_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), want,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense_experts(x, w13, w2, weights, ids), want,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_every_token_on_the_same_experts_and_experts_nobody_picks(monkeypatch):
+    """8 experts, all 20 tokens routed to experts 6 and 2: those two run once
+    each, on all 20 rows; the other six never run."""
+    w13, w2, xs = _weights(8, 16, 8, 1)
+    x = xs[:20]
+    ids = torch.tensor([[6, 2]] * 20)
+    weights = torch.rand(20, 2, generator=torch.Generator().manual_seed(2))
+    calls, real = [], moe._expert
+
+    def counted(rows, a, b):
+        calls.append((rows.shape[0], (a.data_ptr() - w13.data_ptr()) // a.nbytes))
+        return real(rows, a, b)
+
+    monkeypatch.setattr(moe, "_expert", counted)
+    got = fused_experts(x, w13, w2, weights, ids)
+    assert calls == [(20, 2), (20, 6)]
+    torch.testing.assert_close(got, reference_experts(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+    # the unchosen experts' weights do not matter: garbage there changes nothing
+    w13[[0, 1, 3, 4, 5, 7]] = float("nan")
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids), got)
+
+
+def test_each_chosen_expert_runs_once_per_step(monkeypatch):
+    w13, w2, xs = _weights(8, 16, 8, 3)
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(4))
+    weights, ids = route(logits, 2, True, weights_in_float=True)
+    rows = []
+    real = moe._expert
+    monkeypatch.setattr(moe, "_expert", lambda r, a, b: rows.append(r.shape[0]) or real(r, a, b))
+    fused_experts(xs[:40], w13, w2, weights, ids)
+    assert len(rows) == len(ids.unique()) and sum(rows) == 80
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routers_match_transformers(dtype):
+    """Mixtral: softmax, top-k, renormalize, fp32 weights; Qwen3-MoE: the same
+    with renormalization only under norm_topk_prob, weights in the dtype."""
+    x = torch.randn(30, 32, generator=torch.Generator().manual_seed(5)).to(dtype)
+    for norm in (True, False):
+        cfg = transformers.Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=2,
+                                          norm_topk_prob=norm)
+        ref = Qwen3MoeTopKRouter(cfg).to(dtype)
+        torch.nn.init.normal_(ref.weight)
+        _, want_w, want_i = ref(x)
+        got_w, got_i = route(torch.nn.functional.linear(x, ref.weight), 2, norm, False)
+        assert torch.equal(got_i, want_i) and got_w.dtype == want_w.dtype == dtype
+        torch.testing.assert_close(got_w, want_w)
+    cfg = transformers.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2)
+    ref = MixtralTopKRouter(cfg).to(dtype)
+    torch.nn.init.normal_(ref.weight)
+    _, want_w, want_i = ref(x)
+    got_w, got_i = route(torch.nn.functional.linear(x, ref.weight), 2, True, True)
+    assert torch.equal(got_i, want_i) and got_w.dtype == want_w.dtype == torch.float32
+    torch.testing.assert_close(got_w, want_w)
+
+
+def _layer(tp: int, rank: int, monkeypatch, experts=4, hidden=16, inter=8):
+    monkeypatch.setattr(moe, "tp_size", lambda: tp)
+    monkeypatch.setattr(moe, "tp_rank", lambda: rank)
+    return FusedMoE(hidden, inter, experts, 2, True, torch.float32, "blk", ("w1", "w3", "w2"),
+                    weights_in_float=True)
+
+
+def _load(layer, ckpt):
+    for p in layer.parameters():
+        for shard, name in p.checkpoint_names.items():
+            loader = getattr(p, "weight_loader", None)
+            if loader is None:
+                p.data.copy_(ckpt[name])
+            else:
+                loader(p, ckpt[name], shard)
+
+
+def test_the_tensor_parallel_slices_sum_to_the_whole_layer(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    ckpt = {"blk.gate.weight": torch.randn(4, 16, generator=g)}
+    for e in range(4):
+        for n, shape in (("w1", (8, 16)), ("w3", (8, 16)), ("w2", (16, 8))):
+            ckpt[f"blk.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g) * 0.3
+    x = torch.randn(11, 16, generator=g)
+    whole = _layer(1, 0, monkeypatch)
+    _load(whole, ckpt)
+    assert torch.equal(whole.w13_weight[2, :8], ckpt["blk.experts.2.w1.weight"])
+    assert torch.equal(whole.w13_weight[2, 8:], ckpt["blk.experts.2.w3.weight"])
+    assert torch.equal(whole.w2_weight[3], ckpt["blk.experts.3.w2.weight"])
+    monkeypatch.setattr(moe, "all_reduce", lambda y, size: y)      # the sum is taken below
+    parts = []
+    for rank in (0, 1):
+        layer = _layer(2, rank, monkeypatch)
+        _load(layer, ckpt)
+        assert layer.w13_weight.shape == (4, 8, 16) and layer.w2_weight.shape == (4, 16, 4)
+        parts.append(layer(x))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_tensor_that_does_not_fit_is_named(monkeypatch):
+    layer = _layer(1, 0, monkeypatch)
+    with pytest.raises(ValueError, match=r"shape \(8, 15\) does not fit"):
+        layer.w13_weight.weight_loader(layer.w13_weight, torch.zeros(8, 15), (0, 0))
