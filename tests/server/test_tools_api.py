@@ -47,7 +47,8 @@ def client():
     srv = ServerProcess(["--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks",
                          "256", "--chat-template", str(TEMPLATE),
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--uvicorn-log-level", "warning"])
+                         # the README's examples without max_tokens (its curl chat) end soon
+                         "--max-tokens-default", "64", "--uvicorn-log-level", "warning"])
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     c.url = srv.url
     yield c
