@@ -94,6 +94,23 @@ def test_regex_and_choice_on_every_sample(client, constraint, check):
     assert len(texts) == 8 and all(check(t) for t in texts), texts
 
 
+def test_logprobs_of_forbidden_tokens_are_a_floor_not_minus_infinity(client):
+    """Under a choice only one token may follow "c": its top logprobs hold
+    tokens the grammar forbids, at -9999 (vLLM's floor), as JSON can hold it."""
+    constraint = {"structured_outputs": {"choice": ["cat", "dog"]}}
+    done = client.completions.create(model="smol", prompt="Answer:", max_tokens=5, logprobs=3,
+                                     temperature=0, extra_body=constraint)
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text in ("cat", "dog")
+    assert -9999.0 in [v for top in lp.top_logprobs for v in top.values()]
+    assert all(v >= -9999.0 for top in lp.top_logprobs for v in top.values())
+    chat = client.chat.completions.create(model="smol", messages=ask("Pet?"), max_tokens=5,
+                                          logprobs=True, top_logprobs=3, temperature=0,
+                                          extra_body=constraint)
+    assert -9999.0 in [t.logprob for e in chat.choices[0].logprobs.content
+                       for t in e.top_logprobs]
+
+
 def test_a_streamed_constrained_answer_is_the_unstreamed_one(client):
     kwargs = dict(model="smol", messages=ask("Describe Paris."), temperature=0, max_tokens=120,
                   response_format={"type": "json_schema", "json_schema": {

@@ -134,6 +134,28 @@ def test_streamed_arguments_come_as_generated_and_join_into_the_unstreamed_ones(
     assert len(deltas) > 3 * len(calls)         # the arguments came in pieces, not whole
 
 
+def test_a_streamed_forced_call_carries_its_logprobs(client):
+    """logprobs on a forced call's stream: every generated token once, in order,
+    as the unstreamed answer has them (greedy: the same tokens)."""
+    kwargs = dict(model=MODEL, messages=ask("Weather in Oslo?"), tools=TOOLS,
+                  tool_choice=FORCED["named"], temperature=0, max_tokens=60, logprobs=True,
+                  top_logprobs=2)
+    full = client.chat.completions.create(**kwargs)
+    expected = [(t.token, t.logprob) for t in full.choices[0].logprobs.content]
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for t in (c.logprobs.content if c.logprobs else None) or []:
+                assert len(t.top_logprobs) == 2
+                streamed.append((t.token, t.logprob))
+    assert len(expected) == full.usage.completion_tokens
+    # a token the grammar forbade is at the floor, not -inf (which JSON cannot hold)
+    assert any(t.logprob == -9999.0 for e in full.choices[0].logprobs.content
+               for t in e.top_logprobs)
+    assert [t for t, _ in streamed] == [t for t, _ in expected]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(streamed, expected))
+
+
 def test_the_openai_stream_helper_rebuilds_the_calls(client):
     with client.chat.completions.stream(
             model=MODEL, messages=ask("Book a table for two at Luigi's."), tools=TOOLS,

@@ -19,8 +19,8 @@ from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, ra
 from folio.server.tools import (ForcedCallStream, forced_calls, forced_finish,
                                 template_messages)
 from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStream,
-                                  choice_usage, collect,
-                                  holdback, merged, sse, sse_error, token_text, usage)
+                                  choice_usage, collect, holdback, json_logprob, merged, sse,
+                                  sse_error, token_text, usage)
 
 _TEMPLATE_FAULT = "the chat template"     # how chat_template.py's messages name the template
 
@@ -61,7 +61,7 @@ def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int]) -> En
 
 def _entry(tokenizer, token_id: int, logprob: float) -> dict:
     text = token_text(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> dict:
@@ -175,7 +175,11 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
                     step = (_tool_delta if req.auto_tools else _text_delta)(
                         served, req, c, *sent.get(c.index, (0, 0)), keep)
                     steps = [] if step is None else [step]
-                for delta, lp, finish, upto in steps:
+                for n, (delta, lp, finish, upto) in enumerate(steps):
+                    if n == 0 and lp is None and req.logprobs:
+                        # tool deltas: the tokens since the last chunk ride on the next one
+                        lp = _logprobs(served.tokenizer, c, sent.get(c.index, (0, 0))[1],
+                                       req.top_logprobs or 0)
                     if c.index not in sent:     # the role rides on the choice's first chunk
                         delta = {"role": "assistant", **delta}
                     yield chunk(c.index, delta, lp, finish, choice_usage(out, c))

@@ -19,8 +19,8 @@ from folio.engine.protocol import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import CompletionRequest, now, random_id
 from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, TicketedStream,
-                                  choice_usage, collect, holdback, merged, sse, sse_error,
-                                  token_text, usage)
+                                  choice_usage, collect, holdback, json_logprob, merged, sse,
+                                  sse_error, token_text, usage)
 
 
 async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
@@ -84,8 +84,9 @@ class _Logprobs:
             self.token_logprobs.append(None)
             self.top_logprobs.append(None)
         else:
-            self.token_logprobs.append(entry[token_id])
-            self.top_logprobs.append({token_text(self.tok, t): lp for t, lp in entry.items()})
+            self.token_logprobs.append(json_logprob(entry[token_id]))
+            self.top_logprobs.append({token_text(self.tok, t): json_logprob(lp)
+                                      for t, lp in entry.items()})
 
     def body(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,

@@ -282,5 +282,14 @@ def choice_usage(out: RequestOutput, c: CompletionOutput) -> dict:
             "total_tokens": prompt + completion}
 
 
+# A token a structured-output grammar forbids has logprob -inf, which JSON cannot
+# hold; it is sent as this floor instead, as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
