@@ -113,3 +113,13 @@ def test_a_checkpoint_format_on_a_gguf_says_what_a_gguf_runs_with(method, nothin
 def test_the_method_name_is_case_blind(nothing_loads):
     with pytest.raises(ValueError, match="^--quantization awq reads"):
         LLM(quantization="AWQ")
+
+
+def test_gguf_on_a_folder_is_refused(tmp_path, nothing_loads):
+    """-q gguf on a float HF folder ran it as plain weights, saying nothing."""
+    folder = make_tiny_model(tmp_path)
+    with pytest.raises(ValueError) as info:
+        LLM(folder, quantization="gguf")
+    assert str(info.value) == (f"--quantization gguf runs a GGUF file's blocks; {folder} is a "
+                               "Hugging Face folder (weights: float): drop the flag, or give "
+                               "int8 / int4 to quantize its float weights at load")

@@ -44,6 +44,10 @@ def with_quantization_flag(model_config: ModelConfig, quantization: str) -> Mode
     name = quantization.lower()
     method = quantization_class(name)           # an unknown name fails here
     stored = model_config.quantization
+    if name == "gguf" and model_config.format != "gguf":
+        raise ValueError(f"--quantization gguf runs a GGUF file's blocks; {model_config.model} "
+                         f"is a Hugging Face folder (weights: {stored or 'float'}): drop the "
+                         "flag, or give int8 / int4 to quantize its float weights at load")
     gguf = model_config.format == "gguf" and name != "gguf"
     if gguf and not method.loads_float_weights:
         again = " / ".join(n for n in float_weight_methods() if n != "none")
