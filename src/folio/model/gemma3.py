@@ -28,7 +28,7 @@ from torch import nn
 from folio.config import ModelConfig
 from folio.model.attention.selector import get_attention_backend, windowed_backends
 from folio.model.gemma3_config import SLIDING
-from folio.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from folio.model.layers.embedding import VocabParallelEmbedding
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -53,7 +53,6 @@ class Gemma3Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, dtype, backend, quant=None, prefix: str = "",
                  sliding: bool = False):
         super().__init__(cfg, dtype, backend, quant, prefix)
-        self.sliding = sliding
         self.attn = backend(self.num_heads, self.num_kv_heads, cfg.head_dim,
                             cfg.query_pre_attn_scalar ** -0.5,
                             sliding_window=cfg.sliding_window if sliding else None)
@@ -109,7 +108,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, backend, quant=None):
+    def __init__(self, cfg: ModelConfig, dtype, backend, quant=None,
+                 layer_cls: type[Gemma3DecoderLayer] = Gemma3DecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant,
                                                    "model.embed_tokens")
@@ -123,8 +123,7 @@ class Gemma3Model(nn.Module):
                                              cfg.rope_local_theta or 10000.0)
                              if SLIDING in types else None)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, dtype, backend, quant, f"model.layers.{i}",
-                               sliding=types[i] == SLIDING)
+            layer_cls(cfg, dtype, backend, quant, f"model.layers.{i}", sliding=types[i] == SLIDING)
             for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.native_decoder = None      # the one-call decoder does not run Gemma's layers
@@ -139,25 +138,20 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    model_cls = Gemma3Model
     layer_cls = Gemma3DecoderLayer
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str, quant_config=None,
                  attn_backend=None):
-        nn.Module.__init__(self)
         if cfg.query_pre_attn_scalar is None:
             raise ValueError("Gemma 3 needs query_pre_attn_scalar (read from config.json)")
-        self.config = cfg
-        self.attn_backend = attn_backend or get_attention_backend(device, dtype)
-        if cfg.sliding_window is not None and not self.attn_backend.supports_sliding_window:
-            raise ValueError(f"attention backend {self.attn_backend.name} does not run "
+        attn_backend = attn_backend or get_attention_backend(device, dtype)
+        if cfg.sliding_window is not None and not attn_backend.supports_sliding_window:
+            raise ValueError(f"attention backend {attn_backend.name} does not run "
                              f"sliding-window layers (Gemma 3's local layers, window "
                              f"{cfg.sliding_window}); choose one that does with "
                              f"--attention-backend: {', '.join(windowed_backends())}")
-        self.model = Gemma3Model(cfg, dtype, self.attn_backend, quant_config)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config,
-                                      "lm_head", tied=cfg.tie_word_embeddings)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
+        super().__init__(cfg, dtype, device, quant_config, attn_backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden)

@@ -80,9 +80,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None, prefix: str = ""):
         super().__init__()
         self.self_attn = self.attention_cls(cfg, dtype, backend, quant, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, dtype, quant, f"{prefix}.mlp")
+        self.mlp = self.build_mlp(cfg, dtype, quant, prefix)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def build_mlp(self, cfg: ModelConfig, dtype, quant: Quant, prefix: str) -> nn.Module:
+        """The layer's MLP (a MoE family's layers build a MoE block here)."""
+        return LlamaMLP(cfg, dtype, quant, f"{prefix}.mlp")
 
     def forward(self, rope, hidden, residual, kv_cache, meta):
         """(hidden, residual) in and out: the residual add joins the next norm."""
@@ -118,6 +122,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
     layer_cls = LlamaDecoderLayer
     # checkpoint names -> our fused parameters (with each shard's id)
     packed_modules_mapping = {
@@ -131,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.attn_backend = attn_backend or get_attention_backend(device, dtype)
-        self.model = LlamaModel(cfg, dtype, self.attn_backend, quant_config, self.layer_cls)
+        self.model = self.model_cls(cfg, dtype, self.attn_backend, quant_config, self.layer_cls)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config,
                                       "lm_head", tied=cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:

@@ -140,7 +140,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _size(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
+def config_size(cfg: dict[str, Any], key: str, source: str, default: Any = None) -> int:
     """config.json's `key` as a positive integer (a JSON 64.0 counts as 64), or a
     clear error naming the key: a size of zero, below zero or not a number would
     otherwise surface as a tensor error deep in the model's construction."""
@@ -159,8 +159,9 @@ def _hf_architecture(cfg: dict[str, Any], source: str) -> str:
     if archs:
         return archs[0]
     model_type = cfg.get("model_type")
-    if by_model_type(model_type) is not None:      # older configs lack `architectures`
-        return by_model_type(model_type)
+    known = by_model_type(model_type)      # older configs lack `architectures`
+    if known is not None:
+        return known
     raise ValueError(f"{source}: no 'architectures' entry and unknown model_type "
                      f"{model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
@@ -177,9 +178,9 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
-    sizes = {k: _size(cfg, k, source) for k in _REQUIRED_KEYS}
+    sizes = {k: config_size(cfg, k, source) for k in _REQUIRED_KEYS}
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
-    kv_heads = _size(cfg, "num_key_value_heads", source, heads)
+    kv_heads = config_size(cfg, "num_key_value_heads", source, heads)
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                          f"num_key_value_heads ({kv_heads})")
@@ -193,7 +194,7 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         **sizes,
         num_key_value_heads=kv_heads,
         # Mistral configs may carry "head_dim": null: the default is then used.
-        head_dim=_size(cfg, "head_dim", source, hidden // heads),
+        head_dim=config_size(cfg, "head_dim", source, hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=_hf_max_positions(cfg, arch),

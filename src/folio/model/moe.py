@@ -26,8 +26,7 @@ from torch import nn
 
 from folio.config import ModelConfig
 from folio.model.layers.moe import FusedMoE
-from folio.model.layers.norm import RMSNorm
-from folio.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from folio.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from folio.model.moe_config import refuse_quantized_experts
 from folio.model.qwen3 import Qwen3Attention
 
@@ -44,19 +43,13 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     """Llama's layer whose `mlp` is a FusedMoE on the layers `is_moe` picks."""
     style: _MoEStyle
 
-    def __init__(self, cfg: ModelConfig, dtype, backend, quant=None, prefix: str = ""):
-        nn.Module.__init__(self)
-        index = int(prefix.rsplit(".", 1)[1])
-        self.self_attn = self.attention_cls(cfg, dtype, backend, quant, f"{prefix}.self_attn")
-        if self.is_moe(cfg, index):
-            s = self.style
-            self.mlp = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype,
-                                f"{prefix}.{s.checkpoint_block}", s.names, s.weights_in_float)
-        else:
-            self.mlp = LlamaMLP(cfg, dtype, quant, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    def build_mlp(self, cfg: ModelConfig, dtype, quant, prefix: str) -> nn.Module:
+        if not self.is_moe(cfg, int(prefix.rsplit(".", 1)[1])):     # model.layers.{i}
+            return super().build_mlp(cfg, dtype, quant, prefix)
+        s = self.style
+        return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                        cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype,
+                        f"{prefix}.{s.checkpoint_block}", s.names, s.weights_in_float)
 
     @staticmethod
     def is_moe(cfg: ModelConfig, index: int) -> bool:

@@ -1,5 +1,5 @@
-"""Mixture-of-experts config.json fields -> ModelConfig's (no torch: the loader
-reads it through the registry's `config_fields`).
+"""Mixture-of-experts config.json fields -> ModelConfig's (the loader reads it
+through the registry's `config_fields`, with its own size checks).
 
 Mixtral calls its expert count `num_local_experts` and its experts' size
 `intermediate_size` (every layer is MoE, the top-k weights always
@@ -14,15 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from folio.config import ModelConfig
+from folio.model.loader import config_size
 
 
 def _positive(cfg: dict[str, Any], keys: tuple[str, ...], source: str, default=None) -> int:
-    value = next((cfg[k] for k in keys if cfg.get(k) is not None), default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{source}: {keys[0]} must be a positive integer, got {value!r}")
-    return value
+    """The first of `keys` the config gives, as the loader reads a size."""
+    key = next((k for k in keys if cfg.get(k) is not None), keys[0])
+    return config_size(cfg, key, source, default)
 
 
 def _routing(cfg: dict[str, Any], experts: int, source: str) -> int:
@@ -52,6 +50,8 @@ def qwen3_moe_fields(cfg: dict[str, Any], num_layers: int, source: str) -> dict[
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 decoder_sparse_step=_positive(cfg, ("decoder_sparse_step",), source, 1),
                 mlp_only_layers=tuple(dense))
+
+
 def refuse_quantized_experts(cfg: ModelConfig) -> None:
     """A ValueError naming what is not supported yet, for a quantized MoE model."""
     if cfg.num_experts and cfg.quantization not in (None, "none"):
