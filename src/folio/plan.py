@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Optional
 
-from folio.bench.weights import Shape
+from folio.bench.weights import Shape, model_shape_of
 
 HOURS_PER_MONTH = 730.0
 DAYS_PER_MONTH = HOURS_PER_MONTH / 24
@@ -127,9 +127,7 @@ def _gguf_shape(spec: str) -> Shape:
     else:
         from folio.model.loader import load_model_config
         c = load_model_config(spec)
-    return Shape(c.hidden_size, c.intermediate_size, c.num_hidden_layers,
-                 c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size,
-                 c.tie_word_embeddings)
+    return model_shape_of(c)
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,8 @@ def loaded_bytes(model) -> dict:
             "lm_head_tied": bool(getattr(getattr(model, "lm_head", None), "tied", False))}
 
 
-def _model_shape(cfg) -> Shape:
+def model_shape_of(cfg) -> Shape:
+    """A ModelConfig's shape."""
     return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
                  cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                  cfg.vocab_size, cfg.tie_word_embeddings)
@@ -155,7 +156,7 @@ def bench_weights(args, engine) -> dict:
         raise ValueError("folio bench weights reads the model in this process: use "
                          "--tensor-parallel-size 1")
     cfg = engine.config.model
-    shapes = {cfg.model: _model_shape(cfg), **{k: Shape(*v) for k, v in SHAPES.items()}}
+    shapes = {cfg.model: model_shape_of(cfg), **{k: Shape(*v) for k, v in SHAPES.items()}}
     return {"model": cfg.model, "quantization": cfg.quantization or "none",
             "dtype": engine.config.dtype, "loaded": loaded_bytes(runner.model),
             "shapes": shape_table(shapes)}

@@ -33,20 +33,21 @@ from folio.engine.async_engine import AsyncLLMEngine
 from folio.engine.protocol import EngineDeadError, RequestFailedError, default_model
 from folio.errors import is_expected_error
 from folio.server import openapi
-from folio.server.chat import create_chat_completion, render_chat_ids
+from folio.server.chat import chat_prompt_ids, create_chat_completion
 from folio.server.completions import create_completion
 from folio.server.accounting import Accounting
 from folio.server.cost import CostMeter
+from folio.server.error_shape import error_body
 from folio.server.metrics import ServerMetrics
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest, error_body, now)
+                                   TokenizeRequest, now)
 from folio.server.responses import (ChatCompletionResponse, ChatCompletionStreamResponse,
                                     CompletionResponse, CompletionStreamResponse,
                                     DetokenizeResponse, ModelList, TokenizeResponse,
                                     UsageReport, VersionResponse)
 from folio.server.serving import HTTPError, ServedModel
 from folio.server.tenants import KeyBook
-from folio.server.tools import HermesParser, template_messages
+from folio.server.tools import HermesParser
 from folio.server.usage_ledger import UsageLedger
 from folio.usage_report import usage_rows
 
@@ -316,11 +317,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         served = state.ready()
         served.check_model(req.model)
         if req.messages is not None:       # rendered as /v1/chat/completions renders them
-            kwargs = req.template_kwargs()
-            if req.tools:
-                kwargs["tools"] = req.template_tools()
-            ids = await asyncio.to_thread(render_chat_ids, served,
-                                          template_messages(req.messages), kwargs)
+            ids = await chat_prompt_ids(served, req)
         elif req.prompt is not None:
             ids = await asyncio.to_thread(served.tokenizer.encode, req.prompt,
                                           req.add_special_tokens)

@@ -49,6 +49,17 @@ def render_chat_ids(served: ServedModel, messages: list, kwargs: dict[str, Any])
     raise InvalidRequest(which + message, "chat_template" if own else "messages")
 
 
+async def chat_prompt_ids(served: ServedModel, req) -> list[int]:
+    """A chat request's (or /tokenize's messages') prompt ids: the history as
+    templates take it, the tools shown to the template; rendered off the loop."""
+    kwargs = req.template_kwargs()
+    tools = req.template_tools()
+    if tools:
+        kwargs["tools"] = tools
+    return await asyncio.to_thread(render_chat_ids, served, template_messages(req.messages),
+                                   kwargs)
+
+
 def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int]) -> EngineCall:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = served.max_tokens_for(len(ids), asked, req.min_tokens)
@@ -207,11 +218,7 @@ async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest
         raise InvalidRequest("tool_choice 'auto' (the default with tools) needs the server "
                              "started with --enable-auto-tool-choice --tool-call-parser hermes; "
                              "or give 'required', a named function or 'none'", "tool_choice")
-    kwargs = req.template_kwargs()
-    if req.tools:
-        kwargs["tools"] = req.template_tools()
-    ids = await asyncio.to_thread(render_chat_ids, served, template_messages(req.messages),
-                                  kwargs)
+    ids = await chat_prompt_ids(served, req)
     # validating compiles a constraint's grammar: off the event loop too
     [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids)])
     ticket = served.accounting.admit(raw.state.tenant, [call], call.request_id)

@@ -1,4 +1,4 @@
-"""OpenAI-shaped request and response models (vLLM's are the reference) and error bodies.
+"""OpenAI-shaped request and response models (vLLM's are the reference).
 
 A request is checked whole when it is parsed, so a bad one is a 400 naming the
 field before anything runs:
@@ -375,23 +375,6 @@ class TokenizeRequest(_Templated):
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: list[StrictInt]
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 409: "conflict_error",
-                429: "rate_limit_error", 500: "internal_server_error",
-                503: "service_unavailable"}
-
-
-def error_type(status: int) -> str:
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return "invalid_request_error" if 400 <= status < 500 else "internal_server_error"
-
-
-def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": error_type(status), "param": param,
-                      "code": status}}
 
 
 def random_id(prefix: str) -> str:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from folio.engine.protocol import EngineClient, EngineDeadError, Params
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
-from folio.server.protocol import error_body
+from folio.server.error_shape import error_body
 
 
 class HTTPError(Exception):
@@ -155,7 +155,7 @@ async def merged(served: ServedModel, calls: list[EngineCall]
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(index of the call, output) as they come, from all calls at once."""
     queue: asyncio.Queue = asyncio.Queue()
-    done_marker = object()
+    done_marker, timed_out = object(), object()
 
     async def pump(i: int, call: EngineCall) -> None:
         try:
@@ -169,25 +169,25 @@ async def merged(served: ServedModel, calls: list[EngineCall]
 
     tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
     deadline, latest = Deadline(served.request_timeout), {}
+    # one timer for the request (not a timed wait per token): it queues the marker
+    timer = (None if deadline.seconds is None else asyncio.get_running_loop().call_later(
+        deadline.seconds, queue.put_nowait, (None, timed_out)))
     try:
         remaining = len(tasks)
         while remaining:
-            # checked before each wait: the output that arrives past the deadline is
-            # still sent (and charged), the next wait ends the stream
-            deadline.check(latest.values())
-            try:
-                i, item = await asyncio.wait_for(queue.get(), deadline.wait(None))
-            except asyncio.TimeoutError:
-                deadline.check(latest.values())
-                continue
+            i, item = await queue.get()
             if item is done_marker:
                 remaining -= 1
+            elif item is timed_out:     # the outputs before it were sent (and charged)
+                deadline.expire(latest.values())
             elif isinstance(item, Exception):
                 raise item
             else:
                 latest[i] = item
                 yield i, item
     finally:
+        if timer is not None:
+            timer.cancel()
         for t in tasks:           # cancelling a pump aborts its engine request
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -203,22 +203,23 @@ class Deadline:
         self.seconds = seconds
         self.at = None if seconds is None else time.monotonic() + seconds
 
-    def wait(self, most: Optional[float]) -> Optional[float]:
-        """How long a wait may last: at most `most` (None: any) and the time left."""
-        if self.at is None:
-            return most
-        left = max(self.at - time.monotonic(), 0.0)
-        return left if most is None else min(most, left)
+    def wait(self, most: float) -> float:
+        """How long a wait may last: at most `most` and the time left."""
+        return most if self.at is None else min(most, max(self.at - time.monotonic(), 0.0))
 
     def check(self, outputs) -> None:
         """Raise the 504 once the time is up; `outputs`: the calls' latest RequestOutputs."""
         if self.at is not None and time.monotonic() >= self.at:
-            made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-            # a 5xx that clients must not retry: the same request would time out again
-            # (the openai client retries a 5xx twice unless told not to)
-            raise HTTPError(504, f"the request ran past this server's --request-timeout of "
-                                 f"{self.seconds:g} s and was aborted after {made} generated "
-                                 f"tokens", "request_timeout", headers={"x-should-retry": "false"})
+            self.expire(outputs)
+
+    def expire(self, outputs) -> None:
+        """The 504 of a request whose time is up."""
+        made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        # a 5xx that clients must not retry: the same request would time out again
+        # (the openai client retries a 5xx twice unless told not to)
+        raise HTTPError(504, f"the request ran past this server's --request-timeout of "
+                             f"{self.seconds:g} s and was aborted after {made} generated "
+                             f"tokens", "request_timeout", headers={"x-should-retry": "false"})
 
 
 class TicketedStream(StreamingResponse):
