@@ -110,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("FOLIO_API_KEY") or None,
         allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
-        tool_call_parser=_tool_parser(args), api_keys_file=args.api_keys_file,
+        tool_call_parser=_tool_parser(args), reasoning_parser=args.reasoning_parser,
+        api_keys_file=args.api_keys_file,
         usage_db=args.usage_db, cost_per_hour=args.cost_per_hour,
         prompt_token_weight=args.prompt_token_weight,
         max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
@@ -249,6 +250,10 @@ def _add_serve(sub) -> None:
                        help="the format of the model's tool-call text for "
                             "--enable-auto-tool-choice: hermes (<tool_call> JSON blocks, as "
                             "Hermes and Qwen2.5 write them)")
+    serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                       help="split a chat answer's thinking into the message's "
+                            "reasoning_content: qwen3 (<think>...</think>, as Qwen3 and "
+                            "QwQ write it)")
     serve.add_argument("--max-logprobs", type=non_negative_int, metavar="N", default=20,
                        help="the most top logprobs a request may ask for")
     serve.add_argument("--allowed-origins", action=AppendCommaSeparated, default=None,

@@ -61,6 +61,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     trust_request_chat_template: bool = False
     tool_call_parser: Optional[str] = None      # tool_choice "auto": whose call format
+    reasoning_parser: Optional[str] = None      # <think> to reasoning_content: whose format
     api_keys_file: Optional[str] = None          # tenants, their keys and limits
     usage_db: Optional[str] = None               # the SQLite usage ledger
     cost_per_hour: Optional[float] = None        # dollars an hour the machine costs
@@ -109,6 +110,7 @@ class ServerState:
             self.served = ServedModel(engine, self.config.served_model_name,
                                       self.config.trust_request_chat_template, parser,
                                       self.accounting,
+                                      reasoning_parser=self.config.reasoning_parser,
                                       max_tokens_default=self.config.max_tokens_default,
                                       max_tokens_limit=self.config.max_tokens_limit,
                                       request_timeout=self.config.request_timeout)

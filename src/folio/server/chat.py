@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from folio.chat_template import ChatTemplateError
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, random_id
+from folio.server.reasoning import Split, ThinkParser
 from folio.server.tools import (ForcedCallStream, forced_calls, forced_finish,
                                 template_messages)
 from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStream,
@@ -85,28 +86,37 @@ def _logprobs(tokenizer, c: CompletionOutput, start: int, top: int) -> dict:
     return {"content": content}
 
 
-def _message(served: ServedModel, req: ChatCompletionRequest,
-             c: CompletionOutput) -> tuple[dict, Optional[str]]:
+def _message(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
+             thinking: Optional[ThinkParser] = None) -> tuple[dict, Optional[str]]:
     """(the choice's message, its finish_reason): a forced answer is its calls,
     those completed before a cut included (finish_reason "length"); one that
-    completed none stays text, as it is. Under "auto" the calls the model
-    wrote are parsed from its text."""
+    completed none stays text, as it is. Otherwise the thinking goes to
+    reasoning_content (with a reasoning parser), and under "auto" the calls the
+    model wrote are parsed from the rest."""
     forced = req.forced_tool
     if forced is not None:
         calls, finish = forced_calls(c.text, forced, c.finish_reason)
         if calls:
             return {"role": "assistant", "content": None, "tool_calls": calls}, finish
-    elif req.auto_tools and c.finish_reason == "stop":
-        content, calls = served.tool_parser.parse(c.text)
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    split = thinking.split(c.text) if thinking is not None else Split(None, c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": split.content}
+    if thinking is not None:
+        message["reasoning_content"] = split.reasoning if req.include_reasoning else None
+        if split.reasoning is not None:
+            message["content"] = split.content or None
+    if req.auto_tools and c.finish_reason == "stop":
+        content, calls = served.tool_parser.parse(split.content)
         if calls:
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": c.text}, c.finish_reason
+            return {**message, "content": content, "tool_calls": calls}, "tool_calls"
+    return message, c.finish_reason
 
 
-def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput) -> dict:
+def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput,
+           thinking: Optional[ThinkParser]) -> dict:
     choices = []
     for c in out.outputs:
-        message, finish = _message(served, req, c)
+        message, finish = _message(served, req, c, thinking)
         choices.append({"index": c.index, "message": message,
                         "logprobs": (_logprobs(served.tokenizer, c, 0, req.top_logprobs or 0)
                                      if req.logprobs else None),
@@ -115,33 +125,40 @@ def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput) 
             "model": served.name, "choices": choices, "usage": usage([out])}
 
 
-# A streamed choice's next chunk: (delta, logprobs, finish_reason, characters of text sent)
-_Step = tuple[dict, Optional[dict], Optional[str], int]
+# A streamed choice's next chunk: (delta, logprobs, finish_reason, characters of
+# content sent, characters of reasoning sent)
+_Step = tuple[dict, Optional[dict], Optional[str], int, int]
 
 
-def _text_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
-                chars: int, toks: int, keep: int) -> Optional[_Step]:
-    upto = len(c.text) if c.finished else max(chars, len(c.text) - keep)
-    if upto <= chars and not c.finished:
-        return None
-    lp = (_logprobs(served.tokenizer, c, toks, req.top_logprobs or 0)
-          if req.logprobs else None)
-    return {"content": c.text[chars:upto]}, lp, c.finish_reason, upto
-
-
-def _tool_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
-                chars: int, toks: int, keep: int) -> Optional[_Step]:
-    """A streamed choice under "auto": text streams while it cannot be a call;
-    the calls come whole in the last chunk, once parsed."""
+def _answer_delta(served: ServedModel, req: ChatCompletionRequest, c: CompletionOutput,
+                  sent: tuple[int, int, int], keep: int,
+                  thinking: Optional[ThinkParser]) -> Optional[_Step]:
+    """A streamed choice that is not a forced call: its thinking streams as
+    reasoning_content (with a reasoning parser), then its text as content. Under
+    "auto" the text streams while it cannot be a call; the calls come whole in
+    the last chunk, once parsed. Nothing a stop string may still claim is sent."""
+    chars, _, thought = sent
+    raw = c.text if c.finished else c.text[:max(0, len(c.text) - keep)]
+    split = thinking.split(raw, c.finished) if thinking is not None else Split(None, raw)
+    delta: dict[str, Any] = {}
+    reasoning = (split.reasoning or "") if req.include_reasoning else ""
+    if len(reasoning) > thought:
+        delta["reasoning_content"] = reasoning[thought:]
     if not c.finished:
-        upto = min(len(c.text) - keep, served.tool_parser.safe_prefix(c.text))
-        return ({"content": c.text[chars:upto]}, None, None, upto) if upto > chars else None
-    message, finish = _message(served, req, c)
+        text = split.content
+        upto = min(len(text), served.tool_parser.safe_prefix(text)) if req.auto_tools \
+            else len(text)
+        if upto > chars:
+            delta["content"] = text[chars:upto]
+        return (delta, None, None, max(chars, upto), len(reasoning)) if delta else None
+    message, finish = _message(served, req, c, thinking)
     content = message["content"] or ""
-    delta = {"content": content[chars:] if content.startswith(c.text[:chars]) else ""}
+    if content[chars:] or not delta:
+        delta["content"] = content[chars:] if content.startswith(split.content[:chars]) \
+            else ""
     if "tool_calls" in message:
         delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(message["tool_calls"])]
-    return delta, None, finish, len(c.text)
+    return delta, None, finish, len(content), len(reasoning)
 
 
 def _forced_deltas(stream: ForcedCallStream, c: CompletionOutput, keep: int) -> list[_Step]:
@@ -149,17 +166,18 @@ def _forced_deltas(stream: ForcedCallStream, c: CompletionOutput, keep: int) -> 
     are generated, then a last chunk with the finish_reason ("length" when cut).
     An answer cut before any call began ends as its text, as unstreamed."""
     upto = len(c.text) if c.finished else max(0, len(c.text) - keep)
-    steps: list[_Step] = [({"tool_calls": [entry]}, None, None, upto)
+    steps: list[_Step] = [({"tool_calls": [entry]}, None, None, upto, 0)
                           for entry in stream.deltas(c.text[:upto], c.finished)]
     if c.finished:
-        steps.append(({}, None, forced_finish(stream.scanner, c.finish_reason), upto)
-                     if stream.begun else ({"content": c.text}, None, c.finish_reason, upto))
+        steps.append(({}, None, forced_finish(stream.scanner, c.finish_reason), upto, 0)
+                     if stream.begun else ({"content": c.text}, None, c.finish_reason, upto, 0))
     return steps
 
 
 async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineCall,
-                  created: int, ticket) -> AsyncIterator[str]:
-    sent: dict[int, tuple[int, int]] = {}   # choice -> (chars sent, tokens sent)
+                  created: int, ticket, thinking: Optional[ThinkParser]) -> AsyncIterator[str]:
+    # choice -> (content chars sent, tokens sent, reasoning chars sent)
+    sent: dict[int, tuple[int, int, int]] = {}
     forced: dict[int, ForcedCallStream] = {}
     done: set[int] = set()
     keep, last = holdback(call.params), None
@@ -183,18 +201,18 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
                         forced[c.index] = ForcedCallStream(req.forced_tool)
                     steps = _forced_deltas(forced[c.index], c, keep)
                 else:
-                    step = (_tool_delta if req.auto_tools else _text_delta)(
-                        served, req, c, *sent.get(c.index, (0, 0)), keep)
+                    step = _answer_delta(served, req, c, sent.get(c.index, (0, 0, 0)), keep,
+                                         thinking)
                     steps = [] if step is None else [step]
-                for n, (delta, lp, finish, upto) in enumerate(steps):
+                for n, (delta, lp, finish, upto, thought) in enumerate(steps):
                     if n == 0 and lp is None and req.logprobs:
-                        # tool deltas: the tokens since the last chunk ride on the next one
-                        lp = _logprobs(served.tokenizer, c, sent.get(c.index, (0, 0))[1],
+                        # the tokens since the last chunk ride on the next one
+                        lp = _logprobs(served.tokenizer, c, sent.get(c.index, (0, 0, 0))[1],
                                        req.top_logprobs or 0)
                     if c.index not in sent:     # the role rides on the choice's first chunk
                         delta = {"role": "assistant", **delta}
                     yield chunk(c.index, delta, lp, finish, choice_usage(out, c))
-                    sent[c.index] = (upto, len(c.token_ids))
+                    sent[c.index] = (upto, len(c.token_ids), thought)
                 if c.finished:
                     done.add(c.index)
         if last is not None:
@@ -211,6 +229,17 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
     yield SSE_DONE
 
 
+def _thinking(served: ServedModel, req: ChatCompletionRequest,
+              ids: list[int]) -> Optional[ThinkParser]:
+    """The request's reasoning split, with a reasoning parser. A forced call has
+    none (its grammar holds from the first token); neither does an answer under
+    a constraint begin inside the thinking, whatever the prompt says."""
+    if served.reasoning_parser is None or req.forced_tool is not None:
+        return None
+    parser = ThinkParser.for_prompt(served.tokenizer, ids)
+    return ThinkParser(False) if parser.inside and req.constraint() is not None else parser
+
+
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
     served.check_model(req.model)
     served.check_priority(req.priority)
@@ -219,14 +248,15 @@ async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest
                              "started with --enable-auto-tool-choice --tool-call-parser hermes; "
                              "or give 'required', a named function or 'none'", "tool_choice")
     ids = await chat_prompt_ids(served, req)
+    thinking = _thinking(served, req, ids)
     # validating compiles a constraint's grammar: off the event loop too
     [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids)])
     ticket = served.accounting.admit(raw.state.tenant, [call], call.request_id)
     if req.stream:
-        return TicketedStream(_stream(served, req, call, now(), ticket), ticket)
+        return TicketedStream(_stream(served, req, call, now(), ticket, thinking), ticket)
     try:
         outputs = await collect(served, [call], raw, ticket.seen)
-        body = _final(served, req, outputs[0])
+        body = _final(served, req, outputs[0], thinking)
         await ticket.complete(outputs)
     finally:                        # the client left, or the call or the answer failed
         ticket.abandon()

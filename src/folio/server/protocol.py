@@ -308,6 +308,7 @@ class ChatCompletionRequest(_Sampling, _Templated):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True      # with --reasoning-parser: send reasoning_content
 
     @property
     def forced_tool(self) -> Optional[ToolChoice]:

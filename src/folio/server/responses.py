@@ -108,6 +108,7 @@ class ChatMessage(_Response):
     role: Literal["assistant"]
     content: Optional[str]              # null when the answer is tool calls alone
     tool_calls: Optional[list[ToolCall]] = None
+    reasoning_content: Optional[str] = None     # with --reasoning-parser: the thinking
 
 
 class FunctionCallDelta(_Response):
@@ -141,6 +142,7 @@ class ChatCompletionResponse(_Response):
 
 class ChatDelta(_Response):
     role: Optional[Literal["assistant"]] = None
+    reasoning_content: Optional[str] = None             # with --reasoning-parser
     content: Optional[str] = None
     tool_calls: Optional[list[ToolCallDelta]] = None    # forced: as generated; auto: whole
 

@@ -49,6 +49,7 @@ class ServedModel:
     trust_request_chat_template: bool = False   # run templates that requests send
     tool_parser: Any = None     # server/tools.py's parser of tool_choice "auto", when enabled
     accounting: Any = None      # server/accounting.py: tenants' limits, usage, the ledger
+    reasoning_parser: Optional[str] = None  # server/reasoning.py's format of the thinking
     # --max-tokens-default, --max-tokens-limit, --request-timeout (None: unbounded)
     max_tokens_default: Optional[int] = None
     max_tokens_limit: Optional[int] = None
