@@ -14,8 +14,21 @@ from folio.model.layers import linear as linear_mod
 from folio.worker import device
 from tests.utils import make_tiny_model, write_tiny_gguf
 
-needs_bf16_kernel = pytest.mark.skipif(not native.packs_linear(torch.zeros(16, 16).bfloat16()),
+needs_bf16_kernel = pytest.mark.skipif(not native.has_bf16_linear(),
                                        reason="no AVX512-BF16 kernels on this machine")
+
+
+def _native_even_with_amx(monkeypatch):
+    """On an AMX CPU the engine keeps oneDNN for bf16; the AVX512-BF16 kernels
+    it also has are what these tests are about."""
+    monkeypatch.setattr(native, "prefers_onednn_bf16", lambda: False)
+
+
+@pytest.fixture(autouse=True)
+def _native_kernels(monkeypatch):
+    _native_even_with_amx(monkeypatch)
+
+
 needs_avx2_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8)),
                                        reason="no AVX2 + FMA kernel on this machine "
                                               "(or no compiler)")
@@ -121,6 +134,7 @@ def test_only_where_every_kernel_serves(tmp_path, monkeypatch):
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=32)
     assert llm.engine.executor.runner.model.model.native_decoder is None      # oneDNN weights
     monkeypatch.undo()
+    _native_even_with_amx(monkeypatch)
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=32)
     model = llm.engine.executor.runner.model.model
     assert model.native_decoder is not None

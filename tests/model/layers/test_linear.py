@@ -18,8 +18,15 @@ _PROBE = torch.zeros(16, 16).bfloat16()
 needs_onednn = pytest.mark.skipif(pack_onednn(_PROBE) is None,
                                   reason="oneDNN packs no bf16 weight on this CPU or torch "
                                          "build (it needs AVX-512)")
-needs_native = pytest.mark.skipif(not native.packs_linear(torch.zeros(16, 16).bfloat16()),
+needs_native = pytest.mark.skipif(not native.has_bf16_linear(),
                                   reason="no AVX512-BF16 kernel on this machine")
+
+
+@pytest.fixture(autouse=True)
+def _native_even_with_amx(monkeypatch):
+    """On an AMX CPU the engine keeps oneDNN for bf16 (prefers_onednn_bf16); the
+    AVX512-BF16 kernel it also has is tested all the same."""
+    monkeypatch.setattr(native, "prefers_onednn_bf16", lambda: False)
 
 
 def assert_rounded_product(got, x, w, b=None):
@@ -117,3 +124,13 @@ def test_a_build_without_avx512_compiles_and_offers_no_linear_kernel():
     AVX-512; such a library declines the linear layer (oneDNN or torch then)."""
     lib = native._build(("-mno-avx512f",))
     assert lib is not None and lib.folio_linear_available() == 0
+
+
+def test_an_amx_cpu_keeps_onednn_for_bf16(monkeypatch):
+    """The engine's own choice (the fixture above set aside): the native kernel
+    where it builds, except on AMX CPUs, where oneDNN multiplies on the tiles."""
+    monkeypatch.undo()
+    amx = "amx_bf16" in native._cpu_flags().split()
+    assert native.prefers_onednn_bf16() == amx
+    packed = pack_weight(torch.randn(32, 64).bfloat16())
+    assert getattr(packed, "native", False) == (native.has_bf16_linear() and not amx)

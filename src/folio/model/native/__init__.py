@@ -181,12 +181,23 @@ def fuses(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and load() is not None
 
 
+def has_bf16_linear() -> bool:
+    """Whether the library has the AVX512-BF16 linear kernel (the CPU runs it)."""
+    lib = load()
+    return lib is not None and bool(lib.folio_linear_available())
+
+
+def prefers_onednn_bf16() -> bool:
+    """CPUs with AMX keep oneDNN for bf16 products: it multiplies on the AMX tiles."""
+    return "amx_bf16" in _cpu_flags().split()
+
+
 def packs_linear(weight: torch.Tensor) -> bool:
-    """Whether `linear` serves this weight: bf16 [N, K] on the CPU, K even, and a
-    library built with AVX512-BF16. CPUs with AMX keep oneDNN, which uses it."""
-    lib = load() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
-    return (lib is not None and weight.dim() == 2 and weight.shape[1] % 2 == 0
-            and bool(lib.folio_linear_available()) and "amx_bf16" not in _cpu_flags().split())
+    """Whether `linear` serves this weight: bf16 [N, K] on the CPU, K even, a
+    library built with AVX512-BF16, and no AMX (prefers_onednn_bf16)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.shape[1] % 2 == 0 and has_bf16_linear()
+            and not prefers_onednn_bf16())
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
