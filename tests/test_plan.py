@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from folio.bench.weights import FORMATS, Shape, shape_table
+from folio.bench.weights import FORMATS, shape_table
 from folio.cli import main
-from folio.plan import Rank, load_catalog, weights_bytes
+from folio.plan import Rank, load_catalog, model_shape, weights_bytes
 
 CFG = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 2,
        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
@@ -79,10 +79,7 @@ def test_the_weights_are_the_packing_codes_bytes():
     """The plan's linear layers at tensor-parallel size 1 are `folio bench weights`'s."""
     catalog = load_catalog()
     for name in ("llama-3-8b", "llama-3-70b"):
-        c = catalog["models"][name]
-        m = Shape(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
-                  c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-                  c["vocab_size"], c["tie_word_embeddings"])
+        _, m = model_shape(name, catalog)
         table = shape_table({name: m})[name]
         norms = (2 * m.layers + 1) * m.hidden * 2
         for quant, fmt in (("none", "bf16"), ("int8", "int8 (per channel)"),
@@ -92,14 +89,13 @@ def test_the_weights_are_the_packing_codes_bytes():
         assert {"bf16", "int8 (per channel)", "int4 g128 (GPTQ/AWQ/int4)"} <= set(FORMATS)
         # two ranks split every layer: each holds half the linear bytes (bf16)
         half = Rank.of(m, 2)
-        assert half.kv_heads == m.kv_heads // 2 and half.heads == m.heads // 2
+        assert half.kv_heads == m.kv_heads // 2
+        assert half.linears[0].out == (m.heads + 2 * m.kv_heads) * m.head_dim // 2
 
 
 def test_kv_heads_are_replicated_past_their_count_and_bad_sizes_are_skipped():
     catalog = load_catalog()
-    c = catalog["models"]["qwen2.5-7b"]                      # 28 heads, 4 KV heads
-    m = Shape(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], 28, 4, 128,
-              c["vocab_size"], False)
+    _, m = model_shape("qwen2.5-7b", catalog)               # 28 heads, 4 KV heads
     assert Rank.of(m, 4).kv_heads == 1
     with pytest.raises(ValueError, match="not divisible"):
         Rank.of(m, 8)                                        # 28 heads over 8 ranks
@@ -255,3 +251,30 @@ def test_a_file_that_is_neither_json_nor_gguf_is_one_clear_error(tmp_path, capsy
     assert main(["plan", "--model", str(junk), "--tokens-per-day", "1"]) == 1
     assert capsys.readouterr().err == (f"folio: error: {junk} is neither a config.json (JSON) "
                                        f"nor a GGUF file\n")
+
+
+@pytest.mark.parametrize("name, total, active, digit", [
+    ("qwen3-30b-a3b", 30.5, 3.3, 0.1), ("qwen3-235b-a22b", 235, 22, 1),
+    ("mixtral-8x7b", 46.7, 12.9, 0.1)])
+def test_a_mixture_of_experts_takes_memory_for_all_and_decodes_at_the_picked(name, total,
+                                                                          active, digit):
+    """The published sizes (billions, in all and per token, to their last digit
+    as published, rounded or cut); a batch of one reads
+    its shared weights and its k experts' (plus its KV), a large batch nearly
+    every expert."""
+    from folio.plan import decode_tokens_per_s, fit
+    catalog = load_catalog()
+    _, m = model_shape(name, catalog)
+    assert total - digit / 2 <= m.parameters() / 1e9 < total + digit
+    assert active - digit / 2 <= m.active_parameters() / 1e9 < active + digit
+    gpu = catalog["gpus"]["h200"]
+    tp = 1 if m.parameters() * 2 < 0.8 * gpu["memory_gb"] * 1e9 else 4
+    f = fit(m, gpu, "none", 2048, tp, 0.9)
+    bandwidth = gpu["bandwidth_gbs"] * 1e9 * gpu["bandwidth_efficiency"]
+    norms = (2 * m.layers + 1) * m.hidden * 2
+    rank_active = 2 * (m.active_linear_parameters(tp) + f["rank"].vocab_rows * m.hidden * 2)
+    read_one = bandwidth / decode_tokens_per_s(m, gpu, f, 1, 1024)
+    assert read_one == pytest.approx(rank_active + norms + 1024 * f["kv_per_token"], rel=1e-3)
+    assert f["weights"] == pytest.approx(2 * m.parameters() / tp, rel=0.01)   # bf16, all
+    read_many = bandwidth * 256 / decode_tokens_per_s(m, gpu, f, 256, 1024)
+    assert read_many >= f["weights"] * 0.99            # or the FLOPs bound, whichever is slower

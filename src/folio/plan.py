@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Optional
 
-from folio.bench.weights import Shape, model_shape_of
+from folio.model.shape import Linear, ModelShape, shape_of
 
 HOURS_PER_MONTH = 730.0
 DAYS_PER_MONTH = HOURS_PER_MONTH / 24
@@ -75,11 +75,13 @@ def load_catalog(extra: Optional[str] = None) -> dict:
     return catalog
 
 
-def model_shape(spec: str, catalog: dict) -> tuple[str, Shape]:
+def model_shape(spec: str, catalog: dict) -> tuple[str, ModelShape]:
     """(name, shape) of a catalog name, a Hugging Face config.json (or the folder
-    holding one), or a GGUF file (its metadata, as the loader reads it)."""
+    holding one), or a GGUF file (its metadata, as the loader reads it); the
+    shape is what the architecture's model class says of itself."""
     if spec.lower() in catalog["models"]:
-        return spec.lower(), _shape(catalog["models"][spec.lower()], spec.lower())
+        name = spec.lower()
+        return name, _shape(catalog["models"][name], f"the catalog's {name}")
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if os.path.isfile(path) and not _is_gguf(path):
         return path, _shape(_read_config(path), path)
@@ -106,19 +108,16 @@ def _read_config(path: str) -> dict:
         raise ValueError(f"{path} is not JSON: {e}") from None
 
 
-def _shape(cfg: dict, name: str) -> Shape:
-    try:
-        heads = int(cfg["num_attention_heads"])
-        return Shape(int(cfg["hidden_size"]), int(cfg["intermediate_size"]),
-                     int(cfg["num_hidden_layers"]), heads,
-                     int(cfg.get("num_key_value_heads") or heads),
-                     int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-                     int(cfg["vocab_size"]), bool(cfg.get("tie_word_embeddings", False)))
-    except KeyError as e:
-        raise ValueError(f"{name} lacks {e.args[0]}") from None
+def _shape(cfg: dict, source: str) -> ModelShape:
+    """A config.json's fields read as the loader reads them (the same checks); one
+    that names neither `architectures` nor `model_type` is read as Llama's."""
+    from folio.model.loader import model_config_from_dict
+    if not cfg.get("architectures") and cfg.get("model_type") is None:
+        cfg = {**cfg, "model_type": "llama"}
+    return shape_of(model_config_from_dict(cfg, source, source))
 
 
-def _gguf_shape(spec: str) -> Shape:
+def _gguf_shape(spec: str) -> ModelShape:
     """A GGUF's shape from its metadata, through the loader `folio serve` uses (a
     folder of one .gguf, the default model's name: its package's file)."""
     if os.path.isfile(spec):        # whatever its name: the file's first bytes say GGUF
@@ -127,51 +126,48 @@ def _gguf_shape(spec: str) -> Shape:
     else:
         from folio.model.loader import load_model_config
         c = load_model_config(spec)
-    return model_shape_of(c)
+    return shape_of(c)
 
 
 @dataclass(frozen=True)
 class Rank:
-    """One tensor-parallel rank of a model: its linear layers (out, in) and shards."""
+    """One tensor-parallel rank of a model: its linear layers (the model's own,
+    split as its layers split them) and shards."""
     tp: int
-    projections: tuple[tuple[int, int], ...]
+    linears: tuple[Linear, ...]
     kv_heads: int
-    heads: int
     vocab_rows: int
+    active_linear_parameters: int   # what one token runs through on this rank
+    mlp_width: int                  # the widest MLP activation a token makes here
 
     @classmethod
-    def of(cls, m: Shape, tp: int) -> "Rank":
+    def of(cls, m: ModelShape, tp: int) -> "Rank":
         from folio.model.layers.embedding import vocab_shard
-        from folio.model.layers.linear import _divide, heads_per_rank
-        heads, kv, _ = heads_per_rank(m.heads, m.kv_heads, tp)
-        inter = _divide(m.intermediate, tp, "intermediate size")
-        projections = (((heads + 2 * kv) * m.head_dim, m.hidden),     # qkv, column-parallel
-                       (m.hidden, heads * m.head_dim),                 # o, row-parallel
-                       (2 * inter, m.hidden),                          # gate_up
-                       (m.hidden, inter))                              # down
-        return cls(tp, projections, kv, heads, vocab_shard(m.vocab, tp))
-
-    def linear_parameters(self, m: Shape) -> int:
-        return m.layers * sum(n * k for n, k in self.projections)
+        from folio.model.layers.linear import heads_per_rank
+        linears = tuple(m.linears(tp))          # a ValueError where tp does not divide
+        _, kv, _ = heads_per_rank(m.heads, m.kv_heads, tp)
+        return cls(tp, linears, kv, vocab_shard(m.vocab, tp), m.active_linear_parameters(tp),
+                   m.mlp_width(tp))
 
 
-def weights_bytes(m: Shape, rank: Rank, quantization: str) -> int:
-    """One GPU's weights: linear layers in the format, embedding and head bf16, norms."""
-    from folio.bench.weights import linear_bytes
-    fmt = QUANTIZATIONS[quantization]
-    linear = m.layers * sum(linear_bytes(n, k, fmt) for n, k in rank.projections)
+def weights_bytes(m: ModelShape, rank: Rank, quantization: str) -> int:
+    """One GPU's weights: linear layers in the format (routers bf16), embedding and
+    head bf16, norms."""
+    from folio.bench.weights import linears_bytes
+    linear = linears_bytes(rank.linears, QUANTIZATIONS[quantization])
     tables = rank.vocab_rows * m.hidden * 2 * (1 if m.tied else 2)
     norms = (2 * m.layers + 1) * m.hidden * 2
     return linear + tables + norms
 
 
-def kv_bytes_per_token(m: Shape, rank: Rank) -> int:
-    return m.layers * 2 * rank.kv_heads * m.head_dim * 2          # keys and values, bf16
+def expert_bytes(rank: Rank, quantization: str) -> int:
+    from folio.bench.weights import linears_bytes
+    return linears_bytes([lin for lin in rank.linears if lin.kind == "expert"],
+                         QUANTIZATIONS[quantization])
 
 
-def activation_bytes(m: Shape, rank: Rank, step_tokens: int) -> int:
-    inter = rank.projections[3][1]
-    return step_tokens * (4 * m.hidden + 3 * inter) * 2 + MAX_SEQS * m.vocab * 4
+def activation_bytes(m: ModelShape, rank: Rank, step_tokens: int) -> int:
+    return step_tokens * (4 * m.hidden + 3 * rank.mlp_width) * 2 + MAX_SEQS * m.vocab * 4
 
 
 def step_tokens_for(seq_len: int, gpu: dict) -> int:
@@ -180,7 +176,7 @@ def step_tokens_for(seq_len: int, gpu: dict) -> int:
     return default_step_tokens(gpu.get("device", "cuda"), seq_len)
 
 
-def fit(m: Shape, gpu: dict, quantization: str, seq_len: int, tp: int,
+def fit(m: ModelShape, gpu: dict, quantization: str, seq_len: int, tp: int,
         utilization: float) -> Optional[dict]:
     """The memory picture of one GPU at tensor-parallel size tp, or None where tp
     does not divide the model."""
@@ -189,29 +185,34 @@ def fit(m: Shape, gpu: dict, quantization: str, seq_len: int, tp: int,
     except ValueError:
         return None
     weights = weights_bytes(m, rank, quantization)
-    kv = kv_bytes_per_token(m, rank)
+    kv = m.kv_bytes_per_token(rank.kv_heads)             # keys and values, bf16
     usable = gpu["memory_gb"] * 1e9 * utilization
     free = usable - weights - activation_bytes(m, rank, step_tokens_for(seq_len, gpu))
     return {"rank": rank, "weights": weights, "kv_per_token": kv,
+            "expert_weights": expert_bytes(rank, quantization),
             "max_batch": max(0, int(free // (kv * seq_len)))}
 
 
-def decode_tokens_per_s(m: Shape, gpu: dict, f: dict, batch: int, context: float) -> float:
+def decode_tokens_per_s(m: ModelShape, gpu: dict, f: dict, batch: int,
+                        context: float) -> float:
+    """A step reads every weight but the experts no sequence of the batch picked,
+    and runs each sequence through its own experts only."""
     rank = f["rank"]
-    read = f["weights"] + batch * context * f["kv_per_token"]
+    unread = f["expert_weights"] * (1 - m.expert_share(batch))
+    read = f["weights"] - unread + batch * context * f["kv_per_token"]
     t_mem = read / (gpu["bandwidth_gbs"] * 1e9 * gpu["bandwidth_efficiency"])
     # every decoded token also runs the LM head (its vocabulary shard)
-    flops = 2 * (rank.linear_parameters(m) + rank.vocab_rows * m.hidden) * batch
+    flops = 2 * (rank.active_linear_parameters + rank.vocab_rows * m.hidden) * batch
     t_flops = flops / (gpu["bf16_tflops"] * 1e12 * gpu["flops_efficiency"])
     return batch / max(t_mem, t_flops)
 
 
-def prefill_tokens_per_s(m: Shape, gpu: dict, f: dict) -> float:
-    per_token = 2 * f["rank"].linear_parameters(m)
+def prefill_tokens_per_s(m: ModelShape, gpu: dict, f: dict) -> float:
+    per_token = 2 * f["rank"].active_linear_parameters
     return gpu["bf16_tflops"] * 1e12 * gpu["flops_efficiency"] / per_token
 
 
-def tensor_parallel(args, name: str, m: Shape, gpu: dict, seq: int) -> tuple[int, dict]:
+def tensor_parallel(args, name: str, m: ModelShape, gpu: dict, seq: int) -> tuple[int, dict]:
     """(size, fit) of --tensor-parallel-size, else of the smallest power of two
     (up to the GPU's limit) at which the weights, a step's activations and one
     sequence fit."""

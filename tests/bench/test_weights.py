@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from folio import LLM
-from folio.bench.weights import SHAPES, Shape, linear_bytes, loaded_bytes, shape_table
+from folio.bench.weights import SHAPES, linear_bytes, loaded_bytes, shape_table
 from folio.model.layers.quantization.int_groups import IntGroups
 
 
@@ -26,7 +26,7 @@ def test_layer_arithmetic_equals_a_real_packing(n, k, bits, group):
 
 
 def test_llama_70b_seed_figures():
-    table = shape_table({"70B": Shape(*SHAPES["Llama-3-70B"])})["70B"]
+    table = shape_table({"70B": SHAPES["Llama-3-70B"]})["70B"]
     assert 70e9 < table["parameters"] < 71e9
     formats = table["formats"]
     assert 139e9 < formats["bf16"]["total_bytes"] < 143e9
@@ -53,4 +53,8 @@ def test_the_command_prints_json():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["quantization"] == "gguf"
-    assert set(result["shapes"]) == {"SmolLM2-135M-Instruct", "Llama-3-8B", "Llama-3-70B"}
+    assert set(result["shapes"]) == {"SmolLM2-135M-Instruct", "Llama-3-8B", "Llama-3-70B",
+                                     "Mixtral-8x7B"}
+    mixtral = result["shapes"]["Mixtral-8x7B"]        # 46.7B in all, 12.9B a token
+    assert round(mixtral["parameters"] / 1e9, 1) == 46.7
+    assert round(mixtral["active_parameters"] / 1e9, 1) == 12.9

@@ -1,8 +1,10 @@
 """Model FLOPs of a workload and the machine's matmul ceiling.
 
-FLOPs = sum over every processed token of 2 x (non-embedding linear parameters)
-      + sum over sampled positions of 2 x (LM-head parameters)
-      + attention: 4 x context length x hidden size, per layer, per token.
+A request's FLOPs are what its model says of itself (model/shape.py's
+sequence_flops): 2 x the linear parameters each processed token runs (its
+experts only, in a mixture of experts), 4 x the query width per key attended
+(a sliding-window layer's keys at most its window), 2 x the LM head per
+sampled token.
 """
 
 from __future__ import annotations
@@ -14,28 +16,14 @@ import torch
 
 from folio.bench.datasets import BenchRequest
 from folio.config import ModelConfig
-
-
-def linear_params_per_layer(m: ModelConfig) -> int:
-    q = m.num_attention_heads * m.head_dim
-    kv = m.num_key_value_heads * m.head_dim
-    attn = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    return attn + mlp
+from folio.model.shape import shape_of
 
 
 def workload_flops(m: ModelConfig, requests: list[BenchRequest]) -> float:
-    linear = linear_params_per_layer(m) * m.num_hidden_layers
-    head = m.vocab_size * m.hidden_size
-    total = 0.0
-    for r in requests:
-        # The model runs the prompt and every output token but the last one;
-        # the token at position p attends to p + 1 positions.
-        processed = len(r.prompt_token_ids) + r.max_tokens - 1
-        context_sum = processed * (processed + 1) / 2
-        total += 2 * linear * processed + 2 * head * r.max_tokens
-        total += 4 * m.hidden_size * m.num_hidden_layers * context_sum
-    return total
+    shape = shape_of(m)
+    # The model runs the prompt and every output token but the last one.
+    return sum(shape.sequence_flops(len(r.prompt_token_ids) + r.max_tokens - 1, r.max_tokens)
+               for r in requests)
 
 
 def measure_ceiling(m: ModelConfig, dtype: torch.dtype, device: str = "cpu",

@@ -6,27 +6,33 @@ Two parts:
   command): every parameter and packed tensor the layers keep after loading,
   summed by role (decoder linear layers, embedding, LM head, norms), with the
   format each linear layer runs in;
-- the arithmetic for Llama-shaped models (Llama-3-8B and -70B, and the loaded
-  model's own shape), per format, computed by the packing code itself:
-  `IntGroups.from_codes` packs one tile of 16 output features of each
-  projection shape, and a layer's bytes are its tiles times that, plus what
-  is per layer (group bounds, the permutation). A float format is its element
-  size per weight. Embeddings and LM heads stay bf16 there, as GPTQ and AWQ
-  checkpoints keep them.
+- the arithmetic for other shapes (Llama-3-8B and -70B, Mixtral 8x7B and the
+  loaded model's own, as its model class states it: model/shape.py), per
+  format, computed by the packing code itself: `IntGroups.from_codes` packs
+  one tile of 16 output features of each projection shape, and a layer's
+  bytes are its tiles times that, plus what is per layer (group bounds, the
+  permutation). A float format is its element size per weight. Embeddings,
+  LM heads and MoE routers stay bf16 there, as GPTQ and AWQ checkpoints keep
+  them.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from dataclasses import dataclass
 
 import torch
 
-# name: (hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
+from folio.model.shape import Linear, ModelShape, shape_of
+
 SHAPES = {
-    "Llama-3-8B": (4096, 14336, 32, 32, 8, 128, 128256, False),
-    "Llama-3-70B": (8192, 28672, 80, 64, 8, 128, 128256, False),
+    "Llama-3-8B": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                             vocab=128256, tied=False, intermediate=14336),
+    "Llama-3-70B": ModelShape(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
+                              vocab=128256, tied=False, intermediate=28672),
+    "Mixtral-8x7B": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                               vocab=32000, tied=False, intermediate=14336, moe_layers=32,
+                               experts=8, experts_per_token=2, expert_intermediate=14336),
 }
 # format: (bits, group size; -1 one group per output feature) or a float size
 FORMATS = {
@@ -40,28 +46,6 @@ FORMATS = {
 
 def add_weights_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-@dataclass
-class Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    def projections(self) -> list[tuple[int, int]]:
-        """(out, in) of one decoder layer's linear layers, fused as Folio runs them."""
-        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        return [(qkv, self.hidden), (self.hidden, self.heads * self.head_dim),
-                (2 * self.intermediate, self.hidden), (self.hidden, self.intermediate)]
-
-    def parameters(self) -> int:
-        linear = self.layers * sum(n * k for n, k in self.projections())
-        return linear + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,16 +73,23 @@ def linear_bytes(n: int, k: int, fmt) -> int:
     return -(-n // TILE) * per_tile + per_layer
 
 
-def shape_table(shapes: dict[str, Shape]) -> dict:
+def linears_bytes(linears: list[Linear], fmt) -> int:
+    """Bytes of a model's (or rank's) linear layers in format `fmt`; routers bf16."""
+    return sum(lin.count * linear_bytes(lin.out, lin.inp, 2 if lin.kind == "router" else fmt)
+               for lin in linears)
+
+
+def shape_table(shapes: dict[str, ModelShape]) -> dict:
     out = {}
     for name, shape in shapes.items():
-        head = shape.vocab * shape.hidden * 2 * (1 if shape.tied else 2)     # bf16
+        head = shape.embedding_parameters() * 2                             # bf16
         rows = {}
         for fmt_name, fmt in FORMATS.items():
-            linear = shape.layers * sum(linear_bytes(n, k, fmt) for n, k in shape.projections())
+            linear = linears_bytes(shape.linears(), fmt)
             rows[fmt_name] = {"linear_bytes": linear, "embedding_and_head_bytes": head,
                               "total_bytes": linear + head}
-        out[name] = {"parameters": shape.parameters(), "formats": rows}
+        out[name] = {"parameters": shape.parameters(),
+                     "active_parameters": shape.active_parameters(), "formats": rows}
     return out
 
 
@@ -143,20 +134,13 @@ def loaded_bytes(model) -> dict:
             "lm_head_tied": bool(getattr(getattr(model, "lm_head", None), "tied", False))}
 
 
-def model_shape_of(cfg) -> Shape:
-    """A ModelConfig's shape."""
-    return Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
-                 cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                 cfg.vocab_size, cfg.tie_word_embeddings)
-
-
 def bench_weights(args, engine) -> dict:
     runner = getattr(engine.executor, "runner", None)
     if runner is None:
         raise ValueError("folio bench weights reads the model in this process: use "
                          "--tensor-parallel-size 1")
     cfg = engine.config.model
-    shapes = {cfg.model: model_shape_of(cfg), **{k: Shape(*v) for k, v in SHAPES.items()}}
+    shapes = {cfg.model: shape_of(cfg), **SHAPES}
     return {"model": cfg.model, "quantization": cfg.quantization or "none",
             "dtype": engine.config.dtype, "loaded": loaded_bytes(runner.model),
             "shapes": shape_table(shapes)}
@@ -177,10 +161,11 @@ def print_weights(result: dict) -> None:
     print(f"  embedding {_gb(b['embedding'])}, LM head {_gb(b['lm_head'])}{tied}, "
           f"norms and the rest {_gb(b['other'])}")
     print()
-    print("The same layouts for Llama-shaped models (embedding and LM head bf16):")
+    print("The same layouts for other shapes (embedding, LM head and routers bf16):")
     names = list(FORMATS)
-    print("| model | parameters | " + " | ".join(names) + " |")
-    print("|---" * (len(names) + 2) + "|")
+    print("| model | parameters | active per token | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 3) + "|")
     for model, row in result["shapes"].items():
         cells = [_gb(row["formats"][f]["total_bytes"]) for f in names]
-        print(f"| {model} | {row['parameters'] / 1e9:.2f} B | " + " | ".join(cells) + " |")
+        print(f"| {model} | {row['parameters'] / 1e9:.2f} B | "
+              f"{row['active_parameters'] / 1e9:.2f} B | " + " | ".join(cells) + " |")

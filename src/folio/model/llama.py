@@ -23,6 +23,7 @@ from folio.model.layers.norm import RMSNorm
 from folio.model.layers.quantization.base import QuantizationConfig
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.model.native.decoder import NativeDecoder
+from folio.model.shape import ModelShape
 from folio.model.weight_loading import load_model_weights
 
 Quant = Optional[QuantizationConfig]
@@ -141,6 +142,11 @@ class LlamaForCausalLM(nn.Module):
                                       "lm_head", tied=cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+
+    @classmethod
+    def shape(cls, cfg: ModelConfig) -> ModelShape:
+        """The sizes of the model this class builds from cfg (model/shape.py)."""
+        return ModelShape.of(cfg)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

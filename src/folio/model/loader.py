@@ -167,8 +167,19 @@ def _hf_architecture(cfg: dict[str, Any], source: str) -> str:
 
 
 def _hf_model_config(model: str, folder: Path) -> ModelConfig:
-    source = str(folder / "config.json")
-    cfg = _read_json(folder / "config.json")
+    gen_path = folder / "generation_config.json"
+    return model_config_from_dict(_read_json(folder / "config.json"), model,
+                                  str(folder / "config.json"), folder,
+                                  _read_json(gen_path) if gen_path.is_file() else {})
+
+
+def model_config_from_dict(cfg: dict[str, Any], model: str, source: str,
+                           folder: Optional[Path] = None,
+                           gen: Optional[dict[str, Any]] = None) -> ModelConfig:
+    """The ModelConfig of a config.json's fields (`source` names it in errors);
+    `folder`: the checkpoint's, where its tensors tell the dtype a config does not
+    (None: a config alone, as folio plan's catalog has)."""
+    gen = gen or {}
     arch = _hf_architecture(cfg, source)
     check_architecture(arch, source)
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
@@ -176,8 +187,6 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
         raise ValueError(f"{source} lacks {', '.join(missing)}")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
-    gen_path = folder / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else {}
     sizes = {k: config_size(cfg, k, source) for k in _REQUIRED_KEYS}
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     kv_heads = config_size(cfg, "num_key_value_heads", source, heads)
@@ -190,7 +199,7 @@ def _hf_model_config(model: str, folder: Path) -> ModelConfig:
     rope_theta, rope_scaling = _hf_rope(cfg)
     bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
     config = ModelConfig(
-        model=model, path=str(folder), format="hf", architecture=arch,
+        model=model, path=str(folder or source), format="hf", architecture=arch,
         **sizes,
         num_key_value_heads=kv_heads,
         # Mistral configs may carry "head_dim": null: the default is then used.
@@ -261,10 +270,12 @@ def _hf_max_positions(cfg: dict[str, Any], arch: str) -> int:
     return limit
 
 
-def _hf_checkpoint_dtype(cfg: dict[str, Any], folder: Path) -> str:
+def _hf_checkpoint_dtype(cfg: dict[str, Any], folder: Optional[Path]) -> str:
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if isinstance(dtype, str):
         return dtype.removeprefix("torch.")
+    if folder is None:
+        return "float32"
     # No dtype in the config: look at the first stored tensor instead. Missing
     # weights are reported by iter_weights; a config alone still parses.
     files = sorted(folder.glob("*.safetensors"))

@@ -64,6 +64,15 @@ class MoEForCausalLM(LlamaForCausalLM):
         refuse_quantized_experts(cfg)
         super().__init__(cfg, dtype, device, quant_config, attn_backend)
 
+    @classmethod
+    def shape(cls, cfg: ModelConfig):
+        """Its MoE layers (those `is_moe` picks) hold experts instead of a dense MLP."""
+        moe = sum(cls.layer_cls.is_moe(cfg, i) for i in range(cfg.num_hidden_layers))
+        return dataclasses.replace(super().shape(cfg), moe_layers=moe,
+                                   experts=cfg.num_experts,
+                                   experts_per_token=cfg.num_experts_per_tok,
+                                   expert_intermediate=cfg.moe_intermediate_size)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The per-expert tensors transformers writes by default, or its fused form
         (save_pretrained(save_original_format=False)): `mlp.experts.gate_up_proj`
