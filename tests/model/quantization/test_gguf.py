@@ -2,8 +2,8 @@
 weights transformers' GGUF reader dequantizes (exactly: tests/model/
 test_loader.py), so Folio's logits match transformers on the dequantized
 model to fp32 rounding and its greedy tokens equal transformers'. Other types
-(the K-quants, Q5_x) and fused layers whose projections differ in type are
-dequantized at load as before."""
+(Q5_x, Q2_K, Q3_K), and fused layers with a part of such a type, are
+dequantized at load as before. The K-quants: test_gguf_kquants.py."""
 
 import pytest
 import torch
@@ -52,7 +52,7 @@ def test_other_types_still_load_as_float(tiny_ggufs):
     assert not isinstance(layer.quant_method, IntGroupsLinear)
 
 
-def test_a_fused_layer_runs_packed_only_if_its_projections_share_a_type():
+def test_a_fused_layer_runs_packed_only_if_each_projection_is_packable():
     class T:
         def __init__(self, name, kind):
             self.name, self.tensor_type = name, type("K", (), {"name": kind})
@@ -60,18 +60,23 @@ def test_a_fused_layer_runs_packed_only_if_its_projections_share_a_type():
     class Reader:
         tensors = [T("blk.0.attn_q.weight", "Q4_0"), T("blk.0.attn_k.weight", "Q4_0"),
                    T("blk.0.attn_v.weight", "Q8_0"), T("blk.0.attn_output.weight", "Q4_0"),
-                   T("blk.0.ffn_gate.weight", "Q4_1"), T("blk.0.ffn_up.weight", "Q4_1"),
+                   T("blk.0.ffn_gate.weight", "Q4_1"), T("blk.0.ffn_up.weight", "Q5_0"),
                    T("blk.0.ffn_down.weight", "Q6_K"), T("blk.0.attn_norm.weight", "F32")]
 
     assert gguf_loader.packed_linear_tensors(Reader) == {
+        "model.layers.0.self_attn.q_proj.weight": "Q4_0",
+        "model.layers.0.self_attn.k_proj.weight": "Q4_0",
+        "model.layers.0.self_attn.v_proj.weight": "Q8_0",
         "model.layers.0.self_attn.o_proj.weight": "Q4_0",
-        "model.layers.0.mlp.gate_proj.weight": "Q4_1",
-        "model.layers.0.mlp.up_proj.weight": "Q4_1"}
+        "model.layers.0.mlp.down_proj.weight": "Q6_K"}
     from folio.model.layers.quantization import get_quantization_config
     config = get_quantization_config("gguf", {"packed": gguf_loader.packed_linear_tensors(Reader)})
-    assert isinstance(config.get_linear_method(None, "model.layers.0.self_attn.qkv_proj"),
-                      PlainLinearMethod)
-    assert config.get_linear_method(None, "model.layers.0.mlp.gate_up_proj").kind == "Q4_1"
+    qkv = config.get_linear_method(None, "model.layers.0.self_attn.qkv_proj")
+    assert (qkv.kind, qkv.bits, qkv.group) == ("Q4_0+Q8_0", 8, 32)      # the widest codes
+    assert isinstance(config.get_linear_method(None, "model.layers.0.mlp.gate_up_proj"),
+                      PlainLinearMethod)                                 # Q5_0 is not packed
+    down = config.get_linear_method(None, "model.layers.0.mlp.down_proj")
+    assert (down.kind, down.bits, down.group) == ("Q6_K", 8, 16)
 
 
 def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(tiny_ggufs):

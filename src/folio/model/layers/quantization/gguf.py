@@ -1,24 +1,36 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 linear weights, kept in their blocks' codes.
+"""GGUF's Q4_0, Q4_1, Q8_0 and K-quant (Q4_K, Q5_K, Q6_K) linear weights,
+kept in their blocks' codes.
 
-A block is 32 consecutive input features of one output row: a float16 scale
-d (and for Q4_1 a float16 min m) and 32 codes. Q4_0: w = (q - 8) d; Q4_1:
-w = q d + m; Q8_0: w = q d with q a signed byte. The loader
-(`model/gguf_loader.py`) splits each packed tensor into three checkpoint
-tensors the layers' loader can shard like any other (rows are output
-features; blocks run along the input):
+A legacy block is 32 consecutive input features of one output row: a float16
+scale d (and for Q4_1 a float16 min m) and 32 codes. Q4_0: w = (q - 8) d;
+Q4_1: w = q d + m; Q8_0: w = q d with q a signed byte. A K-quant super-block
+is 256 input features in sub-blocks, each with its own integer scale (and
+min) under the super-block's float16 d (and dmin): Q4_K and Q5_K, 8
+sub-blocks of 32 with 6-bit scales sc and mins m, w = q d sc - dmin m with
+4- and 5-bit q; Q6_K, 16 sub-blocks of 16 with int8 scales, w = d sc (q -
+32) with 6-bit q. The loader (`model/gguf_loader.py`) splits each packed
+tensor into three checkpoint tensors the layers' loader can shard like any
+other (rows are output features; blocks run along the input):
 
-- `qcodes` uint8 [out, in * bits / 8]: unsigned codes, for 4 bits two per
-  byte, input feature 2j in the low nibble of byte j and 2j + 1 in the high
-  one; Q8_0's signed bytes are offset by 128;
-- `qscales` [out, in / 32]: d;
-- `qoffsets` [out, in / 32]: -8 d, m, or -128 d.
+- `qcodes` uint8 [out, in * bits / 8]: unsigned codes as held (`KINDS`), for
+  4 bits two per byte, input feature 2j in the low nibble of byte j and
+  2j + 1 in the high one; Q8_0's signed bytes are offset by 128; Q5_K's and
+  Q6_K's 5- and 6-bit codes one per byte;
+- `qscales` [out, in / group]: d, or a K-quant sub-block's d sc;
+- `qoffsets` [out, in / group]: -8 d, m, -128 d, -dmin m or -32 d sc.
 
-So w = q * scale + offset for all three, exactly as the gguf package
-dequantizes them (every product and sum there is exact in fp32). Which
-tensors are kept packed is decided once, when the config is read
+So w = q * scale + offset for all of them, as the gguf package dequantizes
+them (its products and sums are exact in fp32). The packed form keeps scales
+and offsets in float16: exact for the legacy types, whose d and m are
+float16; a K-quant's d sc and dmin m (up to 17 significant bits) are rounded
+to float16 there, 2^-12 of each at most, far below the 4-bit codes' own
+step. Q5_K and Q6_K are held in the 8-bit form (their codes one per byte),
+so a Q4_K_M file (Q4_K, with Q6_K for some tensors) is held at about 5 bits
+a weight for its Q4_K tensors and 10 for its Q6_K ones. Which tensors are
+kept packed is decided once, when the config is read
 (`gguf_loader.packed_linear_tensors`: a fused layer's projections must share
-one packable type); the others, K-quants among them, are dequantized to
-float at load and run as plain weights. The embedding table (`token_embd`,
+one packable type); the others (Q2_K, Q3_K, ...) are dequantized to float at
+load and run as plain weights. The embedding table (`token_embd`,
 often Q8_0) is kept in its codes the same way: the embedding dequantizes the
 rows it looks up and a tied LM head multiplies by the same packed form.
 """
@@ -35,8 +47,19 @@ from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
 from folio.model.layers.quantization.int_groups import IntCheckpointMethod, IntGroups
 
-BLOCK = 32
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# the types kept packed: (bits of the codes as held, input features per group)
+KINDS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32),
+         "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+
+
+def held_form(kinds) -> tuple[int, int]:
+    """(bits, group) a layer of these parts is held in: one form for the fused
+    layer, the widest codes and the smallest groups among them (a Q4_K part
+    beside a Q6_K one, as Q4_K_M's attn_v is, is held in 8 bits and groups of
+    16, each group of 32's scale twice: the same values)."""
+    return max(KINDS[k][0] for k in kinds), min(KINDS[k][1] for k in kinds)
+
+
 # our fused projections -> the checkpoint projections they hold
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -54,22 +77,22 @@ class GGUFConfig(QuantizationConfig):
     def __init__(self, config: dict[str, Any], *, weight_dtype=None):
         super().__init__(config, weight_dtype=weight_dtype)
         self.packed = dict(config.get("packed") or {})
-        unknown = sorted(set(self.packed.values()) - set(BITS))
+        unknown = sorted(set(self.packed.values()) - set(KINDS))
         if unknown:
             raise ValueError(f"GGUF tensor types {', '.join(unknown)} cannot run packed; "
-                             f"packed: {', '.join(BITS)}")
+                             f"packed: {', '.join(KINDS)}")
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
-        kinds = {self.packed.get(name) for name in shard_names(prefix)}
-        if len(kinds) == 1 and None not in kinds:
-            return GGUFLinearMethod(kinds.pop(), prefix)
+        kinds = [self.packed.get(name) for name in shard_names(prefix)]
+        if None not in kinds:
+            return GGUFLinearMethod(kinds, prefix)
         return PlainLinearMethod(self.weight_dtype)
 
     def get_embedding_method(self, layer: nn.Module, prefix: str):
         """`token_embd` (and an untied `output`) of a packable type: rows of
         the table are output features, its blocks run along the hidden size."""
         kind = self.packed.get(f"{prefix}.weight")
-        return None if kind is None else GGUFLinearMethod(kind, prefix)
+        return None if kind is None else GGUFLinearMethod([kind], prefix)
 
 
 class GGUFLinearMethod(IntCheckpointMethod):
@@ -77,19 +100,20 @@ class GGUFLinearMethod(IntCheckpointMethod):
 
     checkpoint_tensors = ("qcodes", "qscales", "qoffsets")
 
-    def __init__(self, kind: str, prefix: str):
-        self.kind, self.bits, self.prefix = kind, BITS[kind], prefix
+    def __init__(self, kinds: list[str], prefix: str):
+        self.kind, self.prefix = "+".join(dict.fromkeys(kinds)), prefix
+        self.bits, self.group = held_form(kinds)
 
     def create_weights(self, layer, in_features, out_features, dtype):
-        if in_features % BLOCK:
+        if in_features % self.group:
             raise ValueError(f"{self.prefix}: {in_features} input features per rank do not "
-                             f"split into GGUF's blocks of {BLOCK}")
+                             f"split into {self.kind}'s groups of {self.group}")
         per_byte = 8 // self.bits
         weight_param(layer, "qcodes", (out_features, in_features // per_byte), torch.uint8,
                      output_dim=0, input_dim=1, packed_dim=1, pack_factor=per_byte)
         for name in ("qscales", "qoffsets"):
-            weight_param(layer, name, (out_features, in_features // BLOCK), torch.float32,
-                         output_dim=0, input_dim=1)
+            weight_param(layer, name, (out_features, in_features // self.group),
+                         torch.float32, output_dim=0, input_dim=1)
 
     def _codes(self, layer) -> torch.Tensor:
         c = layer.qcodes.data
@@ -98,12 +122,13 @@ class GGUFLinearMethod(IntCheckpointMethod):
         return c
 
     def dequantize(self, layer) -> torch.Tensor:
-        groups = torch.arange(self._codes(layer).shape[1]) // BLOCK
+        """The checkpoint's values, in fp32 (before the packed form's float16)."""
+        groups = torch.arange(self._codes(layer).shape[1]) // self.group
         return (self._codes(layer).float() * layer.qscales.data[:, groups]
                 + layer.qoffsets.data[:, groups])
 
     def int_groups(self, layer) -> IntGroups:
         codes = self._codes(layer)
-        groups = torch.arange(codes.shape[1]) // BLOCK
+        groups = torch.arange(codes.shape[1]) // self.group
         return IntGroups.from_codes(codes, groups, layer.qscales.data, self.bits,
                                     offset=layer.qoffsets.data)
