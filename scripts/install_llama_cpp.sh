@@ -8,6 +8,10 @@
 #   scripts/install_llama_cpp.sh          # -march=native
 #   scripts/install_llama_cpp.sh avx2     # AVX2 + FMA + F16C, no AVX-512: what an
 #                                         # AVX2-only CPU runs (for a simulated run)
+#   scripts/install_llama_cpp.sh avx512   # AVX-512 (VBMI, VNNI, BF16) without AMX: for
+#                                         # machines whose AMX matmul crashes llama.cpp
+#                                         # (a SIGSEGV in ggml_backend_amx_mul_mat seen on
+#                                         # a Sapphire Rapids VM)
 set -euo pipefail
 ISA="${1:-native}"
 VERSION=11434.0.0
@@ -33,7 +37,11 @@ case "$ISA" in
                  -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
                  -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
                  -DGGML_AMX_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
-    *) echo "usage: $0 [native|avx2]" >&2; exit 2 ;;
+    avx512) flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                   -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+                   -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF
+                   -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "usage: $0 [native|avx2|avx512]" >&2; exit 2 ;;
 esac
 cmake -S "$SRC" -B "$OUT" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \

@@ -32,7 +32,8 @@ INSTALL_HINT = ("build one with scripts/install_llama_cpp.sh in the Folio checko
 
 def find_llama_server(path: str | None = None) -> str:
     """The `llama-server` to run: `path`, else one on PATH, else the one
-    scripts/install_llama_cpp.sh builds in this checkout."""
+    scripts/install_llama_cpp.sh builds in this checkout (its native build, else
+    its avx512 one)."""
     if path:
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise ValueError(f"--llama-server {path}: not an executable file")
@@ -40,10 +41,11 @@ def find_llama_server(path: str | None = None) -> str:
     found = shutil.which("llama-server")
     if found:
         return found
-    built = Path(__file__).resolve().parents[3] / "build" / "llama.cpp" / "native" / "bin" / \
-        "llama-server"
-    if built.is_file():
-        return str(built)
+    for isa in ("native", "avx512"):        # avx512: the build without AMX
+        built = Path(__file__).resolve().parents[3] / "build" / "llama.cpp" / isa / "bin" / \
+            "llama-server"
+        if built.is_file():
+            return str(built)
     raise ValueError(f"the llama-cpp baseline needs llama.cpp's llama-server: {INSTALL_HINT}")
 
 

@@ -1,0 +1,108 @@
+"""A Q4_K_M GGUF, the file most people download: Folio on its codes beside
+Folio on its dequantized weights (what Folio did before it kept K-quants
+packed) and llama.cpp's llama-server on the same file, served, in one run.
+
+The model: a random Llama of a small real model's proportions with every
+row whole K-quant super-blocks (hidden 1024, intermediate 2816, 24 layers,
+16 heads of 64, 8 KV heads; its vocabulary is the test tokenizer's 384, so
+the LM head costs nearly nothing on either side), written as an F32 GGUF by
+tests/utils.py's write_tiny_gguf and quantized to Q4_K_M by llama.cpp's own
+llama-quantize (scripts/install_llama_cpp.sh builds both). Workloads and the
+driver are cpu_baselines.py's (`folio bench serve`, token-id prompts, EOS
+ignored): one request, 256 in / 256 out; and 32 requests at once. Also the
+file's size, the bytes Folio holds (`folio bench weights`) and the machine's
+memory bandwidth.
+
+    .venv/bin/python docs/bench/kquant_speed.py [--rounds N] [--save FILE] [--keep DIR]
+        [--llama-isa native|avx2|avx512]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_baselines  # noqa: E402
+from cpu_baselines import (PY, ROOT, bench_parser, env_for, folio_cmd, free_port,  # noqa: E402
+                           run_rounds, serve)
+
+SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+             num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+QUANTIZE = ROOT / "build" / "llama.cpp" / "native" / "bin" / "llama-quantize"
+
+
+def llama_server(isa: str) -> Path:
+    return ROOT / "build" / "llama.cpp" / isa / "bin" / "llama-server"
+
+
+def make_model(folder: Path) -> Path:
+    out = folder / "llama-q4_k_m.gguf"
+    if out.exists():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.utils import make_tiny_model, write_tiny_gguf
+hf = make_tiny_model({str(folder / 'hf')!r}, arch="llama", seed=0, **{SHAPE!r})
+write_tiny_gguf(hf, {str(folder / 'f32.gguf')!r})
+"""
+    subprocess.run([PY, "-c", code], check=True)
+    subprocess.run([str(QUANTIZE), str(folder / "f32.gguf"), str(out), "Q4_K_M"], check=True,
+                   capture_output=True)
+    (folder / "f32.gguf").unlink()
+    return out
+
+
+def one_round(args, tmp: Path) -> dict:
+    model = make_model(args.keep or tmp / "model")
+    # prompts of the model's own vocabulary (cpu_baselines' drive reads these lists)
+    for flags in (*cpu_baselines.WORKLOADS.values(), cpu_baselines.WARM_UP):
+        if "--tokenizer" not in flags:
+            flags += ["--tokenizer", str(model)]
+    rows: dict = {}
+    weights = subprocess.run([*folio_cmd(args), "bench", "weights", "--json", "--model",
+                              str(model), "--num-kv-blocks", "64"], capture_output=True,
+                             text=True, check=True, env=env_for(args))
+    held = json.loads(weights.stdout.strip().splitlines()[-1])["loaded"]["bytes"]["total"]
+    rows[f"(file {model.stat().st_size / 1e6:.0f} MB, Folio holds {held / 1e6:.0f} MB)"] = {}
+    print(f"  file {model.stat().st_size / 1e6:.1f} MB, Folio holds {held / 1e6:.1f} MB",
+          flush=True)
+    for name, flags in {"folio, Q4_K_M codes (default)": ["--dtype", "float32"],
+                        "folio -q none (dequantized, as before)": ["--dtype", "bfloat16",
+                                                                    "-q", "none"]}.items():
+        port = free_port()
+        rows[name] = serve(args, name, [*folio_cmd(args), "serve", "--model", str(model),
+                                        *flags, "--port", str(port)],
+                           port, tmp / f"folio-{len(rows)}.log")
+    server = llama_server(args.llama_isa)
+    for slots in (16, 1):
+        if not server.exists():
+            print(f"  no {server}: run scripts/install_llama_cpp.sh {args.llama_isa}", flush=True)
+            break
+        port = free_port()
+        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}"] = serve(
+            args, f"llama.cpp {slots}", [
+                str(server), "-m", str(model), "-t", "2", "-tb", "2", "-np", str(slots),
+                "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port),
+                "--no-webui"], port, tmp / f"llama-{slots}.log",
+            workloads=None if slots > 1 else ["one request"])
+    return rows
+
+
+def main() -> None:
+    p = bench_parser(__doc__)
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="make the model here once and reuse it (default: a temporary folder)")
+    p.add_argument("--llama-isa", default="native",
+                   help="which build of scripts/install_llama_cpp.sh (native, avx2, avx512)")
+    args = p.parse_args()
+    args.avx2_sim = False
+    run_rounds(args, one_round)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
