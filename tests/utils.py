@@ -290,6 +290,10 @@ def _gguf_name(hf_name: str) -> str:
     if base in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)   # model.layers.{i}.{rest}
+    if rest.endswith("_exps"):
+        return f"blk.{layer}.{rest}.{kind}"
+    if rest in ("mlp.gate", "block_sparse_moe.gate"):    # the router
+        return f"blk.{layer}.ffn_gate_inp.{kind}"
     return f"blk.{layer}.{_GGUF_LAYER[rest]}.{kind}"
 
 
@@ -306,9 +310,13 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     """Convert a `make_tiny_model` folder to GGUF the way llama.cpp would; returns the path.
 
     Llama/Mistral become general.architecture "llama" with q/k rows permuted,
-    Qwen2 and Qwen3 stay "qwen2" / "qwen3" unpermuted. Matrices are stored as `qtype` (F32, F16,
-    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); norms stay F32 as llama.cpp keeps
-    them. The tokenizer.json vocabulary and merges go into the metadata.
+    Qwen2 and Qwen3 stay "qwen2" / "qwen3" unpermuted. Mixtral is "llama" with
+    expert_count; Qwen3-MoE is "qwen3moe" with expert_feed_forward_length;
+    their experts are stacked per layer into ffn_{gate,up,down}_exps [E, out,
+    in] and the router is ffn_gate_inp, as llama.cpp's converter writes them.
+    Matrices are stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1); norms (and routers) stay F32 as llama.cpp keeps them. The
+    tokenizer.json vocabulary and merges go into the metadata.
     """
     import gguf
     import numpy as np
@@ -316,9 +324,14 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     from folio.model.loader import iter_weights, load_model_config
 
     mc = load_model_config(str(hf_folder))
-    arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(mc.architecture,
-                                                                          "llama")
+    arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+            "Qwen3MoeForCausalLM": "qwen3moe"}.get(mc.architecture, "llama")
     writer = gguf.GGUFWriter(str(out_path), arch)
+    if mc.num_experts:
+        writer.add_expert_count(mc.num_experts)
+        writer.add_expert_used_count(mc.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(mc.moe_intermediate_size)
     writer.add_key_length(mc.head_dim)          # Qwen3's is not hidden / heads
     writer.add_value_length(mc.head_dim)
     writer.add_block_count(mc.num_hidden_layers)
@@ -333,14 +346,16 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     writer.add_vocab_size(mc.vocab_size)
     _add_gguf_tokenizer(writer, Path(hf_folder))
     quant = gguf.GGMLQuantizationType[qtype]
-    for name, tensor in iter_weights(mc):
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in _with_stacked_experts(iter_weights(mc), experts):
         array = tensor.float().numpy()
         if arch == "llama" and ".q_proj." in name:
             array = _llama_cpp_permute(array, mc.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, mc.num_key_value_heads)
         array = np.ascontiguousarray(array)
-        if array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+        if array.ndim >= 2 and quant != gguf.GGMLQuantizationType.F32 and \
+                "ffn_gate_inp" not in _gguf_name(name):
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, quant),
                               raw_dtype=quant)
         else:
@@ -350,6 +365,38 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     writer.write_tensors_to_file()
     writer.close()
     return str(out_path)
+
+
+# an expert's (gate, up, down) as transformers names them -> the stacked GGUF names
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                 "w2": "ffn_down_exps"}
+
+
+def _with_stacked_experts(weights, experts: dict):
+    """The checkpoint's tensors with each layer's per-expert ones (or its fused
+    gate_up_proj / down_proj) stacked into [E, out, in] under the GGUF names,
+    given as `model.layers.{i}.{ffn_*_exps}.weight` once a layer's are all read."""
+    import torch
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in weights:
+        layer, sep, rest = name.partition(".experts.")
+        if not sep:
+            yield name, tensor
+            continue
+        prefix = ".".join(layer.split(".")[:3])                  # model.layers.{i}
+        if rest in ("gate_up_proj", "down_proj"):                # the fused form [E, ., .]
+            if rest == "down_proj":
+                yield f"{prefix}.ffn_down_exps.weight", tensor
+            else:
+                gate, up = tensor.chunk(2, dim=1)
+                yield f"{prefix}.ffn_gate_exps.weight", gate
+                yield f"{prefix}.ffn_up_exps.weight", up
+            continue
+        e, part, _ = rest.split(".")
+        pending.setdefault(f"{prefix}.{_EXPERT_PARTS[part]}.weight", {})[int(e)] = tensor
+    for name, by_expert in pending.items():
+        yield name, torch.stack([by_expert[e] for e in sorted(by_expert)])
 
 
 def _add_gguf_tokenizer(writer, folder: Path) -> None:

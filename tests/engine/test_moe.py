@@ -167,25 +167,3 @@ def test_a_quantized_checkpoint_is_refused(moe_model, tmp_path):
 def test_mixtral_length_is_capped_at_its_window(tmp_path):
     path = make_tiny_model(tmp_path / "w", **MODELS["mixtral"], sliding_window=96)
     assert load_model_config(path).max_position_embeddings == 96
-
-
-def test_a_moe_gguf_is_refused(tmp_path):
-    """A Mixtral GGUF says "llama" with an expert count: refused by name."""
-    import gguf
-    import numpy as np
-
-    out = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_block_count(1)
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
-    writer.add_expert_count(8)
-    writer.add_expert_used_count(2)
-    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((8, 32, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"mixture-of-experts GGUFs \(8 experts\) are not "
-                                         "supported yet"):
-        load_model_config(str(out))

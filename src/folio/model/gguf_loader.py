@@ -21,6 +21,7 @@ yields each as its codes, scales and offsets.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Iterator, Optional
 
@@ -45,6 +46,10 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",     # Qwen3
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router and each layer's experts stacked [E, out, in];
+    # iter_gguf_weights gives them the names of the architecture's MoE block
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate",
+    "ffn_up_exps": "mlp.experts.up", "ffn_down_exps": "mlp.experts.down",
 }
 
 # Types gguf.quants.dequantize handles in numpy; all take about a second
@@ -118,15 +123,36 @@ def gguf_model_config(model: str, path: str) -> ModelConfig:
                          f"{', '.join(GGUF_ARCHITECTURES)}")
     if int(_field(reader, "split.count", 1)) > 1:
         raise ValueError(f"{path} is one part of a split GGUF; merge it with llama-gguf-split")
-    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    if experts:     # Mixtral GGUFs say "llama"; the HF folders of MoE models do load
-        raise ValueError(f"{path}: mixture-of-experts GGUFs ({experts} experts) are not "
-                         "supported yet; load the Hugging Face folder instead")
     _check_tensors(reader, path)
     try:
-        return _build_config(reader, model, path, arch)
+        config = _build_config(reader, model, path, arch)
+        experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+        return _with_experts(reader, config, arch, experts) if experts else config
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
+
+
+def _with_experts(reader, config: ModelConfig, arch: str, experts: int) -> ModelConfig:
+    """A mixture of experts' fields: Mixtral's GGUFs say "llama" with an expert
+    count. llama.cpp renormalizes the top-k weights of both (norm_topk_prob); a
+    layer without a router (ffn_gate_inp) is dense. The experts are dequantized
+    at load (they are not `_proj` weights, so never packed); the attention's
+    packable weights stay in their codes."""
+    name = "MixtralForCausalLM" if arch == "llama" else config.architecture
+    if name not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        raise ValueError(f"GGUF architecture {arch!r} with {experts} experts is not supported")
+    names = {t.name for t in reader.tensors}
+    dense = tuple(i for i in range(config.num_hidden_layers)
+                  if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    if name == "MixtralForCausalLM" and dense:
+        raise ValueError(f"layers {list(dense)} have no router (ffn_gate_inp)")
+    top_k = int(_field(reader, f"{arch}.expert_used_count"))
+    if not 0 < top_k <= experts:
+        raise ValueError(f"expert_used_count {top_k} is not within 1..{experts}")
+    size = int(_field(reader, f"{arch}.expert_feed_forward_length", config.intermediate_size))
+    return dataclasses.replace(config, architecture=name, num_experts=experts,
+                               num_experts_per_tok=top_k, moe_intermediate_size=size,
+                               norm_topk_prob=True, mlp_only_layers=dense)
 
 
 def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
@@ -253,12 +279,29 @@ def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
             items = [(f"{module}.{part}", value) for part, value in parts.items()]
         else:
             items = [(name, _dequantize(t))]
+        if model_config.num_experts and (".mlp.gate." in name or ".mlp.experts." in name):
+            items = _expert_names(model_config, name, items[0][1])
         for key, tensor in items:
             if permuted and ".self_attn.q_proj." in key:
                 tensor = _unpermute_rows(tensor, model_config.num_attention_heads)
             elif permuted and ".self_attn.k_proj." in key:
                 tensor = _unpermute_rows(tensor, model_config.num_key_value_heads)
             yield key, tensor
+
+
+def _expert_names(model_config: ModelConfig, name: str, tensor: torch.Tensor) -> list:
+    """A MoE layer's router, and its stacked experts [E, out, in] one per expert,
+    under the names the architecture's MoE block declares (Mixtral's
+    block_sparse_moe.experts.{e}.w1, Qwen3-MoE's mlp.experts.{e}.gate_proj, ...)."""
+    from folio.model.registry import model_class
+    style = model_class(model_config.architecture).layer_cls.style
+    layer = name.split(".mlp.", 1)[0]                        # model.layers.{i}
+    block = f"{layer}.{style.checkpoint_block}"
+    if ".mlp.gate." in name:
+        return [(f"{block}.gate.weight", tensor)]
+    part = ("gate", "up", "down").index(name.rsplit(".", 2)[1])
+    return [(f"{block}.experts.{e}.{style.names[part]}.weight", t)
+            for e, t in enumerate(tensor)]
 
 
 # bytes of one block, and the input features it holds

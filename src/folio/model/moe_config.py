@@ -53,8 +53,9 @@ def qwen3_moe_fields(cfg: dict[str, Any], num_layers: int, source: str) -> dict[
 
 
 def refuse_quantized_experts(cfg: ModelConfig) -> None:
-    """A ValueError naming what is not supported yet, for a quantized MoE model."""
-    if cfg.num_experts and cfg.quantization not in (None, "none"):
+    """A ValueError naming what is not supported yet, for a quantized MoE model
+    (a GGUF's experts reach the model dequantized: its packed layers are others)."""
+    if cfg.num_experts and cfg.quantization not in (None, "none", "gguf"):
         raise ValueError(f"{cfg.architecture}: quantized experts are not supported yet "
                          f"(quantization {cfg.quantization!r}); run the float checkpoint "
                          "without --quantization")

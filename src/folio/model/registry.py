@@ -50,12 +50,13 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": Architecture("folio.model.gemma3:Gemma3ForCausalLM", "gemma3_text",
                                       131072, windowed=True,
                                       config_fields="folio.model.gemma3_config:hf_fields"),
-    # mixture of experts (model/moe.py): float experts only, no GGUF yet
+    # mixture of experts (model/moe.py): float experts only (a GGUF's dequantized at
+    # load); Mixtral GGUFs say "llama" with an expert count (gguf_loader.py)
     "MixtralForCausalLM": Architecture("folio.model.moe:MixtralForCausalLM", "mixtral",
                                        4096 * 32,
                                        config_fields="folio.model.moe_config:mixtral_fields"),
     "Qwen3MoeForCausalLM": Architecture("folio.model.moe:Qwen3MoeForCausalLM", "qwen3_moe",
-                                        32768, window_opt_in=True,
+                                        32768, gguf="qwen3moe", window_opt_in=True,
                                         config_fields="folio.model.moe_config:qwen3_moe_fields"),
 }
 MODEL_REGISTRY = {name: a.cls for name, a in ARCHITECTURES.items()}      # name -> "module:class"

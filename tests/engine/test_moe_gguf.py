@@ -1,0 +1,123 @@
+"""Mixture-of-experts GGUFs: Qwen3-MoE (`qwen3moe`) and Mixtral (a `llama` file
+with an expert count), written from tiny random transformers checkpoints as
+llama.cpp's converter writes them (tests/utils.py's write_tiny_gguf: experts
+stacked into ffn_*_exps, the router as ffn_gate_inp). Folio reads the
+experts (dequantized) and answers as transformers does on the Hugging Face
+folder, alone and batched, and with llama.cpp's own llama-server on the same
+file (where one is built). llama.cpp renormalizes both families' top-k
+weights (the file does not say norm_topk_prob), so the checkpoints do too."""
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from tests.engine.test_moe import MODELS as MOE_MODELS
+from tests.parity import (assert_greedy_parity, prompt_logprobs, reference_greedy,
+                          reference_prompt_logprobs)
+from tests.utils import (TINY_EOS_ID, TINY_IM_END_ID, load_reference_model,
+                         make_tiny_model, write_tiny_gguf)
+
+NEW = 12
+# test_moe.py's checkpoints, Qwen3-MoE's top-k renormalized (as llama.cpp runs it);
+# its dense layer (mlp_only_layers) between MoE ones is a layer with no router
+MODELS = {"mixtral": MOE_MODELS["mixtral"],
+          "qwen3_moe": {**MOE_MODELS["qwen3_moe"], "norm_topk_prob": True}}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def moe_gguf(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    folder = make_tiny_model(root / "hf", **MODELS[request.param])
+    return request.param, write_tiny_gguf(folder, root / "model.gguf"), \
+        load_reference_model(folder)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (int(torch.randint(3, 30, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def test_the_config_is_the_checkpoints(moe_gguf):
+    name, path, ref = moe_gguf
+    cfg = LLM(path, dtype="float32", num_kv_blocks=16).engine.config.model
+    hf = ref.config
+    experts = getattr(hf, "num_local_experts", None) or hf.num_experts
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == (
+        type(ref).__name__, experts, hf.num_experts_per_tok)
+    assert cfg.moe_intermediate_size == getattr(hf, "moe_intermediate_size",
+                                                hf.intermediate_size)
+    assert cfg.mlp_only_layers == tuple(getattr(hf, "mlp_only_layers", ()))
+    assert cfg.norm_topk_prob
+
+
+def test_greedy_tokens_alone_and_batched_and_logprobs_are_transformers(moe_gguf):
+    name, path, ref = moe_gguf
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    prompts = _prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, (p, out) in enumerate(zip(prompts, batched)):
+        tokens, gaps = reference_greedy(ref, p, NEW, [])
+        assert_greedy_parity(list(out.outputs[0].token_ids), tokens, gaps, f"{name} {i}")
+    alone = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0]
+    assert alone.outputs[0].token_ids == batched[0].outputs[0].token_ids
+    ids = prompts[1]
+    assert torch.allclose(prompt_logprobs(llm, ids), reference_prompt_logprobs(ref, ids),
+                          atol=2e-4)
+
+
+def test_a_quantized_file_keeps_its_attention_in_codes_and_reads_its_experts(moe_gguf,
+                                                                             tmp_path):
+    """Q8_0 throughout: the attention's and dense layers' weights stay packed and
+    the experts (and router) arrive dequantized; the tokens and logprobs are
+    those of the same file read all dequantized (`-q none`: the gguf package's
+    values), whose MoE the F32 tests above check against transformers.
+    (transformers' own GGUF reader does not read these files' experts.)"""
+    from folio.model.layers.quantization.int_groups import IntGroupsLinear
+    name, _, _ = moe_gguf
+    sizes = {"intermediate_size": 64} if name == "mixtral" else {}     # whole Q8_0 blocks
+    folder = make_tiny_model(tmp_path / "hf", **{**MODELS[name], **sizes})
+    path = write_tiny_gguf(folder, tmp_path / "q8.gguf", "Q8_0")
+    packed = LLM(path, dtype="float32", num_kv_blocks=32, activation_quantization="none")
+    model = packed.engine.executor.runner.model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, IntGroupsLinear)
+    floats = LLM(path, dtype="float32", num_kv_blocks=32, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for prompt in _prompts(3, seed=9):
+        a, b = (llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+                for llm in (packed, floats))
+        assert a == b
+        assert torch.allclose(prompt_logprobs(packed, prompt), prompt_logprobs(floats, prompt),
+                              atol=2e-4)
+
+
+def test_llama_cpp_gives_the_same_tokens_on_the_same_file(tmp_path):
+    """llama.cpp's graph on the file (F32 weights: fp32 products, no activation
+    quantization), against Folio's: the same greedy tokens. llama.cpp's
+    qwen3moe has a router in every layer, so this checkpoint has no dense one."""
+    from folio.bench.llama_cpp import LlamaServer, _post, find_llama_server
+    try:
+        exe = find_llama_server()
+    except ValueError as e:
+        pytest.skip(f"no llama-server on this machine ({e})")
+    for name, kwargs in (("mixtral", MODELS["mixtral"]),
+                         ("qwen3_moe", {**MODELS["qwen3_moe"], "mlp_only_layers": []})):
+        folder = make_tiny_model(tmp_path / name / "hf", **kwargs)
+        path = write_tiny_gguf(folder, tmp_path / name / "model.gguf")
+        llm = LLM(path, dtype="float32", num_kv_blocks=32,
+                  activation_quantization="none")
+        ref = load_reference_model(folder)
+        with LlamaServer(exe, path, slots=1, ctx_per_slot=256, threads=2) as server:
+            for i, prompt in enumerate(_prompts(3, seed=5)):
+                theirs = _post(f"{server.url}/completion", {
+                    "prompt": prompt, "n_predict": NEW, "ignore_eos": True,
+                    "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                    "return_tokens": True}, 120)["tokens"]
+                # llama.cpp's ignore_eos bans its end-of-generation tokens (</s> and
+                # <|im_end|> here): so does this request
+                ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                    temperature=0, max_tokens=NEW, ignore_eos=True,
+                    logit_bias={TINY_EOS_ID: -100, TINY_IM_END_ID: -100}))[0].outputs[0].token_ids
+                _, gaps = reference_greedy(ref, prompt, NEW, [])
+                assert_greedy_parity(list(ours), list(theirs), gaps, f"{name} {i}")
