@@ -285,7 +285,13 @@ _GGUF_LAYER = {
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+# Gemma 3's norms: llama.cpp's ffn_norm is the one before its MLP
+_GGUF_GEMMA3 = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     base, kind = hf_name.rsplit(".", 1)
     if base in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[base]}.{kind}"
@@ -294,6 +300,8 @@ def _gguf_name(hf_name: str) -> str:
         return f"blk.{layer}.{rest}.{kind}"
     if rest in ("mlp.gate", "block_sparse_moe.gate"):    # the router
         return f"blk.{layer}.ffn_gate_inp.{kind}"
+    if arch == "gemma3" and rest in _GGUF_GEMMA3:
+        return f"blk.{layer}.{_GGUF_GEMMA3[rest]}.{kind}"
     return f"blk.{layer}.{_GGUF_LAYER[rest]}.{kind}"
 
 
@@ -325,7 +333,8 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
 
     mc = load_model_config(str(hf_folder))
     arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-            "Qwen3MoeForCausalLM": "qwen3moe"}.get(mc.architecture, "llama")
+            "Qwen3MoeForCausalLM": "qwen3moe",
+            "Gemma3ForCausalLM": "gemma3"}.get(mc.architecture, "llama")
     writer = gguf.GGUFWriter(str(out_path), arch)
     if mc.num_experts:
         writer.add_expert_count(mc.num_experts)
@@ -344,22 +353,33 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     writer.add_rope_dimension_count(mc.head_dim)
     writer.add_layer_norm_rms_eps(mc.rms_norm_eps)
     writer.add_vocab_size(mc.vocab_size)
+    if arch == "gemma3":        # as llama.cpp's Gemma3Model converter writes it
+        writer.add_rope_freq_base_swa(mc.rope_local_theta)
+        if mc.sliding_window:
+            writer.add_sliding_window(mc.sliding_window)
+        local = [t == "sliding_attention" for t in mc.layer_types]
+        if local != [i % 6 < 5 for i in range(mc.num_hidden_layers)]:
+            writer.add_sliding_window_pattern(local)    # not llama.cpp's default of 6
+        if mc.final_logit_softcapping:
+            writer.add_final_logit_softcapping(mc.final_logit_softcapping)
     _add_gguf_tokenizer(writer, Path(hf_folder))
     quant = gguf.GGMLQuantizationType[qtype]
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in _with_stacked_experts(iter_weights(mc), experts):
         array = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0                         # Gemma's RMSNorm scales by 1 + w
         if arch == "llama" and ".q_proj." in name:
             array = _llama_cpp_permute(array, mc.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, mc.num_key_value_heads)
         array = np.ascontiguousarray(array)
+        gguf_name = _gguf_name(name, arch)
         if array.ndim >= 2 and quant != gguf.GGMLQuantizationType.F32 and \
-                "ffn_gate_inp" not in _gguf_name(name):
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, quant),
-                              raw_dtype=quant)
+                "ffn_gate_inp" not in gguf_name:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, quant), raw_dtype=quant)
         else:
-            writer.add_tensor(_gguf_name(name), array)
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,6 +1,9 @@
 """GGUF files: hyperparameters from metadata; linear weights of types Q4_0,
-Q4_1 and Q8_0 kept in their codes (`layers/quantization/gguf.py`), the others
-dequantised to float32.
+Q4_1, Q8_0, Q4_K, Q5_K and Q6_K kept in their codes
+(`layers/quantization/gguf.py`), the others dequantised to float32. The
+architectures are model/registry.py's GGUF names; Mixtral is a `llama` file
+with an expert count, and Gemma 3's files are read as llama.cpp reads them
+(`_gemma3`).
 
 Three things differ from a Hugging Face checkpoint and are undone here:
 
@@ -52,6 +55,14 @@ _LAYER_NAMES = {
     "ffn_up_exps": "mlp.experts.up", "ffn_down_exps": "mlp.experts.down",
 }
 
+# Gemma 3's norms around attention and MLP: llama.cpp's ffn_norm is the norm
+# before the MLP there (Llama's post_attention_layernorm), and both "post" norms
+# have names of their own. Its files store every norm as 1 + w (Gemma's RMSNorm
+# scales by 1 + w): undone at load.
+_GEMMA3_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+
 # Types gguf.quants.dequantize handles in numpy; all take about a second
 # for a 135M-parameter model.
 _SUPPORTED_TYPES = frozenset(
@@ -77,7 +88,7 @@ def gguf_reader(path: str):
 
 
 def _field(reader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
+    field = getattr(reader, "fields", {}).get(key)     # (the tests' stand-in readers: none)
     if field is None:
         if default is _MISSING:
             raise ValueError(f"GGUF metadata lacks {key!r}")
@@ -85,16 +96,18 @@ def _field(reader, key: str, default: Any = _MISSING) -> Any:
     return field.contents()
 
 
-def hf_tensor_name(gguf_name: str) -> Optional[str]:
-    """HF parameter name for a GGUF tensor name, or None if it has no equivalent."""
+def hf_tensor_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
+    """HF parameter name for a GGUF tensor name (of a file of general.architecture
+    `arch`), or None if it has no equivalent."""
     base, _, kind = gguf_name.rpartition(".")
     if kind not in ("weight", "bias"):
         return None
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if arch == "gemma3" else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     return None
 
 
@@ -104,7 +117,8 @@ def _check_tensors(reader, path: str) -> None:
     if "rope_freqs.weight" in names:
         raise ValueError(f"{path}: per-frequency rope factors (rope_freqs, used by Llama 3.1 "
                          "GGUFs) are not supported; load the Hugging Face folder instead")
-    unknown = sorted(n for n in names if hf_tensor_name(n) is None)
+    arch = _field(reader, "general.architecture", None)
+    unknown = sorted(n for n in names if hf_tensor_name(n, arch) is None)
     if unknown:
         raise ValueError(f"{path}: tensors with no Llama/Qwen2 equivalent: "
                          f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
@@ -126,10 +140,42 @@ def gguf_model_config(model: str, path: str) -> ModelConfig:
     _check_tensors(reader, path)
     try:
         config = _build_config(reader, model, path, arch)
+        if arch == "gemma3":
+            config = _gemma3(reader, config)
         experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
         return _with_experts(reader, config, arch, experts) if experts else config
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
+
+
+def _gemma3(reader, config: ModelConfig) -> ModelConfig:
+    """Gemma 3's fields as llama.cpp reads them: local layers by
+    attention.sliding_window_pattern (a bool a layer, or every n-th layer
+    global; absent: 6), their rope base rope.freq_base_swa (absent: 10000),
+    queries scaled by 1/sqrt(head_dim) but for the 27B (62 layers: 1/sqrt(hidden
+    / heads)), GeGLU with tanh GELU."""
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"gemma3.{key}", default)
+    layers = config.num_hidden_layers
+    window = int(meta("attention.sliding_window", 0) or 0)
+    pattern = meta("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"sliding_window_pattern names {len(pattern)} layers of {layers}")
+        local = [bool(p) for p in pattern]
+    else:
+        local = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    types = tuple("sliding_attention" if window and is_local else "full_attention"
+                  for is_local in local)
+    softcap = meta("final_logit_softcapping")
+    scalar = config.hidden_size // config.num_attention_heads if layers == 62 \
+        else config.head_dim
+    return dataclasses.replace(
+        config, layer_types=types, sliding_window=window or None,
+        rope_local_theta=float(meta("rope.freq_base_swa", 10000.0)),
+        rope_theta=float(meta("rope.freq_base", 1_000_000.0)),
+        query_pre_attn_scalar=float(scalar), hidden_act="gelu_pytorch_tanh",
+        final_logit_softcapping=None if softcap is None else float(softcap))
 
 
 def _with_experts(reader, config: ModelConfig, arch: str, experts: int) -> ModelConfig:
@@ -200,7 +246,8 @@ def packed_linear_tensors(reader) -> dict[str, str]:
     table and LM head of a packable type, and the decoder's linear weights of
     one whose fused layer's other projections are packable too (a layer runs
     one kernel, on the form `held_form` picks for its parts)."""
-    types = {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+    arch = _field(reader, "general.architecture", None)
+    types = {hf_tensor_name(t.name, arch): t.tensor_type.name for t in reader.tensors}
     # the embedding table (and an untied head) too, whose rows are whole blocks
     packed = {name: kind for name, kind in types.items()
               if kind in KINDS and name in ("model.embed_tokens.weight", "lm_head.weight")}
@@ -262,12 +309,13 @@ def _rope_scaling(meta) -> Optional[dict[str, Any]]:
 def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file, one at a time."""
     reader = gguf_reader(model_config.path)
-    permuted = _field(reader, "general.architecture") in _PERMUTED_QK
+    arch = _field(reader, "general.architecture")
+    permuted = arch in _PERMUTED_QK
     # --quantization none: every tensor dequantized
     packed = (model_config.quantization_config or {}).get("packed", {}) \
         if model_config.quantization == "gguf" else {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:  # only reachable if the file changed since the config was read
             raise ValueError(f"{model_config.path}: unexpected tensor {t.name!r}")
         if name in packed:
@@ -279,6 +327,8 @@ def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
             items = [(f"{module}.{part}", value) for part, value in parts.items()]
         else:
             items = [(name, _dequantize(t))]
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                items = [(name, items[0][1] - 1.0)]          # stored as 1 + w
         if model_config.num_experts and (".mlp.gate." in name or ".mlp.experts." in name):
             items = _expert_names(model_config, name, items[0][1])
         for key, tensor in items:

@@ -48,7 +48,7 @@ ARCHITECTURES = {
                                      gguf="qwen3", window_opt_in=True),
     # text only; local sliding-window layers interleaved with global ones
     "Gemma3ForCausalLM": Architecture("folio.model.gemma3:Gemma3ForCausalLM", "gemma3_text",
-                                      131072, windowed=True,
+                                      131072, gguf="gemma3", windowed=True,
                                       config_fields="folio.model.gemma3_config:hf_fields"),
     # mixture of experts (model/moe.py): float experts only (a GGUF's dequantized at
     # load); Mixtral GGUFs say "llama" with an expert count (gguf_loader.py)

@@ -1,11 +1,15 @@
-"""Mixture-of-experts GGUFs: Qwen3-MoE (`qwen3moe`) and Mixtral (a `llama` file
-with an expert count), written from tiny random transformers checkpoints as
-llama.cpp's converter writes them (tests/utils.py's write_tiny_gguf: experts
-stacked into ffn_*_exps, the router as ffn_gate_inp). Folio reads the
-experts (dequantized) and answers as transformers does on the Hugging Face
-folder, alone and batched, and with llama.cpp's own llama-server on the same
-file (where one is built). llama.cpp renormalizes both families' top-k
-weights (the file does not say norm_topk_prob), so the checkpoints do too."""
+"""GGUFs of the newer architectures: Qwen3-MoE (`qwen3moe`), Mixtral (a `llama`
+file with an expert count) and Gemma 3 (`gemma3`), written from tiny random
+transformers checkpoints as llama.cpp's converter writes them (tests/utils.py's
+write_tiny_gguf: experts stacked into ffn_*_exps and the router as
+ffn_gate_inp; Gemma's norms as 1 + w, its window and local rope base in the
+metadata). Folio answers as transformers does on the Hugging Face folder,
+alone and batched (Gemma's prompts longer than its window), and as llama.cpp's
+own llama-server does on the same file (where one is built). llama.cpp
+renormalizes both MoE families' top-k weights (the file does not say
+norm_topk_prob), so the checkpoints do too; it scales Gemma's queries by
+1/sqrt(head_dim) (the file does not say query_pre_attn_scalar), so the
+checkpoint does too."""
 
 import pytest
 import torch
@@ -14,14 +18,15 @@ from folio import LLM, SamplingParams
 from tests.engine.test_moe import MODELS as MOE_MODELS
 from tests.parity import (assert_greedy_parity, prompt_logprobs, reference_greedy,
                           reference_prompt_logprobs)
-from tests.utils import (TINY_EOS_ID, TINY_IM_END_ID, load_reference_model,
+from tests.utils import (GEMMA3_TINY, TINY_EOS_ID, TINY_IM_END_ID, load_reference_model,
                          make_tiny_model, write_tiny_gguf)
 
 NEW = 12
 # test_moe.py's checkpoints, Qwen3-MoE's top-k renormalized (as llama.cpp runs it);
 # its dense layer (mlp_only_layers) between MoE ones is a layer with no router
 MODELS = {"mixtral": MOE_MODELS["mixtral"],
-          "qwen3_moe": {**MOE_MODELS["qwen3_moe"], "norm_topk_prob": True}}
+          "qwen3_moe": {**MOE_MODELS["qwen3_moe"], "norm_topk_prob": True},
+          "gemma3": dict(arch="gemma3", query_pre_attn_scalar=GEMMA3_TINY["head_dim"])}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -33,8 +38,9 @@ def moe_gguf(request, tmp_path_factory):
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
+    """Lengths 3 to 40: past Gemma's window of 16."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 384, (int(torch.randint(3, 30, (1,), generator=g)),),
+    return [torch.randint(3, 384, (int(torch.randint(3, 40, (1,), generator=g)),),
                           generator=g).tolist() for _ in range(n)]
 
 
@@ -42,6 +48,12 @@ def test_the_config_is_the_checkpoints(moe_gguf):
     name, path, ref = moe_gguf
     cfg = LLM(path, dtype="float32", num_kv_blocks=16).engine.config.model
     hf = ref.config
+    if name == "gemma3":
+        assert (cfg.architecture, cfg.layer_types, cfg.sliding_window) == (
+            "Gemma3ForCausalLM", tuple(hf.layer_types), hf.sliding_window)
+        assert (cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (
+            hf.rope_parameters["sliding_attention"]["rope_theta"], hf.query_pre_attn_scalar)
+        return
     experts = getattr(hf, "num_local_experts", None) or hf.num_experts
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == (
         type(ref).__name__, experts, hf.num_experts_per_tok)
@@ -70,13 +82,14 @@ def test_greedy_tokens_alone_and_batched_and_logprobs_are_transformers(moe_gguf)
 def test_a_quantized_file_keeps_its_attention_in_codes_and_reads_its_experts(moe_gguf,
                                                                              tmp_path):
     """Q8_0 throughout: the attention's and dense layers' weights stay packed and
-    the experts (and router) arrive dequantized; the tokens and logprobs are
+    (MoE) the experts and router arrive dequantized; the tokens and logprobs are
     those of the same file read all dequantized (`-q none`: the gguf package's
     values), whose MoE the F32 tests above check against transformers.
     (transformers' own GGUF reader does not read these files' experts.)"""
     from folio.model.layers.quantization.int_groups import IntGroupsLinear
     name, _, _ = moe_gguf
-    sizes = {"intermediate_size": 64} if name == "mixtral" else {}     # whole Q8_0 blocks
+    sizes = {"intermediate_size": 64} if name == "mixtral" else \
+        {"head_dim": 32, "query_pre_attn_scalar": 32} if name == "gemma3" else {}  # whole blocks
     folder = make_tiny_model(tmp_path / "hf", **{**MODELS[name], **sizes})
     path = write_tiny_gguf(folder, tmp_path / "q8.gguf", "Q8_0")
     packed = LLM(path, dtype="float32", num_kv_blocks=32, activation_quantization="none")
@@ -102,7 +115,8 @@ def test_llama_cpp_gives_the_same_tokens_on_the_same_file(tmp_path):
     except ValueError as e:
         pytest.skip(f"no llama-server on this machine ({e})")
     for name, kwargs in (("mixtral", MODELS["mixtral"]),
-                         ("qwen3_moe", {**MODELS["qwen3_moe"], "mlp_only_layers": []})):
+                         ("qwen3_moe", {**MODELS["qwen3_moe"], "mlp_only_layers": []}),
+                         ("gemma3", MODELS["gemma3"])):
         folder = make_tiny_model(tmp_path / name / "hf", **kwargs)
         path = write_tiny_gguf(folder, tmp_path / name / "model.gguf")
         llm = LLM(path, dtype="float32", num_kv_blocks=32,
