@@ -1,0 +1,129 @@
+"""A mixture of experts of realistic proportions, served: Folio beside
+llama.cpp's llama-server on the same GGUF, and Folio's fused MoE layer beside
+the per-token loop, in one run.
+
+The model: a random Qwen3-MoE (hidden 768, 12 layers, 12 heads of 64, 4 KV
+heads, 16 experts of 512 features, top-2, renormalized), saved by
+transformers and written as an F16 GGUF by tests/utils.py's write_tiny_gguf
+(llama.cpp's converter's layout; both sides then read 2 bytes a weight).
+Folio runs its experts in bf16 where the CPU has AVX512-BF16, else fp32.
+Workloads and the driver are cpu_baselines.py's (`folio bench serve`,
+token-id prompts, EOS ignored). The layer part times one MoE layer's
+experts on T tokens: the fused path (tokens grouped by expert, each chosen
+expert's weights read once) against the per-token loop (each token reads
+its k experts), with the bytes of expert weights each reads.
+
+    .venv/bin/python docs/bench/moe_speed.py [--rounds N] [--save FILE] [--keep DIR]
+        [--llama-isa native|avx2|avx512]
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_baselines  # noqa: E402
+from cpu_baselines import (PY, ROOT, bench_parser, folio_cmd, free_port,  # noqa: E402
+                           run_rounds, serve)
+
+SHAPE = dict(arch="qwen3_moe", dialect="v5", hidden_size=768, num_hidden_layers=12,
+             num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=16,
+             num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True,
+             max_position_embeddings=4096)
+
+
+def make_model(folder: Path) -> Path:
+    out = folder / "qwen3moe-f16.gguf"
+    if out.exists():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.utils import make_tiny_model, write_tiny_gguf
+hf = make_tiny_model({str(folder / 'hf')!r}, seed=0, **{SHAPE!r})
+write_tiny_gguf(hf, {str(out)!r}, "F16")
+"""
+    subprocess.run([PY, "-c", code], check=True)
+    return out
+
+
+def layer_times() -> dict:
+    """ms per call of one layer's experts, fused and per token, and the MB of
+    expert weights each reads, at 1, 8 and 64 tokens (bf16 where the CPU has it)."""
+    import torch
+
+    from folio.model.layers.moe import fused_experts, reference_experts, route
+    from folio.worker.device import resolve_dtype, torch_dtype
+    torch.manual_seed(0)
+    dtype = torch_dtype(resolve_dtype("auto", "cpu"))
+    e, i, h, k = SHAPE["num_experts"], SHAPE["moe_intermediate_size"], SHAPE["hidden_size"], \
+        SHAPE["num_experts_per_tok"]
+    w13 = (torch.randn(e, 2 * i, h) * 0.05).to(dtype)
+    w2 = (torch.randn(e, h, i) * 0.05).to(dtype)
+    router = torch.randn(e, h) * 0.05
+    per_expert = 3 * i * h * w13.element_size()
+    out = {"dtype": str(dtype).removeprefix("torch.")}
+    for tokens in (1, 8, 64):
+        x = torch.randn(tokens, h).to(dtype)
+        weights, ids = route(x.float() @ router.t(), k, True, False)
+        chosen = len(set(ids.reshape(-1).tolist()))
+        for name, fn in (("fused", fused_experts), ("per token", reference_experts)):
+            fn(x, w13, w2, weights, ids)
+            start, n = time.perf_counter(), 0
+            while time.perf_counter() - start < 1.0:
+                fn(x, w13, w2, weights, ids)
+                n += 1
+            reads = chosen if name == "fused" else tokens * k
+            out[f"{name}, {tokens} tokens"] = {
+                "ms": (time.perf_counter() - start) / n * 1e3,
+                "expert MB read": reads * per_expert / 1e6,
+                "experts chosen": chosen}
+            print(f"  {name}, {tokens} tokens: {out[f'{name}, {tokens} tokens']}", flush=True)
+    return out
+
+
+def one_round(args, tmp: Path) -> dict:
+    model = make_model(args.keep or tmp / "model")
+    for flags in (*cpu_baselines.WORKLOADS.values(), cpu_baselines.WARM_UP):
+        if "--tokenizer" not in flags:
+            flags += ["--tokenizer", str(model)]
+    rows: dict = {}
+    port = free_port()
+    rows["folio (experts in the run dtype)"] = serve(
+        args, "folio", [*folio_cmd(args), "serve", "--model", str(model), "--port", str(port)],
+        port, tmp / "folio.log")
+    server = ROOT / "build" / "llama.cpp" / args.llama_isa / "bin" / "llama-server"
+    for slots in (16, 1):
+        if not server.exists():
+            print(f"  no {server}: run scripts/install_llama_cpp.sh {args.llama_isa}", flush=True)
+            break
+        port = free_port()
+        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}"] = serve(
+            args, f"llama.cpp {slots}", [
+                str(server), "-m", str(model), "-t", "2", "-tb", "2", "-np", str(slots),
+                "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port),
+                "--no-webui"], port, tmp / f"llama-{slots}.log",
+            workloads=None if slots > 1 else ["one request"])
+    print("  the layer's experts:", flush=True)
+    layer = layer_times()
+    rows[f"(layer timings: {layer})"] = {}
+    return rows
+
+
+def main() -> None:
+    p = bench_parser(__doc__)
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="make the model here once and reuse it (default: a temporary folder)")
+    p.add_argument("--llama-isa", default="native",
+                   help="which build of scripts/install_llama_cpp.sh (native, avx2, avx512)")
+    args = p.parse_args()
+    args.avx2_sim = False
+    run_rounds(args, one_round)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
