@@ -300,6 +300,46 @@ def llama_cpp_row(args, tmp: Path, slots: int = 16):
         workloads=None if slots > 1 else ["one request"])
 
 
+def prompts_of(model: Path) -> None:
+    """The workloads' token-id prompts drawn from `model`'s own vocabulary
+    (`folio bench serve --tokenizer`), for a script that serves another model."""
+    for flags in (*WORKLOADS.values(), WARM_UP):
+        if "--tokenizer" not in flags:
+            flags += ["--tokenizer", str(model)]
+
+
+def llama_cpp_rows(args, model: Path, tmp: Path) -> dict:
+    """llama-server (`args.llama_isa`'s build) on `model`: 16 slots on both
+    workloads, 1 slot on one request; none where it is not built."""
+    server = ROOT / "build" / "llama.cpp" / args.llama_isa / "bin" / "llama-server"
+    if not server.exists():
+        print(f"  no {server}: run scripts/install_llama_cpp.sh {args.llama_isa}", flush=True)
+        return {}
+    rows = {}
+    for slots in (16, 1):
+        port = free_port()
+        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}"] = serve(
+            args, f"llama.cpp {slots}", [
+                str(server), "-m", str(model), "-t", "2", "-tb", "2", "-np", str(slots),
+                "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port),
+                "--no-webui"], port, tmp / f"llama-{slots}.log",
+            workloads=None if slots > 1 else ["one request"])
+    return rows
+
+
+def model_bench_main(doc: str, one_round) -> None:
+    """The main of a script that makes its own model (--keep DIR: once, there)
+    and runs it beside llama.cpp (--llama-isa: which build)."""
+    p = bench_parser(doc)
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="make the model here once and reuse it (default: a temporary folder)")
+    p.add_argument("--llama-isa", default="native",
+                   help="which build of scripts/install_llama_cpp.sh (native, avx2, avx512)")
+    args = p.parse_args()
+    args.avx2_sim = False
+    run_rounds(args, one_round)
+
+
 def bench_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every script of this kind takes."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])

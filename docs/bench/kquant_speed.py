@@ -25,17 +25,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cpu_baselines  # noqa: E402
-from cpu_baselines import (PY, ROOT, bench_parser, env_for, folio_cmd, free_port,  # noqa: E402
-                           run_rounds, serve)
+from cpu_baselines import (PY, ROOT, env_for, folio_cmd, free_port,  # noqa: E402
+                           llama_cpp_rows, model_bench_main, prompts_of, serve)
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
 QUANTIZE = ROOT / "build" / "llama.cpp" / "native" / "bin" / "llama-quantize"
-
-
-def llama_server(isa: str) -> Path:
-    return ROOT / "build" / "llama.cpp" / isa / "bin" / "llama-server"
 
 
 def make_model(folder: Path) -> Path:
@@ -59,10 +54,7 @@ write_tiny_gguf(hf, {str(folder / 'f32.gguf')!r})
 
 def one_round(args, tmp: Path) -> dict:
     model = make_model(args.keep or tmp / "model")
-    # prompts of the model's own vocabulary (cpu_baselines' drive reads these lists)
-    for flags in (*cpu_baselines.WORKLOADS.values(), cpu_baselines.WARM_UP):
-        if "--tokenizer" not in flags:
-            flags += ["--tokenizer", str(model)]
+    prompts_of(model)
     rows: dict = {}
     weights = subprocess.run([*folio_cmd(args), "bench", "weights", "--json", "--model",
                               str(model), "--num-kv-blocks", "64"], capture_output=True,
@@ -78,30 +70,12 @@ def one_round(args, tmp: Path) -> dict:
         rows[name] = serve(args, name, [*folio_cmd(args), "serve", "--model", str(model),
                                         *flags, "--port", str(port)],
                            port, tmp / f"folio-{len(rows)}.log")
-    server = llama_server(args.llama_isa)
-    for slots in (16, 1):
-        if not server.exists():
-            print(f"  no {server}: run scripts/install_llama_cpp.sh {args.llama_isa}", flush=True)
-            break
-        port = free_port()
-        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}"] = serve(
-            args, f"llama.cpp {slots}", [
-                str(server), "-m", str(model), "-t", "2", "-tb", "2", "-np", str(slots),
-                "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port),
-                "--no-webui"], port, tmp / f"llama-{slots}.log",
-            workloads=None if slots > 1 else ["one request"])
+    rows.update(llama_cpp_rows(args, model, tmp))
     return rows
 
 
 def main() -> None:
-    p = bench_parser(__doc__)
-    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                   help="make the model here once and reuse it (default: a temporary folder)")
-    p.add_argument("--llama-isa", default="native",
-                   help="which build of scripts/install_llama_cpp.sh (native, avx2, avx512)")
-    args = p.parse_args()
-    args.avx2_sim = False
-    run_rounds(args, one_round)
+    model_bench_main(__doc__, one_round)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cpu_baselines  # noqa: E402
-from cpu_baselines import (PY, ROOT, bench_parser, folio_cmd, free_port,  # noqa: E402
-                           run_rounds, serve)
+from cpu_baselines import (PY, ROOT, folio_cmd, free_port, llama_cpp_rows,  # noqa: E402
+                           model_bench_main, prompts_of, serve)
 
 SHAPE = dict(arch="qwen3_moe", dialect="v5", hidden_size=768, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=16,
@@ -88,26 +87,13 @@ def layer_times() -> dict:
 
 def one_round(args, tmp: Path) -> dict:
     model = make_model(args.keep or tmp / "model")
-    for flags in (*cpu_baselines.WORKLOADS.values(), cpu_baselines.WARM_UP):
-        if "--tokenizer" not in flags:
-            flags += ["--tokenizer", str(model)]
+    prompts_of(model)
     rows: dict = {}
     port = free_port()
     rows["folio (experts in the run dtype)"] = serve(
         args, "folio", [*folio_cmd(args), "serve", "--model", str(model), "--port", str(port)],
         port, tmp / "folio.log")
-    server = ROOT / "build" / "llama.cpp" / args.llama_isa / "bin" / "llama-server"
-    for slots in (16, 1):
-        if not server.exists():
-            print(f"  no {server}: run scripts/install_llama_cpp.sh {args.llama_isa}", flush=True)
-            break
-        port = free_port()
-        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}"] = serve(
-            args, f"llama.cpp {slots}", [
-                str(server), "-m", str(model), "-t", "2", "-tb", "2", "-np", str(slots),
-                "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port),
-                "--no-webui"], port, tmp / f"llama-{slots}.log",
-            workloads=None if slots > 1 else ["one request"])
+    rows.update(llama_cpp_rows(args, model, tmp))
     print("  the layer's experts:", flush=True)
     layer = layer_times()
     rows[f"(layer timings: {layer})"] = {}
@@ -115,14 +101,7 @@ def one_round(args, tmp: Path) -> dict:
 
 
 def main() -> None:
-    p = bench_parser(__doc__)
-    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                   help="make the model here once and reuse it (default: a temporary folder)")
-    p.add_argument("--llama-isa", default="native",
-                   help="which build of scripts/install_llama_cpp.sh (native, avx2, avx512)")
-    args = p.parse_args()
-    args.avx2_sim = False
-    run_rounds(args, one_round)
+    model_bench_main(__doc__, one_round)
 
 
 if __name__ == "__main__":
