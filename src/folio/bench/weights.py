@@ -111,6 +111,12 @@ def loaded_bytes(model) -> dict:
         seen.update(id(p) for p in own)
         size = sum(_tensor_bytes(p) for p in own)
         method = getattr(module, "quant_method", None)
+        experts = getattr(module, "packed_experts", None)      # a FusedMoE on the CPU
+        if experts is not None:
+            size += sum(_tensor_bytes(m.data) for pair in experts for m in pair)
+            roles["linear"] += size
+            formats["packed experts"] = formats.get("packed experts", 0) + 1
+            continue
         if isinstance(method, IntGroupsLinear):
             size += method.weights.nbytes
             kind = f"int{method.weights.bits}"

@@ -135,3 +135,27 @@ def test_a_tensor_that_does_not_fit_is_named(monkeypatch):
     layer = _layer(1, 0, monkeypatch)
     with pytest.raises(ValueError, match=r"shape \(8, 15\) does not fit"):
         layer.w13_weight.weight_loader(layer.w13_weight, torch.zeros(8, 15), (0, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_give_the_per_token_loop(dtype):
+    """On the CPU the loaded layer packs each expert's matrices as the dense
+    layers' are (bf16: oneDNN's layout or the native kernel's) and keeps only
+    those; its output is the per-token loop's on the same weights."""
+    from folio.model.layers.linear import pack_weight
+    w13, w2, xs = _weights(8, 64, 32, 5)
+    w13, w2, x = w13.to(dtype), w2.to(dtype), xs[:19].to(dtype)
+    layer = FusedMoE(64, 32, 8, 2, True, dtype, "blk", ("w1", "w3", "w2"))
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+        layer.gate.weight.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))
+    weights, ids = route(layer.gate(x), 2, True, False)
+    want = reference_experts(x, w13, w2, weights, ids)
+    layer.process_weights_after_loading()
+    if pack_weight(w13[0]) is None:
+        pytest.skip(f"no packed {dtype} product on this machine")
+    assert len(layer.packed_experts) == 8 and layer.w13_weight.numel() == 0
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2,
+                                                                               rtol=3e-2)
+    torch.testing.assert_close(layer(x), want, **tolerance)

@@ -14,7 +14,8 @@ weighted and scattered back to their tokens (`fused_experts`). Under CUDA graph
 capture the row counts cannot be read back, so every expert runs on every
 token and the unchosen outputs are weighted by zero (`dense_experts`: still
 each expert's weights once per step). `reference_experts` is the plain
-per-token loop the tests hold both to.
+per-token loop the tests hold both to. On the CPU, once loaded, each expert's
+two matrices are packed as the dense layers' are (`packed_experts`).
 
 Tensor parallelism splits I: each rank holds a slice of every expert's gate,
 up and down (column-parallel w13, row-parallel w2) and the partial outputs are
@@ -23,6 +24,8 @@ routes alike.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +48,12 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return (weights if weights_in_float else weights.to(logits.dtype)), ids
 
 
-def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert's SwiGLU MLP on rows x [N, H] -> [N, H]."""
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            packed: Optional[tuple] = None) -> torch.Tensor:
+    """One expert's SwiGLU MLP on rows x [N, H] -> [N, H] (`packed`: its two
+    matrices as the CPU's packed products take them, FusedMoE.packed_experts)."""
+    if packed is not None:
+        return packed[1](silu_and_mul(packed[0](x, None)), None)
     return F.linear(silu_and_mul(F.linear(x, w13)), w2)
 
 
@@ -57,8 +64,10 @@ def _silu_and_mul_any(h: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H] through its chosen experts, grouped by expert -> [T, H]."""
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  packed: Optional[list] = None) -> torch.Tensor:
+    """x [T, H] through its chosen experts, grouped by expert -> [T, H]
+    (`packed`: every expert's packed matrices, in place of w13 and w2)."""
     k = ids.shape[1]
     flat = ids.reshape(-1)                                   # [T * k], row r = (r // k, r % k)
     order = torch.argsort(flat, stable=True)                 # rows sorted by expert id
@@ -69,7 +78,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     start = 0
     for e, n in enumerate(counts):
         if n:
-            out[start:start + n] = _expert(rows[start:start + n], w13[e], w2[e])
+            out[start:start + n] = (_expert(rows[start:start + n], w13[e], w2[e]) if packed is None
+                                    else _expert(rows[start:start + n], None, None, packed[e]))
             start += n
     scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
@@ -159,8 +169,29 @@ class FusedMoE(nn.Module):
         n = self.intermediate
         _copy(param.data[e], loaded.narrow(1, tp_rank() * n, n))
 
+    def process_weights_after_loading(self) -> None:
+        """On the CPU every expert's two matrices are packed as the dense layers'
+        are (`pack_weight`: oneDNN's layout, or the native kernel's): a bf16
+        product on an unpacked weight lays it out anew on every call (2.3x the
+        time of the packed one at one token on an AMX CPU). Only the packed copies
+        are kept; the stacked parameters stay, empty, for their names."""
+        if self.w13_weight.device.type != "cpu":
+            return
+        from folio.model.layers.linear import pack_weight
+        packed = [(pack_weight(self.w13_weight.data[e]), pack_weight(self.w2_weight.data[e]))
+                  for e in range(self.num_experts)]
+        if any(a is None or b is None for a, b in packed):
+            return
+        self.packed_experts = packed
+        for param in (self.w13_weight, self.w2_weight):
+            param.data = torch.empty(0, dtype=param.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
+        packed = getattr(self, "packed_experts", None)
+        if packed is not None:
+            return all_reduce(fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                            packed), self.tp)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         experts = dense_experts if capturing else fused_experts
         return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids), self.tp)
