@@ -6,7 +6,8 @@ The model: a random Qwen3-MoE (hidden 768, 12 layers, 12 heads of 64, 4 KV
 heads, 16 experts of 512 features, top-2, renormalized), saved by
 transformers and written as an F16 GGUF by tests/utils.py's write_tiny_gguf
 (llama.cpp's converter's layout; both sides then read 2 bytes a weight).
-Folio runs its experts in bf16 where the CPU has AVX512-BF16, else fp32.
+Folio runs its experts in bf16 where the CPU has AVX512-BF16, else fp32,
+and with `-q int4` in 4-bit codes (requantized from the file's values).
 Workloads and the driver are cpu_baselines.py's (`folio bench serve`,
 token-id prompts, EOS ignored). The layer part times one MoE layer's
 experts on T tokens: the fused path (tokens grouped by expert, each chosen
@@ -89,10 +90,13 @@ def one_round(args, tmp: Path) -> dict:
     model = make_model(args.keep or tmp / "model")
     prompts_of(model)
     rows: dict = {}
-    port = free_port()
-    rows["folio (experts in the run dtype)"] = serve(
-        args, "folio", [*folio_cmd(args), "serve", "--model", str(model), "--port", str(port)],
-        port, tmp / "folio.log")
+    for name, flags in {"folio (experts in the run dtype)": [],
+                        "folio -q int4 (every linear layer and expert in 4-bit codes)":
+                            ["-q", "int4"]}.items():
+        port = free_port()
+        rows[name] = serve(args, name, [*folio_cmd(args), "serve", "--model", str(model),
+                                        *flags, "--port", str(port)],
+                           port, tmp / f"folio-{len(rows)}.log")
     rows.update(llama_cpp_rows(args, model, tmp))
     print("  the layer's experts:", flush=True)
     layer = layer_times()

@@ -113,7 +113,8 @@ def loaded_bytes(model) -> dict:
         method = getattr(module, "quant_method", None)
         experts = getattr(module, "packed_experts", None)      # a FusedMoE on the CPU
         if experts is not None:
-            size += sum(_tensor_bytes(m.data) for pair in experts for m in pair)
+            size += sum(m.weights.nbytes if isinstance(m, IntGroupsLinear) else
+                        _tensor_bytes(m.data) for pair in experts for m in pair)
             roles["linear"] += size
             formats["packed experts"] = formats.get("packed experts", 0) + 1
             continue

@@ -49,7 +49,8 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         s = self.style
         return FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                         cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype,
-                        f"{prefix}.{s.checkpoint_block}", s.names, s.weights_in_float)
+                        f"{prefix}.{s.checkpoint_block}", s.names, s.weights_in_float,
+                        quant_config=quant)
 
     @staticmethod
     def is_moe(cfg: ModelConfig, index: int) -> bool:

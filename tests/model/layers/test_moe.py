@@ -159,3 +159,30 @@ def test_packed_experts_give_the_per_token_loop(dtype):
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2,
                                                                                rtol=3e-2)
     torch.testing.assert_close(layer(x), want, **tolerance)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_are_the_loop_on_their_dequantized_weights(method):
+    """`--quantization int8|int4`: each expert matrix in RTN's codes, run on
+    IntGroups' kernel in fp32 arithmetic: the per-token loop on the dequantized
+    codes, to fp32 rounding; and each weight within half a step of the float's."""
+    from folio.model.layers.quantization import get_quantization_config
+    from folio.model.layers.quantization.int_groups import set_activation_quantization
+    w13, w2, xs = _weights(8, 64, 32, 7)
+    x = xs[:13]
+    layer = FusedMoE(64, 32, 8, 2, True, torch.float32, "blk", ("w1", "w3", "w2"),
+                     quant_config=get_quantization_config(method, {}))
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+        layer.gate.weight.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(3)))
+    layer.process_weights_after_loading()
+    set_activation_quantization(layer, "none")
+    held13 = torch.stack([a.weights.dequantize() for a, _ in layer.packed_experts])
+    held2 = torch.stack([b.weights.dequantize() for _, b in layer.packed_experts])
+    assert held13.shape == w13.shape and held2.shape == w2.shape
+    step = (w13.abs().amax() / 127) if method == "int8" else (w13.amax() - w13.amin()) / 15
+    assert (held13 - w13).abs().max() <= step / 2 + 1e-6
+    weights, ids = route(layer.gate(x), 2, True, False)
+    torch.testing.assert_close(layer(x), reference_experts(x, held13, held2, weights, ids),
+                               atol=1e-4, rtol=1e-4)

@@ -15,7 +15,10 @@ capture the row counts cannot be read back, so every expert runs on every
 token and the unchosen outputs are weighted by zero (`dense_experts`: still
 each expert's weights once per step). `reference_experts` is the plain
 per-token loop the tests hold both to. On the CPU, once loaded, each expert's
-two matrices are packed as the dense layers' are (`packed_experts`).
+two matrices are packed as the dense layers' are (`packed_experts`); under
+`--quantization int8|int4` (on any device) they are quantized instead, round
+to nearest as rtn.py quantizes every linear layer, and run on IntGroups'
+kernels, their activations as `--activation-quantization` says.
 
 Tensor parallelism splits I: each rank holds a slice of every expert's gate,
 up and down (column-parallel w13, row-parallel w2) and the partial outputs are
@@ -33,6 +36,7 @@ from torch import nn
 
 from folio.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from folio.model.layers.activation import silu_and_mul
+from folio.model.layers.quantization.int_groups import IntGroupsLinear
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -133,8 +137,15 @@ class FusedMoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  renormalize: bool, dtype: torch.dtype, checkpoint_prefix: str,
-                 names: tuple[str, str, str], weights_in_float: bool = False):
+                 names: tuple[str, str, str], weights_in_float: bool = False,
+                 quant_config=None):
         super().__init__()
+        # --quantization int8|int4 (rtn.py's RTNConfig): the experts load as floats,
+        # in the checkpoint's dtype, and are quantized once loaded
+        from folio.model.layers.quantization.rtn import RTNConfig
+        self.rtn = quant_config if isinstance(quant_config, RTNConfig) else None
+        experts_dtype = (self.rtn.load_dtype if self.rtn is not None and self.rtn.load_dtype
+                         else dtype)       # the router keeps the run dtype
         self.tp = tp_size()
         if intermediate % self.tp:
             raise ValueError(f"the experts' intermediate size ({intermediate}) is not divisible "
@@ -144,10 +155,10 @@ class FusedMoE(nn.Module):
         self.intermediate = intermediate // self.tp          # this rank's slice of I
         self.gate = Router(hidden, num_experts, dtype)
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=dtype),
+            torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=experts_dtype),
             requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden, self.intermediate, dtype=dtype),
+            torch.empty(num_experts, hidden, self.intermediate, dtype=experts_dtype),
             requires_grad=False)
         gate, up, down = (f"{checkpoint_prefix}.experts.{{}}.{n}.weight" for n in names)
         self.gate.weight.checkpoint_names = {None: f"{checkpoint_prefix}.gate.weight"}
@@ -170,21 +181,38 @@ class FusedMoE(nn.Module):
         _copy(param.data[e], loaded.narrow(1, tp_rank() * n, n))
 
     def process_weights_after_loading(self) -> None:
-        """On the CPU every expert's two matrices are packed as the dense layers'
-        are (`pack_weight`: oneDNN's layout, or the native kernel's): a bf16
-        product on an unpacked weight lays it out anew on every call (2.3x the
-        time of the packed one at one token on an AMX CPU). Only the packed copies
-        are kept; the stacked parameters stay, empty, for their names."""
-        if self.w13_weight.device.type != "cpu":
-            return
-        from folio.model.layers.linear import pack_weight
-        packed = [(pack_weight(self.w13_weight.data[e]), pack_weight(self.w2_weight.data[e]))
-                  for e in range(self.num_experts)]
-        if any(a is None or b is None for a, b in packed):
+        """Each expert's two matrices, once loaded: quantized (int8|int4), or on
+        the CPU packed as the dense layers' are (`pack_weight`: oneDNN's layout,
+        or the native kernel's; a bf16 product on an unpacked weight lays it out
+        anew on every call, 2.3x the time of the packed one at one token on an AMX
+        CPU). Only those forms are kept; the stacked parameters stay, empty, for
+        their names."""
+        if self.rtn is not None:
+            packed = [(self._quantized(self.w13_weight.data[e], 0),
+                       self._quantized(self.w2_weight.data[e], tp_rank() * self.intermediate))
+                      for e in range(self.num_experts)]
+        elif self.w13_weight.device.type == "cpu":
+            from folio.model.layers.linear import pack_weight
+            packed = [(pack_weight(self.w13_weight.data[e]),
+                       pack_weight(self.w2_weight.data[e])) for e in range(self.num_experts)]
+            if any(a is None or b is None for a, b in packed):
+                return
+        else:
             return
         self.packed_experts = packed
         for param in (self.w13_weight, self.w2_weight):
             param.data = torch.empty(0, dtype=param.dtype)
+
+    def _quantized(self, weight: torch.Tensor, first_input: int) -> "ExpertMatrix":
+        """One expert matrix [out, in] in RTN's codes (`first_input`: where this
+        rank's inputs start on the checkpoint's axis, for the groups)."""
+        from folio.model.layers.quantization.int_groups import IntGroups
+        from folio.model.layers.quantization.rtn import group_of_inputs, quantize
+        groups = group_of_inputs(weight.shape[1], self.rtn.group_size, first_input)
+        codes, scale, zero = quantize(weight, groups, self.rtn.bits, self.rtn.sym,
+                                      f"experts: {self.rtn.name}")
+        return ExpertMatrix(IntGroups.from_codes(codes, groups, scale, self.rtn.bits,
+                                                 zero=zero))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
@@ -195,6 +223,13 @@ class FusedMoE(nn.Module):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         experts = dense_experts if capturing else fused_experts
         return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids), self.tp)
+
+
+class ExpertMatrix(IntGroupsLinear):
+    """One quantized expert matrix, called as the packed products are: (x, bias)."""
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.apply(None, x, bias)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -252,9 +252,11 @@ def set_activation_quantization(model: torch.nn.Module, mode: str) -> None:
     """--activation-quantization for every quantized layer of `model`: "int8"
     or "none" (config.ACTIVATION_QUANTIZATIONS)."""
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, IntGroupsLinear):
-            method.int8 = mode == "int8"
+        methods = [getattr(module, "quant_method", None)]
+        methods += [m for pair in getattr(module, "packed_experts", ()) for m in pair]
+        for method in methods:           # a layer's, and a MoE layer's experts'
+            if isinstance(method, IntGroupsLinear):
+                method.int8 = mode == "int8"
 
 
 def hand_over(layer, weights: IntGroups, *names: str) -> None:
