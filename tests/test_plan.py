@@ -278,3 +278,10 @@ def test_a_mixture_of_experts_takes_memory_for_all_and_decodes_at_the_picked(nam
     assert f["weights"] == pytest.approx(2 * m.parameters() / tp, rel=0.01)   # bf16, all
     read_many = bandwidth * 256 / decode_tokens_per_s(m, gpu, f, 256, 1024)
     assert read_many >= f["weights"] * 0.99            # or the FLOPs bound, whichever is slower
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_mixture_of_experts_in_a_format_serve_refuses_is_refused(method, capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpu", "h200", "--quantization", method,
+                 "--tokens-per-day", "1"]) == 1
+    assert "experts are stored quantized" in capsys.readouterr().err

@@ -168,6 +168,9 @@ def test_the_split():
     assert (cut.reasoning, cut.content, cut.thinking) == ("cut before its end", "", True)
     inside = ThinkParser(inside=True).split(f"{THOUGHT}\n</think>\n\n{ANSWER}")
     assert (inside.reasoning, inside.content) == (THOUGHT, ANSWER)
+    # a model that writes <think> again after a prompt that opened it: the tag goes
+    again = ThinkParser(inside=True).split(THINKING)
+    assert (again.reasoning, again.content) == (THOUGHT, ANSWER)
     # growing: a tail that may begin </think> or <think> is held back
     assert p.split("<think>\nabc </thi", final=False).reasoning == "abc"
     assert p.split("<thi", final=False).content == ""

@@ -163,8 +163,9 @@ def _gemma3(reader, config: ModelConfig) -> ModelConfig:
         if len(pattern) != layers:
             raise ValueError(f"sliding_window_pattern names {len(pattern)} layers of {layers}")
         local = [bool(p) for p in pattern]
-    else:
-        local = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    else:                           # 0: every layer local, as llama.cpp sets it
+        n = int(pattern)
+        local = [n == 0 or i % n < n - 1 for i in range(layers)]
     types = tuple("sliding_attention" if window and is_local else "full_attention"
                   for is_local in local)
     softcap = meta("final_logit_softcapping")

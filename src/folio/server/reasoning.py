@@ -7,8 +7,9 @@ assistant's turn open and the model writes `<think>` itself; the thinking-only
 models (Qwen3-*-Thinking-2507) end the prompt with `<think>`, so the answer
 begins inside the thinking; `enable_thinking: false` ends it with an empty
 `<think></think>`, so the answer is content. An answer that opens no thinking
-is content, whole and unchanged. One whose thinking never closes (cut by
-max_tokens) is all reasoning, streamed or not.
+is content, whole and unchanged; one that writes `<think>` after a prompt
+that opened it has that tag dropped. One whose thinking never closes (cut
+by max_tokens) is all reasoning, streamed or not.
 
 The thinking is stripped of the whitespace around it, the content of the
 whitespace it begins with (Qwen3 writes `<think>\\n...\\n</think>\\n\\n`).
@@ -55,14 +56,14 @@ class ThinkParser:
     def split(self, text: str, final: bool = True) -> Split:
         """The answer's thinking and content; with final False (it may grow), only
         what no later text can change."""
-        body = text
-        if not self.inside:
-            lead = text.lstrip()
-            if not lead.startswith(OPEN):
-                if not final and OPEN.startswith(lead):
-                    return Split(None, "")          # may still become <think>
-                return Split(None, text)
+        body, lead = text, text.lstrip()
+        if not lead.startswith(OPEN) and not final and OPEN.startswith(lead):
+            # may still become <think>: opening the thinking, or (inside) repeating it
+            return Split("", "", thinking=True) if self.inside else Split(None, "")
+        if lead.startswith(OPEN):           # inside too: a model that writes it again
             body = lead[len(OPEN):]
+        elif not self.inside:
+            return Split(None, text)
         end = body.find(CLOSE)
         if end < 0:
             if not final:

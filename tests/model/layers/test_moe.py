@@ -186,3 +186,7 @@ def test_quantized_experts_are_the_loop_on_their_dequantized_weights(method):
     weights, ids = route(layer.gate(x), 2, True, False)
     torch.testing.assert_close(layer(x), reference_experts(x, held13, held2, weights, ids),
                                atol=1e-4, rtol=1e-4)
+    # the capture-safe form (every expert on every token) gives the same
+    torch.testing.assert_close(
+        moe.dense_packed_experts(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                                 layer.packed_experts), layer(x), atol=1e-5, rtol=1e-5)

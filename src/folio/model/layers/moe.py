@@ -100,6 +100,20 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return torch.einsum("eth,te->th", y.to(gate.dtype), gate).to(x.dtype)
 
 
+def dense_packed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         weights: torch.Tensor, ids: torch.Tensor,
+                         packed: list) -> torch.Tensor:
+    """dense_experts for packed or quantized experts (under CUDA graph capture,
+    where fused_experts' host read of the counts cannot run): every expert on
+    every token, the unchosen weighted by zero."""
+    gate = torch.zeros(x.shape[0], len(packed), dtype=weights.dtype, device=x.device)
+    gate.scatter_(1, ids, weights)                           # [T, E]
+    out = torch.zeros_like(x)
+    for e, matrices in enumerate(packed):
+        out += (_expert(x, None, None, matrices) * gate[:, e:e + 1]).to(x.dtype)
+    return out
+
+
 def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The per-token loop: token i is sum_j weights[i, j] * expert_{ids[i, j]}(x_i)."""
@@ -217,10 +231,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
         packed = getattr(self, "packed_experts", None)
-        if packed is not None:
-            return all_reduce(fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                            packed), self.tp)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if packed is not None:
+            experts = dense_packed_experts if capturing else fused_experts
+            return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                      packed), self.tp)
         experts = dense_experts if capturing else fused_experts
         return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids), self.tp)
 

@@ -141,9 +141,9 @@ def quantize(weight: torch.Tensor, groups: torch.Tensor, bits: int, sym: bool,
     _, lengths = torch.unique_consecutive(groups, return_counts=True)
     starts = [0] + torch.cumsum(lengths, 0).tolist()
     top = (1 << bits) - 1
-    codes = torch.empty(n, k, dtype=torch.uint8)
-    scale = torch.empty(n, num_groups, dtype=torch.float16)
-    zero = torch.empty(n, num_groups, dtype=torch.float32)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(n, num_groups, dtype=torch.float16, device=weight.device)
+    zero = torch.empty(n, num_groups, dtype=torch.float32, device=weight.device)
     for r0 in range(0, n, _ROWS):
         r1 = min(r0 + _ROWS, n)
         for g, (k0, k1) in enumerate(zip(starts[:-1], starts[1:])):
