@@ -74,6 +74,7 @@ _TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     # mixture of experts: pass the expert counts and sizes (e.g. num_local_experts=4,
     # num_experts_per_tok=2; Qwen3-MoE: num_experts, moe_intermediate_size)
@@ -117,6 +118,8 @@ def make_tiny_model(path: str | os.PathLike, arch: str = "llama", dialect: str =
                   tie_word_embeddings=tie_word_embeddings)
     if arch == "gemma3":
         params.update(GEMMA3_TINY)
+    if arch == "phi3":          # its default pad id (32000) lies outside the tiny vocabulary
+        params["pad_token_id"] = 0
     params.update(overrides)
     rope = {"rope_type": "default", "rope_theta": params.pop("rope_theta")}
     if rope_scaling:

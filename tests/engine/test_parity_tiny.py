@@ -26,6 +26,8 @@ CASES = {
     # per-head q/k norms, and a head_dim (32) that is not hidden / heads (16)
     "qwen3-v5": dict(arch="qwen3", dialect="v5", head_dim=32),
     "qwen3-classic-tied": dict(arch="qwen3", dialect="classic", tie_word_embeddings=True),
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint (tests/engine/test_phi3.py)
+    "phi3-v5": dict(arch="phi3", dialect="v5"),
     # mixture of experts (tests/engine/test_moe.py has more): top-2 of 4 / of 8 experts
     "mixtral-v5": dict(arch="mixtral", dialect="v5", num_local_experts=4, num_experts_per_tok=2,
                        intermediate_size=48),

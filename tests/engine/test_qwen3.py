@@ -1,7 +1,8 @@
 """Qwen3 (dense) beyond test_parity_tiny.py's greedy cases: its config read as
-it is (a head_dim of its own, no q/k/v bias, per-head q/k norms loaded), a
-prefix-cache hit, tensor parallelism 2 and prompt logprobs, each against
-transformers on the same tiny random checkpoint (saved by transformers)."""
+it is (a head_dim of its own, no q/k/v bias, per-head q/k norms loaded); and
+for Qwen3 and Phi-3 (tests/engine/test_phi3.py has its own) a prefix-cache
+hit, tensor parallelism 2 and prompt logprobs, each against transformers on
+the same tiny random checkpoint (saved by transformers)."""
 
 import random
 
@@ -22,6 +23,14 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 def qwen3(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("qwen3"), arch="qwen3", dialect="v5",
                            head_dim=32)
+    return path, load_reference_model(path)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "phi3"])
+def dense(request, tmp_path_factory):
+    extra = {"head_dim": 32} if request.param == "qwen3" else {}
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param,
+                           dialect="v5", **extra)
     return path, load_reference_model(path)
 
 
@@ -46,18 +55,18 @@ def test_the_config_and_weights_are_qwen3s(qwen3):
     assert not torch.equal(ref.k_norm.weight, torch.ones_like(ref.k_norm.weight))
 
 
-def test_a_prefix_hit_gives_transformers_tokens(qwen3):
-    path, ref_model = qwen3
+def test_a_prefix_hit_gives_transformers_tokens(dense):
+    path, ref_model = dense
     assert_prefix_hit_parity(path, ref_model, NEW)
 
 
-def test_tensor_parallel_2_gives_transformers_tokens(qwen3):
-    path, ref_model = qwen3
+def test_tensor_parallel_2_gives_transformers_tokens(dense):
+    path, ref_model = dense
     assert_tp2_greedy_parity(path, ref_model, _prompts(3, 5), NEW)
 
 
-def test_prompt_logprobs_match_transformers(qwen3):
-    path, ref_model = qwen3
+def test_prompt_logprobs_match_transformers(dense):
+    path, ref_model = dense
     [ids] = _prompts(1, 9)
     got = prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=32), ids)
     assert torch.allclose(got, reference_prompt_logprobs(ref_model, ids), atol=1e-4)
