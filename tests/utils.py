@@ -305,6 +305,8 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
         return f"blk.{layer}.ffn_gate_inp.{kind}"
     if arch == "gemma3" and rest in _GGUF_GEMMA3:
         return f"blk.{layer}.{_GGUF_GEMMA3[rest]}.{kind}"
+    if rest in ("self_attn.qkv_proj", "mlp.gate_up_proj"):      # Phi-3's fused ones
+        return f"blk.{layer}.{'attn_qkv' if 'qkv' in rest else 'ffn_up'}.{kind}"
     return f"blk.{layer}.{_GGUF_LAYER[rest]}.{kind}"
 
 
@@ -336,8 +338,8 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
 
     mc = load_model_config(str(hf_folder))
     arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-            "Qwen3MoeForCausalLM": "qwen3moe",
-            "Gemma3ForCausalLM": "gemma3"}.get(mc.architecture, "llama")
+            "Qwen3MoeForCausalLM": "qwen3moe", "Gemma3ForCausalLM": "gemma3",
+            "Phi3ForCausalLM": "phi3"}.get(mc.architecture, "llama")
     writer = gguf.GGUFWriter(str(out_path), arch)
     if mc.num_experts:
         writer.add_expert_count(mc.num_experts)
@@ -356,6 +358,9 @@ def write_tiny_gguf(hf_folder: str | os.PathLike, out_path: str | os.PathLike,
     writer.add_rope_dimension_count(mc.head_dim)
     writer.add_layer_norm_rms_eps(mc.rms_norm_eps)
     writer.add_vocab_size(mc.vocab_size)
+    if arch == "phi3":          # as llama.cpp's Phi3MiniModel converter writes it
+        window = json.loads((Path(hf_folder) / "config.json").read_text()).get("sliding_window")
+        writer.add_sliding_window(window or 0)
     if arch == "gemma3":        # as llama.cpp's Gemma3Model converter writes it
         writer.add_rope_freq_base_swa(mc.rope_local_theta)
         if mc.sliding_window:

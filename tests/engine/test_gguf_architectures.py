@@ -1,5 +1,5 @@
 """GGUFs of the newer architectures: Qwen3-MoE (`qwen3moe`), Mixtral (a `llama`
-file with an expert count) and Gemma 3 (`gemma3`), written from tiny random
+file with an expert count), Gemma 3 (`gemma3`) and Phi-3 (`phi3`), written from tiny random
 transformers checkpoints as llama.cpp's converter writes them (tests/utils.py's
 write_tiny_gguf: experts stacked into ffn_*_exps and the router as
 ffn_gate_inp; Gemma's norms as 1 + w, its window and local rope base in the
@@ -22,11 +22,14 @@ from tests.utils import (GEMMA3_TINY, TINY_EOS_ID, TINY_IM_END_ID, load_referenc
                          make_tiny_model, write_tiny_gguf)
 
 NEW = 12
+LLAMA_CPP_TIE_GAP = 1e-2        # top-2 gaps its float16 KV cache may flip
 # test_moe.py's checkpoints, Qwen3-MoE's top-k renormalized (as llama.cpp runs it);
 # its dense layer (mlp_only_layers) between MoE ones is a layer with no router
 MODELS = {"mixtral": MOE_MODELS["mixtral"],
           "qwen3_moe": {**MOE_MODELS["qwen3_moe"], "norm_topk_prob": True},
-          "gemma3": dict(arch="gemma3", query_pre_attn_scalar=GEMMA3_TINY["head_dim"])}
+          "gemma3": dict(arch="gemma3", query_pre_attn_scalar=GEMMA3_TINY["head_dim"]),
+          # fused attn_qkv and ffn_up (gate then up), as Phi-3's checkpoints hold them
+          "phi3": dict(arch="phi3", dialect="v5")}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -48,6 +51,9 @@ def test_the_config_is_the_checkpoints(moe_gguf):
     name, path, ref = moe_gguf
     cfg = LLM(path, dtype="float32", num_kv_blocks=16).engine.config.model
     hf = ref.config
+    if name == "phi3":
+        assert (cfg.architecture, cfg.num_experts) == ("Phi3ForCausalLM", 0)
+        return
     if name == "gemma3":
         assert (cfg.architecture, cfg.layer_types, cfg.sliding_window) == (
             "Gemma3ForCausalLM", tuple(hf.layer_types), hf.sliding_window)
@@ -94,7 +100,7 @@ def test_a_quantized_file_keeps_its_attention_in_codes_and_reads_its_experts(moe
     path = write_tiny_gguf(folder, tmp_path / "q8.gguf", "Q8_0")
     packed = LLM(path, dtype="float32", num_kv_blocks=32, activation_quantization="none")
     model = packed.engine.executor.runner.model
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, IntGroupsLinear)
+    assert isinstance(model.model.layers[0].self_attn.o_proj.quant_method, IntGroupsLinear)
     floats = LLM(path, dtype="float32", num_kv_blocks=32, quantization="none")
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     for prompt in _prompts(3, seed=9):
@@ -107,7 +113,8 @@ def test_a_quantized_file_keeps_its_attention_in_codes_and_reads_its_experts(moe
 
 def test_llama_cpp_gives_the_same_tokens_on_the_same_file(tmp_path):
     """llama.cpp's graph on the file (F32 weights: fp32 products, no activation
-    quantization), against Folio's: the same greedy tokens. llama.cpp's
+    quantization; its KV cache float16), against Folio's: the same greedy tokens
+    but where a top-2 gap under 1e-2 makes it a near-tie. llama.cpp's
     qwen3moe has a router in every layer, so this checkpoint has no dense one."""
     from folio.bench.llama_cpp import LlamaServer, _post, find_llama_server
     try:
@@ -116,7 +123,7 @@ def test_llama_cpp_gives_the_same_tokens_on_the_same_file(tmp_path):
         pytest.skip(f"no llama-server on this machine ({e})")
     for name, kwargs in (("mixtral", MODELS["mixtral"]),
                          ("qwen3_moe", {**MODELS["qwen3_moe"], "mlp_only_layers": []}),
-                         ("gemma3", MODELS["gemma3"])):
+                         ("gemma3", MODELS["gemma3"]), ("phi3", MODELS["phi3"])):
         folder = make_tiny_model(tmp_path / name / "hf", **kwargs)
         path = write_tiny_gguf(folder, tmp_path / name / "model.gguf")
         llm = LLM(path, dtype="float32", num_kv_blocks=32,
@@ -134,4 +141,6 @@ def test_llama_cpp_gives_the_same_tokens_on_the_same_file(tmp_path):
                     temperature=0, max_tokens=NEW, ignore_eos=True,
                     logit_bias={TINY_EOS_ID: -100, TINY_IM_END_ID: -100}))[0].outputs[0].token_ids
                 _, gaps = reference_greedy(ref, prompt, NEW, [])
-                assert_greedy_parity(list(ours), list(theirs), gaps, f"{name} {i}")
+                # llama.cpp keeps its KV cache in float16: a near-tie may go either way
+                assert_greedy_parity(list(ours), list(theirs), gaps, f"{name} {i}",
+                                     tie_gap=LLAMA_CPP_TIE_GAP)

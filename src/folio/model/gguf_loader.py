@@ -62,6 +62,10 @@ _LAYER_NAMES = {
 _GEMMA3_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's fused projections, as its checkpoints hold them (model/phi3.py splits
+# them): attn_qkv, and ffn_up holding gate then up
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ARCH_NAMES = {"gemma3": _GEMMA3_NAMES, "phi3": _PHI3_NAMES}
 
 # Types gguf.quants.dequantize handles in numpy; all take about a second
 # for a 135M-parameter model.
@@ -105,7 +109,7 @@ def hf_tensor_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     parts = base.split(".")
-    names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if arch == "gemma3" else _LAYER_NAMES
+    names = {**_LAYER_NAMES, **_ARCH_NAMES.get(arch, {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     return None
@@ -142,6 +146,8 @@ def gguf_model_config(model: str, path: str) -> ModelConfig:
         config = _build_config(reader, model, path, arch)
         if arch == "gemma3":
             config = _gemma3(reader, config)
+        if arch == "phi3":
+            config = _phi3(reader, config)
         experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
         return _with_experts(reader, config, arch, experts) if experts else config
     except ValueError as err:
@@ -177,6 +183,17 @@ def _gemma3(reader, config: ModelConfig) -> ModelConfig:
         rope_theta=float(meta("rope.freq_base", 1_000_000.0)),
         query_pre_attn_scalar=float(scalar), hidden_act="gelu_pytorch_tanh",
         final_logit_softcapping=None if softcap is None else float(softcap))
+
+
+def _phi3(reader, config: ModelConfig) -> ModelConfig:
+    """Phi-3's sliding window (0: none, as Phi-4's files say) caps the context as
+    its HF folder's does; longrope's factor tensors are refused earlier (they
+    have no HF name)."""
+    window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
+    if not window:
+        return config
+    return dataclasses.replace(config, max_position_embeddings=min(
+        config.max_position_embeddings, window))
 
 
 def _with_experts(reader, config: ModelConfig, arch: str, experts: int) -> ModelConfig:

@@ -48,7 +48,7 @@ ARCHITECTURES = {
                                      gguf="qwen3", window_opt_in=True),
     # Llama's graph with fused qkv_proj / gate_up_proj in the checkpoint (model/phi3.py)
     "Phi3ForCausalLM": Architecture("folio.model.phi3:Phi3ForCausalLM", "phi3", 4096,
-                                    config_fields="folio.model.phi3:phi3_fields"),
+                                    gguf="phi3", config_fields="folio.model.phi3:phi3_fields"),
     # text only; local sliding-window layers interleaved with global ones
     "Gemma3ForCausalLM": Architecture("folio.model.gemma3:Gemma3ForCausalLM", "gemma3_text",
                                       131072, gguf="gemma3", windowed=True,
