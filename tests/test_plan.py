@@ -285,3 +285,11 @@ def test_a_mixture_of_experts_in_a_format_serve_refuses_is_refused(method, capsy
     assert main(["plan", "--model", "qwen3-30b-a3b", "--gpu", "h200", "--quantization", method,
                  "--tokens-per-day", "1"]) == 1
     assert "experts are stored quantized" in capsys.readouterr().err
+
+
+def test_gemma_3_27b_is_its_published_size_and_keeps_every_block():
+    """27B parameters (embedding tied); every layer's keys kept, as Folio keeps
+    them today (out-of-window blocks are not freed yet)."""
+    _, m = model_shape("gemma-3-27b", load_catalog())
+    assert 26.5e9 < m.parameters() < 27.5e9 and (m.window, m.windowed_layers) == (1024, 52)
+    assert m.kv_bytes_per_token() == 62 * 2 * 16 * 128 * 2
