@@ -300,6 +300,21 @@ def llama_cpp_row(args, tmp: Path, slots: int = 16):
         workloads=None if slots > 1 else ["one request"])
 
 
+def random_gguf(folder: Path, shape: dict, qtype: str, name: str) -> Path:
+    """`folder/name`, made once: a random checkpoint of `shape` (tests/utils.py's
+    make_tiny_model, seed 0, as transformers saves it) written as a `qtype` GGUF
+    by write_tiny_gguf, in the venv's python."""
+    out = folder / name
+    if not out.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                "from tests.utils import make_tiny_model, write_tiny_gguf\n"
+                f"hf = make_tiny_model({str(folder / 'hf')!r}, seed=0, **{shape!r})\n"
+                f"write_tiny_gguf(hf, {str(out)!r}, {qtype!r})\n")
+        subprocess.run([PY, "-c", code], check=True)
+    return out
+
+
 def prompts_of(model: Path) -> None:
     """The workloads' token-id prompts drawn from `model`'s own vocabulary
     (`folio bench serve --tokenizer`), for a script that serves another model."""

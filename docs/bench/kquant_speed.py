@@ -25,8 +25,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_baselines import (PY, ROOT, env_for, folio_cmd, free_port,  # noqa: E402
-                           llama_cpp_rows, model_bench_main, prompts_of, serve)
+from cpu_baselines import (ROOT, env_for, folio_cmd, free_port,  # noqa: E402
+                           llama_cpp_rows, model_bench_main, prompts_of, random_gguf,
+                           serve)
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
@@ -35,20 +36,11 @@ QUANTIZE = ROOT / "build" / "llama.cpp" / "native" / "bin" / "llama-quantize"
 
 def make_model(folder: Path) -> Path:
     out = folder / "llama-q4_k_m.gguf"
-    if out.exists():
-        return out
-    folder.mkdir(parents=True, exist_ok=True)
-    code = f"""
-import sys
-sys.path.insert(0, {str(ROOT)!r})
-from tests.utils import make_tiny_model, write_tiny_gguf
-hf = make_tiny_model({str(folder / 'hf')!r}, arch="llama", seed=0, **{SHAPE!r})
-write_tiny_gguf(hf, {str(folder / 'f32.gguf')!r})
-"""
-    subprocess.run([PY, "-c", code], check=True)
-    subprocess.run([str(QUANTIZE), str(folder / "f32.gguf"), str(out), "Q4_K_M"], check=True,
-                   capture_output=True)
-    (folder / "f32.gguf").unlink()
+    if not out.exists():
+        f32 = random_gguf(folder, {"arch": "llama", **SHAPE}, "F32", "f32.gguf")
+        subprocess.run([str(QUANTIZE), str(f32), str(out), "Q4_K_M"], check=True,
+                       capture_output=True)
+        f32.unlink()
     return out
 
 

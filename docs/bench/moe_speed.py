@@ -20,14 +20,13 @@ its k experts), with the bytes of expert weights each reads.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_baselines import (PY, ROOT, folio_cmd, free_port, llama_cpp_rows,  # noqa: E402
-                           model_bench_main, prompts_of, serve)
+from cpu_baselines import (folio_cmd, free_port, llama_cpp_rows,  # noqa: E402
+                           model_bench_main, prompts_of, random_gguf, serve)
 
 SHAPE = dict(arch="qwen3_moe", dialect="v5", hidden_size=768, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=16,
@@ -36,19 +35,7 @@ SHAPE = dict(arch="qwen3_moe", dialect="v5", hidden_size=768, num_hidden_layers=
 
 
 def make_model(folder: Path) -> Path:
-    out = folder / "qwen3moe-f16.gguf"
-    if out.exists():
-        return out
-    folder.mkdir(parents=True, exist_ok=True)
-    code = f"""
-import sys
-sys.path.insert(0, {str(ROOT)!r})
-from tests.utils import make_tiny_model, write_tiny_gguf
-hf = make_tiny_model({str(folder / 'hf')!r}, seed=0, **{SHAPE!r})
-write_tiny_gguf(hf, {str(out)!r}, "F16")
-"""
-    subprocess.run([PY, "-c", code], check=True)
-    return out
+    return random_gguf(folder, SHAPE, "F16", "qwen3moe-f16.gguf")
 
 
 def layer_times() -> dict:

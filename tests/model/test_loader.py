@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from folio.model import gguf_loader, loader
+from folio.model import gguf_blocks, gguf_loader, loader
 from folio.model.loader import (DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, iter_weights,
                                 load_model_config, resolve_model_path)
 from tests.utils import (default_gguf_path, load_reference_model, make_tiny_model,
@@ -117,7 +117,7 @@ def test_default_gguf_weights_equal_transformers(smollm_config, smollm_reference
     # The file's own row order differs: matching transformers needed the un-permutation.
     reader = gguf_loader.gguf_reader(smollm_config.path)
     stored = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
-    assert not torch.equal(gguf_loader._dequantize(stored),
+    assert not torch.equal(gguf_blocks.dequantize(stored),
                            ours["model.layers.0.self_attn.q_proj.weight"])
 
 
@@ -368,7 +368,7 @@ def test_gguf_tensor_checks():
     from types import SimpleNamespace
 
     def reader(*names, kind="F32"):
-        return SimpleNamespace(tensors=[SimpleNamespace(name=n, tensor_type=SimpleNamespace(
+        return SimpleNamespace(fields={}, tensors=[SimpleNamespace(name=n, tensor_type=SimpleNamespace(
             name=kind)) for n in names])
 
     gguf_loader._check_tensors(reader("token_embd.weight", "blk.0.attn_q.bias"), "f.gguf")

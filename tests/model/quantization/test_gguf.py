@@ -58,6 +58,7 @@ def test_a_fused_layer_runs_packed_only_if_each_projection_is_packable():
             self.name, self.tensor_type = name, type("K", (), {"name": kind})
 
     class Reader:
+        fields: dict = {}                # no metadata: general.architecture absent
         tensors = [T("blk.0.attn_q.weight", "Q4_0"), T("blk.0.attn_k.weight", "Q4_0"),
                    T("blk.0.attn_v.weight", "Q8_0"), T("blk.0.attn_output.weight", "Q4_0"),
                    T("blk.0.ffn_gate.weight", "Q4_1"), T("blk.0.ffn_up.weight", "Q5_0"),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from folio import LLM
-from folio.model import gguf_loader
+from folio.model import gguf_blocks, gguf_loader
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
 from tests.model.quantization.checkpoints import (FP32, assert_greedy_tokens_equal,
                                                   assert_logits_match, kernel_or_torch,
@@ -43,12 +43,12 @@ def test_the_fixtures_are_what_llama_quantize_makes_of_each_kind():
                                                         q4["blk.1.ffn_down.weight"]}
 
 
-@pytest.mark.parametrize("kind", list(gguf_loader._BLOCK_BYTES))
+@pytest.mark.parametrize("kind", list(gguf_blocks.BLOCK_BYTES))
 def test_every_packed_kind_splits_into_the_gguf_packages_values(kind):
     """Random blocks (valid float16 d): code * scale + offset, in fp32, equals
     gguf.quants.dequantize exactly, at the kind's own form and at a wider one."""
     import gguf
-    size, per_block = gguf_loader._BLOCK_BYTES[kind]
+    size, per_block = gguf_blocks.BLOCK_BYTES[kind]
     rng = np.random.default_rng(7)
     blocks = rng.integers(0, 256, size=(3, 2, size), dtype=np.uint8)
     halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2)}.get(kind, (0,))
@@ -61,7 +61,7 @@ def test_every_packed_kind_splits_into_the_gguf_packages_values(kind):
     reference = gguf.quants.dequantize(blocks.reshape(3, -1), tensor.tensor_type)
     bits, group = gguf_loader.KINDS[kind]
     for form in ((bits, group), (8, 16)):
-        parts = gguf_loader._split_blocks(tensor, form)
+        parts = gguf_blocks.split_blocks(tensor, form)
         codes = parts["qcodes"]
         if form[0] == 4:
             codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
@@ -94,7 +94,7 @@ def test_every_linear_layer_is_held_in_its_codes(loaded):
             "blk.1.attn_output.weight": layers[1].self_attn.o_proj}
     for name, layer in held.items():
         t = tensors[name]
-        parts = gguf_loader._split_blocks(t, gguf_loader.KINDS[t.tensor_type.name])
+        parts = gguf_blocks.split_blocks(t, gguf_loader.KINDS[t.tensor_type.name])
         codes = parts["qcodes"]
         if gguf_loader.KINDS[t.tensor_type.name][0] == 4:
             codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
@@ -107,7 +107,7 @@ def test_every_linear_layer_is_held_in_its_codes(loaded):
         assert _types(path)["blk.1.attn_v.weight"] == "Q6_K" and qkv.bits == 8
         assert layers[0].self_attn.qkv_proj.quant_method.weights.bits == 4
         v = tensors["blk.1.attn_v.weight"]
-        assert torch.allclose(qkv.dequantize()[-int(v.shape[1]):], gguf_loader._dequantize(v),
+        assert torch.allclose(qkv.dequantize()[-int(v.shape[1]):], gguf_blocks.dequantize(v),
                               rtol=2 ** -10, atol=2 ** -16)
 
 

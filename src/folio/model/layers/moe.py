@@ -180,6 +180,7 @@ class FusedMoE(nn.Module):
             (e, part): name.format(e) for e in range(num_experts)
             for part, name in ((0, gate), (1, up))}
         self.w2_weight.checkpoint_names = {e: down.format(e) for e in range(num_experts)}
+        self.packed_experts: Optional[list] = None     # process_weights_after_loading's
         self.w13_weight.weight_loader = self._load_w13
         self.w2_weight.weight_loader = self._load_w2
 
@@ -230,14 +231,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
-        packed = getattr(self, "packed_experts", None)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if packed is not None:
-            experts = dense_packed_experts if capturing else fused_experts
-            return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                      packed), self.tp)
-        experts = dense_experts if capturing else fused_experts
-        return all_reduce(experts(x, self.w13_weight, self.w2_weight, weights, ids), self.tp)
+        w13, w2, packed = self.w13_weight, self.w2_weight, self.packed_experts
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            out = fused_experts(x, w13, w2, weights, ids, packed)
+        elif packed is None:
+            out = dense_experts(x, w13, w2, weights, ids)
+        else:
+            out = dense_packed_experts(x, w13, w2, weights, ids, packed)
+        return all_reduce(out, self.tp)
 
 
 class ExpertMatrix(IntGroupsLinear):

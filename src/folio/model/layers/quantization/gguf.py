@@ -67,7 +67,8 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 def shard_names(prefix: str) -> list[str]:
     """The checkpoint weights a layer named `prefix` is loaded from."""
     parent, _, leaf = prefix.rpartition(".")
-    return [f"{parent}.{part}.weight" for part in FUSED.get(leaf, (leaf,))]
+    return [f"{parent}.{part}.weight" if parent else f"{part}.weight"
+            for part in FUSED.get(leaf, (leaf,))]
 
 
 @register_quantization("gguf")

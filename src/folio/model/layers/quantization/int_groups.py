@@ -253,7 +253,7 @@ def set_activation_quantization(model: torch.nn.Module, mode: str) -> None:
     or "none" (config.ACTIVATION_QUANTIZATIONS)."""
     for module in model.modules():
         methods = [getattr(module, "quant_method", None)]
-        methods += [m for pair in getattr(module, "packed_experts", ()) for m in pair]
+        methods += [m for pair in getattr(module, "packed_experts", None) or () for m in pair]
         for method in methods:           # a layer's, and a MoE layer's experts'
             if isinstance(method, IntGroupsLinear):
                 method.int8 = mode == "int8"
