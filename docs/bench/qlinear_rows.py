@@ -5,18 +5,23 @@ microseconds per call (best of 5 timed loops, the ~27 us of the Python call
 included), one line for the checkout it runs from; with --modes, one line per
 quantize_x mode (0 float, 1 int16, 2 int8): where int8 stops winning is
 folio_qlinear_int8_rows. To compare two commits,
-run it from each (a `git worktree` of the other first on PYTHONPATH), in turn:
+run it from each (a `git worktree` of the other first on PYTHONPATH), in turn.
+With --interleave the modes alternate call by call and each keeps its best
+single call: on a machine whose speed drifts from second to second (a shared
+VM), one mode timed after the other measures the drift as much as the modes.
 
     .venv/bin/python docs/bench/qlinear_rows.py
+    .venv/bin/python docs/bench/qlinear_rows.py --modes 0,2 --interleave [--bits 8]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         .venv/bin/python docs/bench/qlinear_rows.py --avx2-sim
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-ROWS = (1, 4, 6, 8, 16, 32, 48, 128, 512)
+ROWS = (1, 4, 6, 8, 16, 32, 48, 64, 128, 256, 512)
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536)}
 
 
@@ -27,6 +32,8 @@ def main() -> None:
     p.add_argument("--bits", type=int, choices=[4, 8], default=4)
     p.add_argument("--modes", default="", metavar="0,1,2",
                    help="quantize_x modes to time, one line each (default: the kernel's default)")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the modes call by call (best single call of each)")
     args = p.parse_args()
     if args.avx2_sim:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -49,9 +56,19 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k, generator=g)
             reps = max(2, int(2000 / (m * n * k / 1e6 + 1)))
-            for mode in modes:
-                kw = {} if mode is None else {"quantize_x": mode}
-                us = best_us(lambda: native.qlinear(x, w, **kw), reps)
+            calls = {mode: (lambda kw={} if mode is None else {"quantize_x": mode}:
+                            native.qlinear(x, w, **kw)) for mode in modes}
+            if args.interleave:
+                best = dict.fromkeys(modes, float("inf"))
+                for _ in range(max(5, 5 * reps)):
+                    for mode, call in calls.items():
+                        start = time.perf_counter()
+                        call()
+                        best[mode] = min(best[mode], time.perf_counter() - start)
+                times = {mode: t * 1e6 for mode, t in best.items()}
+            else:
+                times = {mode: best_us(call, reps) for mode, call in calls.items()}
+            for mode, us in times.items():
                 lines[mode].append(f"{name}/{m}:{us:.0f}")
     for mode, cells in lines.items():
         print(("" if mode is None else f"mode {mode}: ") + " ".join(cells))

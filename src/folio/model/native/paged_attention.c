@@ -243,6 +243,52 @@ static inline void block_scores_f32_t(const void *kv, int64_t kfirst, int64_t ro
     }
 }
 
+#ifndef FOLIO_HAVE_AVX512
+/* Each of 8 vectors' lane sum, as one vector (lane r: the sum of a[r]). */
+static inline fvec fv_hsum8(const fvec *a) {
+    const fvec t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const fvec t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const fvec u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* The same scores with AVX2's 8-float vectors, rows kept as they lie: each
+ * query's 8 rows are 8 chains of FMAs over the head's vectors (the key read
+ * straight into the FMA), summed across lanes once at the end. Per query and
+ * 8 rows that is head_dim FMAs and a 21-instruction sum, where transposing
+ * the rows costs 3 shuffles an element before the first query, and the 16
+ * registers cannot hold the transposed block (it went to the stack). */
+static inline __attribute__((always_inline)) void block_scores_f32_rows(
+        const void *kv, int64_t kfirst, int64_t rows, int64_t stride, int dtype, const int nv,
+        int nq, const fvec *qv, float *scores, int block_size) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        const int n = rows - r0 < 8 ? (int)(rows - r0) : 8;
+        const int64_t k0 = kfirst + r0 * stride;
+        for (int i = 0; i < nq; i++) {
+            const fvec *qi = qv + (int64_t)i * nv;
+            fvec a[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) a[r] = fv_zero();
+            if (n == 8) {
+#pragma GCC unroll 16
+                for (int j = 0; j < nv; j++) {
+                    const fvec qj = qi[j];
+#pragma GCC unroll 8
+                    for (int r = 0; r < 8; r++)
+                        a[r] = fv_fma(qj, fv_load(kv, k0 + r * stride + 8 * j, dtype), a[r]);
+                }
+            } else {
+                for (int r = 0; r < n; r++)
+                    for (int j = 0; j < nv; j++)
+                        a[r] = fv_fma(qi[j], fv_load(kv, k0 + r * stride + 8 * j, dtype), a[r]);
+            }
+            fv_store_n(scores + (int64_t)i * block_size + r0, fv_first(n), fv_hsum8(a));
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* Scores of up to 16 bf16 key rows for nq bf16 queries: the rows are
  * transposed into vectors of one dimension pair across the 16 rows, so a
@@ -419,7 +465,8 @@ static inline __attribute__((always_inline)) void task_vec(
         const int64_t p0 = b * block_size;
         const int64_t rows = last_ctx - p0 < block_size ? last_ctx - p0 : block_size;
         const int64_t base = table[b] * block_size * stride + (int64_t)kvh0 * head_dim;
-        for (int64_t ahead = b + 1; ahead <= b + 2 && ahead < nblk; ahead++) {
+        /* two blocks ahead: the next one was asked for on the way to this one */
+        for (int64_t ahead = b == b0 ? b + 1 : b + 2; ahead <= b + 2 && ahead < nblk; ahead++) {
             int64_t next = table[ahead] * block_size * stride + (int64_t)kvh0 * head_dim;
             int64_t left = last_ctx - ahead * block_size;
             int64_t nrows = left < block_size ? left : block_size;
@@ -436,8 +483,13 @@ static inline __attribute__((always_inline)) void task_vec(
                                     block_size);
             else
 #endif
+#ifndef FOLIO_HAVE_AVX512
+                block_scores_f32_rows(kv, kfirst, rows, stride, dtype, nv, per_head,
+                                      qv + i0 * nv, scores, block_size);
+#else
                 block_scores_f32_t(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
                                    scores, block_size);
+#endif
             for (int t = 0; t < ntok; t++) {
                 /* keys this token sees in the block, rows first .. valid - 1:
                  * causal within a prefill chunk, after its window's start */

@@ -232,6 +232,37 @@ static inline __attribute__((always_inline)) void widen_octet(const uint8_t *til
     }
 }
 
+/* The largest |x| of 32 floats. */
+static inline float amax32(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* 32 floats times inv, rounded as lrintf rounds them (the current mode: to
+ * nearest even), to int8 at out; returns their sum. The same bytes as the
+ * scalar loop, 8 at a time. */
+static inline int32_t quantize32(const float *x, float inv, int8_t *out) {
+    const __m256 s = _mm256_set1_ps(inv);
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), s));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), s));
+    const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), s));
+    const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), s));
+    /* packing works within 128-bit lanes: dwords come out as positions
+     * 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31 */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256((__m256i *)out,
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+
 /* ---------------------------------------------------------------- float path */
 
 /* Rows r0 .. r0 + mr (few: a decode step) against tiles t0 .. t0 + nt, the
@@ -661,18 +692,23 @@ int folio_qlinear_available(void) { return VL == 16 ? 2 : 1; }
 
 /* The most rows at which `quantize_x` 3 takes the int8 path for codes of
  * `bits`: where it beat the float and int16 paths in docs/bench/qlinear_rows.py.
- * AVX2 without VNNI, measured: 4-bit 1.25-2.2x the float path up to 16 rows,
- * level from 48 to 512; 8-bit, whose codes take the sign trick, ahead only up
- * to 4. AVX512-VNNI, measured: vpdpbusd is 2-2.9x the float path and 1.4-1.8x
+ * AVX2 without VNNI (Zen 3), measured with the two modes alternated call by
+ * call (docs/bench/qlinear_rows.py --interleave): 4-bit codes 1.25-2.7x the
+ * float path at every row count from 1 to 512, so every row count; 8-bit ones,
+ * whose codes take the sign trick, 1.1-2x up to 32 rows, level at 48, 0.9x
+ * from 64 (an earlier measurement, one mode after the other on a noisier
+ * machine, had put the 4-bit limit at 48 and the 8-bit one at 4).
+ * AVX512-VNNI, measured: vpdpbusd is 2-2.9x the float path and 1.4-1.8x
  * the int16 one at every row count from 1 to 512, for both bits, so every row
- * count takes it (FOLIO_INT8_EVERY_ROW); AVX-VNNI (256-bit) is assumed alike. */
+ * count takes it (FOLIO_INT8_EVERY_ROW); AVX-VNNI (256-bit) is assumed alike,
+ * and AVX-512 without VNNI like AVX2. */
 #define FOLIO_INT8_EVERY_ROW 0x7fffffff
 int folio_qlinear_int8_rows(int bits) {
 #if VNNI8
     (void)bits;
     return FOLIO_INT8_EVERY_ROW;
 #else
-    return bits == 4 ? 48 : 4;
+    return bits == 4 ? FOLIO_INT8_EVERY_ROW : 32;
 #endif
 }
 
@@ -737,17 +773,24 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                 float qsum = 0;     /* int8: the group sum of x as quantized (below) */
                 for (int64_t p0 = bounds[g]; p0 < bounds[g + 1]; p0 += 32, blk++) {
                     const int64_t p1 = p0 + 32 < bounds[g + 1] ? p0 + 32 : bounds[g + 1];
+                    const int whole = p1 - p0 == 32;
                     float amax = 0;
-                    for (int64_t i = p0; i < p1; i++) amax = fmaxf(amax, fabsf(dst[i]));
+                    if (whole)
+                        amax = amax32(dst + p0);
+                    else
+                        for (int64_t i = p0; i < p1; i++) amax = fmaxf(amax, fabsf(dst[i]));
                     const float scale = amax / limit, inv = amax > 0 ? limit / amax : 0.0f;
                     xscale[r * blocks + blk] = scale;
                     if (x8) {
                         int32_t bsum = 0;
-                        for (int64_t i = p0; i < p1; i++) {
-                            const int32_t v = (int32_t)lrintf(dst[i] * inv);
-                            x8[r * kp + i] = (int8_t)v;
-                            bsum += v;
-                        }
+                        if (whole)
+                            bsum = quantize32(dst + p0, inv, x8 + r * kp + p0);
+                        else
+                            for (int64_t i = p0; i < p1; i++) {
+                                const int32_t v = (int32_t)lrintf(dst[i] * inv);
+                                x8[r * kp + i] = (int8_t)v;
+                                bsum += v;
+                            }
                         x8sum[r * blocks + blk] = bsum;
                         qsum += scale * (float)bsum;
                         continue;

@@ -174,6 +174,15 @@ class IntGroups:
             octets = self.codes.permute(0, 3, 1, 2, 4).reshape(tiles, TILE, -1, OCTET)
         return octets.reshape(tiles * TILE, p)
 
+    @functools.cached_property
+    def _group_of_position(self) -> torch.Tensor:
+        """[positions]: each position's group (an embedding lookup's every
+        step asked for it anew: a repeat_interleave, most of a one-token
+        lookup's time)."""
+        lengths = (self.bounds[1:] - self.bounds[:-1]).to(torch.int64)
+        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device),
+                                       lengths)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the checkpoint's order of k."""
         return self.dequantize_rows(None, dtype)
@@ -182,9 +191,7 @@ class IntGroups:
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Output features `rows` (any shape of indices; None: all) of the float
         weight: [*rows.shape, K] (an embedding table's lookup)."""
-        lengths = (self.bounds[1:] - self.bounds[:-1]).to(torch.int64)
-        per_position = torch.repeat_interleave(
-            torch.arange(len(lengths), device=lengths.device), lengths)
+        per_position = self._group_of_position
         if rows is None:
             codes = self.unpacked_codes()[:self.out_features]
             scale, offset = (t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features]
