@@ -109,10 +109,12 @@ def kernel_choices(dtype: str) -> dict[str, str]:
 
 def _int8_rows(lib, above: str) -> str:
     """Where the engine's int8 path stops (qlinear.c's folio_qlinear_int8_rows)."""
+    every = 0x7fffffff
     four, eight = lib.folio_qlinear_int8_rows(4), lib.folio_qlinear_int8_rows(8)
-    if four == eight == 0x7fffffff:
+    if four == eight == every:
         return " at every row count; "
-    return f" at up to {four} rows (4-bit codes) / {eight} (8-bit), {above} above; "
+    rows = lambda n: "every row count" if n == every else f"up to {n} rows"
+    return f" at {rows(four)} (4-bit codes) / {rows(eight)} (8-bit), {above} above; "
 
 
 def collect() -> dict:
