@@ -187,36 +187,13 @@ static inline void transpose16x16(const __m512i *rows, __m512i *t) {
     }
 }
 
-static inline void transpose_vw(const fvec *rows, fvec *t) {
-    transpose16x16((const __m512i *)rows, (__m512i *)t);
-}
-#else
-/* Transpose of 8 rows of 8 floats: t[e] lane r = rows[r] element e. */
-static inline void transpose_vw(const fvec *r, fvec *t) {
-    __m256 a[8], b[8];
-    for (int j = 0; j < 4; j++) {      /* per 128-bit lane: elements 0,1 (lo) or 2,3 (hi) of 2 rows */
-        a[2 * j] = _mm256_unpacklo_ps(r[2 * j], r[2 * j + 1]);
-        a[2 * j + 1] = _mm256_unpackhi_ps(r[2 * j], r[2 * j + 1]);
-    }
-    for (int h = 0; h < 2; h++) {      /* rows 4h .. 4h + 3: element e of the 4 rows in b[4h + e] */
-        b[4 * h + 0] = _mm256_shuffle_ps(a[4 * h], a[4 * h + 2], 0x44);
-        b[4 * h + 1] = _mm256_shuffle_ps(a[4 * h], a[4 * h + 2], 0xEE);
-        b[4 * h + 2] = _mm256_shuffle_ps(a[4 * h + 1], a[4 * h + 3], 0x44);
-        b[4 * h + 3] = _mm256_shuffle_ps(a[4 * h + 1], a[4 * h + 3], 0xEE);
-    }
-    for (int e = 0; e < 4; e++) {      /* low lanes: elements 0..3, high lanes: 4..7 */
-        t[e] = _mm256_permute2f128_ps(b[e], b[4 + e], 0x20);
-        t[4 + e] = _mm256_permute2f128_ps(b[e], b[4 + e], 0x31);
-    }
-}
-#endif
-
-/* Scores of up to VW key rows (either dtype, as fp32) for nq fp32 queries
- * (scale folded in): VW dimensions of the VW rows transposed at a time, then
- * each query's VW scores are one chain of FMAs with its dimensions broadcast. */
-static inline void block_scores_f32_t(const void *kv, int64_t kfirst, int64_t rows,
-                                      int64_t stride, int dtype, int nv, int nq,
-                                      const fvec *qv, float *scores, int block_size) {
+/* Scores of up to 16 key rows (either dtype, as fp32) for nq fp32 queries
+ * (scale folded in): 16 dimensions of the 16 rows transposed at a time, then
+ * each query's 16 scores are one chain of FMAs with its dimensions broadcast
+ * (AVX-512: its 32 registers hold the transposed rows). */
+static inline void block_scores_f32(const void *kv, int64_t kfirst, int64_t rows,
+                                    int64_t stride, int dtype, int nv, int nq,
+                                    const fvec *qv, float *scores, int block_size) {
     for (int64_t r0 = 0; r0 < rows; r0 += FOLIO_VW) {
         const int n = rows - r0 < FOLIO_VW ? (int)(rows - r0) : FOLIO_VW;
         fvec t[FOLIO_MAX_DIM];                      /* head_dim vectors */
@@ -225,7 +202,7 @@ static inline void block_scores_f32_t(const void *kv, int64_t kfirst, int64_t ro
             for (int r = 0; r < FOLIO_VW; r++)
                 rw[r] = r < n ? fv_load(kv, kfirst + (r0 + r) * stride + FOLIO_VW * c, dtype)
                               : fv_zero();
-            transpose_vw(rw, t + FOLIO_VW * c);
+            transpose16x16((const __m512i *)rw, (__m512i *)(t + FOLIO_VW * c));
         }
         const fmask mask = fv_first(n);
         for (int i = 0; i < nq; i++) {
@@ -242,8 +219,7 @@ static inline void block_scores_f32_t(const void *kv, int64_t kfirst, int64_t ro
         }
     }
 }
-
-#ifndef FOLIO_HAVE_AVX512
+#else
 /* Each of 8 vectors' lane sum, as one vector (lane r: the sum of a[r]). */
 static inline fvec fv_hsum8(const fvec *a) {
     const fvec t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -253,13 +229,13 @@ static inline fvec fv_hsum8(const fvec *a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* The same scores with AVX2's 8-float vectors, rows kept as they lie: each
+/* The scores with AVX2's 8-float vectors, rows kept as they lie: each
  * query's 8 rows are 8 chains of FMAs over the head's vectors (the key read
  * straight into the FMA), summed across lanes once at the end. Per query and
  * 8 rows that is head_dim FMAs and a 21-instruction sum, where transposing
  * the rows costs 3 shuffles an element before the first query, and the 16
  * registers cannot hold the transposed block (it went to the stack). */
-static inline __attribute__((always_inline)) void block_scores_f32_rows(
+static inline __attribute__((always_inline)) void block_scores_f32(
         const void *kv, int64_t kfirst, int64_t rows, int64_t stride, int dtype, const int nv,
         int nq, const fvec *qv, float *scores, int block_size) {
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
@@ -483,13 +459,8 @@ static inline __attribute__((always_inline)) void task_vec(
                                     block_size);
             else
 #endif
-#ifndef FOLIO_HAVE_AVX512
-                block_scores_f32_rows(kv, kfirst, rows, stride, dtype, nv, per_head,
-                                      qv + i0 * nv, scores, block_size);
-#else
-                block_scores_f32_t(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
-                                   scores, block_size);
-#endif
+                block_scores_f32(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
+                                 scores, block_size);
             for (int t = 0; t < ntok; t++) {
                 /* keys this token sees in the block, rows first .. valid - 1:
                  * causal within a prefill chunk, after its window's start */

@@ -693,10 +693,10 @@ int folio_qlinear_available(void) { return VL == 16 ? 2 : 1; }
 /* The most rows at which `quantize_x` 3 takes the int8 path for codes of
  * `bits`: where it beat the float and int16 paths in docs/bench/qlinear_rows.py.
  * AVX2 without VNNI (Zen 3), measured with the two modes alternated call by
- * call (docs/bench/qlinear_rows.py --interleave): 4-bit codes 1.25-2.7x the
+ * call (docs/bench/qlinear_rows.py --interleave): 4-bit codes 1.2-2.6x the
  * float path at every row count from 1 to 512, so every row count; 8-bit ones,
- * whose codes take the sign trick, 1.1-2x up to 32 rows, level at 48, 0.9x
- * from 64 (an earlier measurement, one mode after the other on a noisier
+ * whose codes take the sign trick, 1.1-2x up to 16 rows, level at 32-64,
+ * 0.9x beyond (an earlier measurement, one mode after the other on a noisier
  * machine, had put the 4-bit limit at 48 and the 8-bit one at 4).
  * AVX512-VNNI, measured: vpdpbusd is 2-2.9x the float path and 1.4-1.8x
  * the int16 one at every row count from 1 to 512, for both bits, so every row
