@@ -318,12 +318,11 @@ def _hf_chat_templates(path: str, config: Mapping) -> dict[str, str]:
 def _read_gguf_tokenizer_metadata(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file not found: {path!r}")
-    # The loader's cached reader: parsing the metadata takes ~2 s and the model
-    # config and weights read the same file.
+    # The loader's cached reader: the model config and weights read the same file.
     from folio.model.gguf_loader import gguf_reader
 
     reader = gguf_reader(path)
-    return {name: field.contents() for name, field in reader.fields.items()
+    return {name: value for name, value in reader.fields.items()
             if name.startswith("tokenizer.")}
 
 

@@ -112,9 +112,11 @@ def test_greedy_tokens_alone_and_after_a_prefix_hit(gemma3, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_tokens_batched_under_preemption(gemma3, backend):
     path, ref_model = gemma3
-    batch = _prompts(5, 2)
-    llm = LLM(path, dtype="float32", num_kv_blocks=40, block_size=4, max_num_batched_tokens=32,
-              max_num_seqs=4, attention_backend=backend)
+    # interpreted Triton: three of the five prompts, in a cache that still preempts
+    prompts, blocks = (3, 24) if backend == "TRITON" else (5, 40)
+    batch = _prompts(prompts, 2)
+    llm = LLM(path, dtype="float32", num_kv_blocks=blocks, block_size=4,
+              max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], PARAMS, use_tqdm=False)
     for ids, out in zip(batch, outs):
         ref, gaps = reference_greedy(ref_model, ids, NEW, ())

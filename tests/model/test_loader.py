@@ -57,8 +57,9 @@ def smollm_config():
 
 
 @pytest.fixture(scope="module")
-def smollm_reference_weights():
-    return load_reference_model(default_gguf_path()).state_dict()
+def smollm_reference_weights(default_reference):
+    """transformers' load of the default GGUF, the session's one (read only)."""
+    return default_reference.state_dict()
 
 
 def test_default_model_names_resolve_to_packaged_gguf():

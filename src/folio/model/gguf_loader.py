@@ -78,26 +78,25 @@ _MISSING = object()
 
 @functools.lru_cache(maxsize=2)
 def gguf_reader(path: str):
-    """A cached GGUFReader: opening one parses every metadata array (~2 s for
-    SmolLM2's 49k-token vocabulary), and config, weights and tokenizer all
-    need it. The reader memory-maps the file, so caching holds no tensor data."""
-    import gguf
+    """The file's GGUFFile (model/gguf_file.py), cached: config, weights and
+    tokenizer all read it. It memory-maps the file, so caching holds no tensor
+    data."""
+    from folio.model.gguf_file import GGUFFile
 
     try:
-        return gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError, KeyError) as err:
-        # gguf parses with numpy: a file cut short fails as a reshape or an index
+        return GGUFFile(path)
+    except (OSError, ValueError) as err:
         raise ValueError(f"cannot read GGUF file {path} (truncated or not GGUF?): "
                          f"{type(err).__name__}: {err}") from err
 
 
 def _field(reader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+    value = reader.fields.get(key, _MISSING)
+    if value is _MISSING:
         if default is _MISSING:
             raise ValueError(f"GGUF metadata lacks {key!r}")
         return default
-    return field.contents()
+    return value
 
 
 def hf_tensor_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
@@ -290,7 +289,7 @@ def _vocab_size(reader, arch: str) -> int:
         return int(size)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return len(tokens)
     for t in reader.tensors:
         if t.name == "token_embd.weight":
             return int(t.shape[-1])  # ne order: [hidden, vocab]
