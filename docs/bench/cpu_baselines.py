@@ -176,7 +176,11 @@ def hf_baselines(args, dtype: str) -> dict:
     for workload, extra in (("standard", ["--baseline", "hf-static", "--baseline", "hf-seq",
                                           "--baseline-limit", "8"]),
                             ("one request", ["--baseline", "hf-seq"])):
+        # one request: the offline engine one sequence at a time too, as the served
+        # client sends them (without it bench throughput runs both at once)
         flags = [f for f in WORKLOADS[workload] if f not in ("--max-concurrency", "1")]
+        if "--max-concurrency" in WORKLOADS[workload]:
+            flags += ["--max-num-seqs", "1"]
         cmd = [*folio_cmd(args), "bench", "throughput", "--dtype", dtype, "--seed", "0",
                "--json", "--baseline-batch", "8", *flags, *extra]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args), check=True)
