@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from folio.config import ACTIVATION_QUANTIZATIONS
+from folio.config import ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES
 from folio.cli_types import (memory_size, non_negative_int, positive_int, power_of_two,
                              probability, seed)
 
@@ -33,6 +33,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=memory_size, metavar="SIZE", default=None,
                    help="memory for the KV cache, in bytes or as 4GiB, 512MiB, 2GB "
                         "(default: 2GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="the KV cache's element type: auto (the run dtype) or, under a "
+                        "float32 run, bfloat16: half the cache's memory (twice the blocks) "
+                        "and half the bytes a decode step reads, with keys and values "
+                        "rounded to bf16 (logprobs move slightly, docs/benchmarks.md says "
+                        "how much)")
     g.add_argument("--gpu-memory-utilization", type=probability, metavar="F", default=0.9,
                    help="CUDA: the share of the card's memory that weights, the activations' "
                         "profiled peak and the KV cache take together")
@@ -99,4 +105,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization, attention_backend=args.attention_backend,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
-                activation_quantization=args.activation_quantization)
+                activation_quantization=args.activation_quantization,
+                kv_cache_dtype=args.kv_cache_dtype)

@@ -98,6 +98,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True            # reuse cached blocks of shared prompt prefixes
     gpu_memory_utilization: float = 0.9           # CUDA: the card's share weights, activations
                                                   # and KV cache may take together
+    # the cache's element type (--kv-cache-dtype, resolved): None is the run
+    # dtype; "bfloat16" under a float32 run halves the bytes a decode step reads
+    kv_cache_dtype: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ class ParallelConfig:
 
 # --activation-quantization: what the activations of quantized layers become
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
+# --kv-cache-dtype: auto is the run dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,11 @@ class FolioConfig:
     # activations quantized to int8 at decode batch sizes (native/qlinear.c);
     # "none" keeps fp32 arithmetic (int16 activations for bf16)
     activation_quantization: str = "int8"
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type."""
+        return self.cache.kv_cache_dtype or self.dtype
 
     @property
     def max_model_len(self) -> int:

@@ -21,11 +21,30 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "List three colours of the rainbow:", "1, 2, 3, 5, 8,"]
 
 
+def greedy_texts(llm, prompts=PROMPTS, max_tokens=24):
+    """Each prompt's ids followed by the model's own 24 greedy tokens: the text
+    that the drift tests score by teacher forcing."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True))
+    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+
+
 def _scores(llm, token_ids):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params)
     return [[d[t] for d, t in zip(o.prompt_logprobs[1:], ids[1:])]
             for o, ids in zip(outs, token_ids)]
+
+
+def drift(llm, texts, reference, what):
+    """`llm`'s teacher-forced logprobs of `texts` against `reference`'s (shut
+    down after): the max and mean |d logprob|, printed under `what`."""
+    got = _scores(llm, texts)
+    llm.shutdown()
+    worst, mean = _errors(got, reference)
+    print(f"|{what}| max {worst:.4f} mean {mean:.4f} "
+          f"over {sum(len(s) for s in reference)} tokens")
+    return worst, mean
 
 
 def _errors(scores, reference):
@@ -43,8 +62,7 @@ def test_fast_paths_are_as_close_to_fp32_as_the_plain_layers(monkeypatch):
     # Packed where this CPU packs bf16 weights (AVX-512); AVX2-only CPUs keep F.linear.
     assert (down.packed is not None) == (linear_mod.pack_weight(torch.zeros(16, 16).bfloat16())
                                          is not None)
-    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in fast.generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    texts = greedy_texts(fast)
     got = _scores(fast, texts)
     fast.shutdown()
     reference = LLM(dtype="float32", num_kv_blocks=128, quantization="none")

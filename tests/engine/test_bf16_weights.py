@@ -14,7 +14,7 @@ import torch
 from folio import LLM, SamplingParams
 from folio.model import native
 from folio.worker import device
-from tests.engine.test_bf16_fast_paths import PROMPTS, _errors, _scores
+from tests.engine.test_bf16_fast_paths import _errors, _scores, greedy_texts
 
 needs_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8)),
                                   reason="no AVX2 + FMA kernel on this machine (or no compiler)")
@@ -23,8 +23,7 @@ needs_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8
 @needs_kernel
 def test_bf16_weights_are_as_close_to_fp32_as_bf16_and_halve_the_weights(monkeypatch):
     reference = LLM(dtype="float32", num_kv_blocks=128, quantization="none")
-    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in reference.generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    texts = greedy_texts(reference)
     exact = _scores(reference, texts)
     fp32_bytes = _linear_weight_bytes(reference)
     reference.shutdown()

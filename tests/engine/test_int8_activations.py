@@ -21,10 +21,10 @@ leave about half as much again.
 import pytest
 import torch
 
-from folio import LLM, SamplingParams
+from folio import LLM
 from folio.model import native
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
-from tests.engine.test_bf16_fast_paths import PROMPTS, _errors, _scores
+from tests.engine.test_bf16_fast_paths import _scores, drift, greedy_texts
 
 needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
                                   reason="no AVX2 + FMA + F16C or AVX-512 kernel on this "
@@ -36,8 +36,7 @@ MEAN_BOUND, MAX_BOUND = 0.06, 0.55
 @needs_kernel
 def test_int8_activations_stay_close_to_fp32_arithmetic(monkeypatch):
     exact_llm = LLM(activation_quantization="none", dtype="float32", num_kv_blocks=128)
-    texts = [o.prompt_token_ids + o.outputs[0].token_ids for o in exact_llm.generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    texts = greedy_texts(exact_llm)
     exact = _scores(exact_llm, texts)
     exact_llm.shutdown()
     # int8 at every row count, the prompt's rows too
@@ -47,11 +46,7 @@ def test_int8_activations_stay_close_to_fp32_arithmetic(monkeypatch):
     methods = [m.quant_method for m in model.modules()
                if isinstance(getattr(m, "quant_method", None), IntGroupsLinear)]
     assert methods and all(m.int8 for m in methods)
-    got = _scores(int8_llm, texts)
-    int8_llm.shutdown()
-    worst, mean = _errors(got, exact)
-    print(f"|int8 activations - fp32 arithmetic| max {worst:.4f} mean {mean:.4f} "
-          f"over {sum(len(s) for s in exact)} tokens")
+    worst, mean = drift(int8_llm, texts, exact, "int8 activations - fp32 arithmetic")
     assert 0 < mean <= MEAN_BOUND and worst <= MAX_BOUND
 
 

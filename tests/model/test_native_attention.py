@@ -12,9 +12,15 @@ from tests.model.native_builds import builds, library
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
+# (queries, cache, tolerance): a float32 run's cache may be bfloat16
+# (--kv-cache-dtype), read widened: the torch backend widens the same cache,
+# so only the order of fp32 sums differs
+DTYPES = [(torch.float32, torch.float32, 1e-5), (torch.float32, torch.bfloat16, 1e-5),
+          (torch.bfloat16, torch.bfloat16, 2e-2)]
+
 
 @pytest.mark.parametrize("build", builds())
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [
     (9, 3, 16, 64),       # the default model
     (4, 4, 4, 64),
@@ -24,23 +30,25 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler her
     (6, 2, 16, 48),
     (4, 2, 16, 40),       # a multiple of 8, not of 16: AVX2 tiles, AVX-512's portable path
     (4, 2, 16, 256)])     # the largest head the tiles take (bf16 dot products overran here)
-def test_kernel_matches_gathered_attention(build, dtype, tol, heads, kv_heads, block_size, dim):
+def test_kernel_matches_gathered_attention(build, dtype, kv_dtype, tol, heads, kv_heads,
+                                          block_size, dim):
     lib = library(build)
     g = torch.Generator().manual_seed(heads * 100 + block_size)
     lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 5 * block_size, 700])
-    q, kv, tables, expected = _decodes(g, dtype, heads, kv_heads, block_size, dim, lens)
+    q, kv, tables, expected = _decodes(g, dtype, kv_dtype, heads, kv_heads, block_size, dim,
+                                       lens)
     rows = torch.arange(len(lens))                  # one decode token a sequence
     got = native.paged_attention(q, kv, tables, rows, lens, dim ** -0.5, lib).float()
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
 
 
-def _decodes(g, dtype, heads, kv_heads, block_size, dim, lens):
+def _decodes(g, dtype, kv_dtype, heads, kv_heads, block_size, dim, lens):
     """One decode token a sequence of context `lens`, the blocks shuffled: q,
     the KV cache, the block tables and the torch backend's answer."""
     batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)
     num_blocks = batch * width + 3
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
     q = torch.randn(batch, heads, dim, generator=g).to(dtype)
     tables = torch.randperm(num_blocks, generator=g)[:batch * width].view(batch, width)
     backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
@@ -50,12 +58,12 @@ def _decodes(g, dtype, heads, kv_heads, block_size, dim, lens):
 
 
 @pytest.mark.parametrize("build", builds())
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 64), (8, 1, 8, 64),
                                                            (8, 8, 32, 128), (4, 2, 16, 40)])
 @pytest.mark.parametrize("lens", [[700], [1000, 3], [70, 64]])
-def test_few_decodes_split_their_context_across_the_threads(build, dtype, tol, heads, kv_heads,
-                                                            block_size, dim, lens):
+def test_few_decodes_split_their_context_across_the_threads(build, dtype, kv_dtype, tol, heads,
+                                                            kv_heads, block_size, dim, lens):
     """One or two decodes on 2 threads: fewer (token, KV head) tasks than 4 a
     thread, so the vector path splits each context into shares of blocks and
     merges their partial softmax sums; a share may hold no key of the shorter
@@ -63,7 +71,8 @@ def test_few_decodes_split_their_context_across_the_threads(build, dtype, tol, h
     lib = library(build)
     g = torch.Generator().manual_seed(sum(lens) + dim)
     lens = torch.tensor(lens)
-    q, kv, tables, expected = _decodes(g, dtype, heads, kv_heads, block_size, dim, lens)
+    q, kv, tables, expected = _decodes(g, dtype, kv_dtype, heads, kv_heads, block_size, dim,
+                                       lens)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -75,10 +84,10 @@ def test_few_decodes_split_their_context_across_the_threads(build, dtype, tol, h
 
 
 @pytest.mark.parametrize("build", builds())
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [(9, 3, 16, 64), (8, 8, 32, 128),
                                                            (4, 2, 8, 48)])
-def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, tol, heads, kv_heads,
+def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, kv_dtype, tol, heads, kv_heads,
                                                     block_size, dim):
     """A step of 2 decodes, a whole 40-token prompt and a 23-token chunk that
     resumes at position 37: the kernel against the torch backend's own paths
@@ -88,7 +97,7 @@ def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, tol, heads, kv
     seqs = [(0, 1, 70), (0, 1, 5), (0, 40, 0), (1, 23, 37)]   # (kind, tokens, start)
     width = max(-(-(n + s) // block_size) for _, n, s in seqs)
     num_blocks = len(seqs) * width + 2
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
     tables = torch.randperm(num_blocks, generator=g)[:len(seqs) * width].view(len(seqs), width)
     rows, lens, spans, start = [], [], [], 0
     for i, (_, n, s) in enumerate(seqs):

@@ -210,6 +210,27 @@ def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype
 
 
 @needs_quantized_kernel
+def test_a_bfloat16_cache_under_float32_in_one_call(tmp_path, monkeypatch):
+    """--kv-cache-dtype bfloat16 on a float32 run: the one call writes its keys
+    and values rounded to bf16 (as the modules' torch cast does) and attends
+    over them widened. The caches agree to a bf16 rounding where fp32 rounding
+    moved a value across a tie; the hidden states to fp32 rounding."""
+    folder = make_tiny_model(tmp_path / "hf", intermediate_size=128)
+    llm = LLM(write_tiny_gguf(folder, tmp_path / "m.gguf", "Q4_1"), dtype="float32",
+              num_kv_blocks=64, max_num_batched_tokens=48, activation_quantization="none",
+              kv_cache_dtype="bfloat16")
+    caches = llm.engine.executor.runner.kv_caches
+    assert {c.dtype for c in caches} == {torch.bfloat16}
+    assert llm.engine.executor.runner.model.model.native_decoder is not None
+    records = _record_both_paths(monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    assert sum(r[3] for r in records) > len(records) / 2   # most steps' caches bit for bit
+    assert all(hidden < 1e-4 and cache < 2 ** -7 for *_, hidden, cache in records), records
+
+
+@needs_quantized_kernel
 def test_quantized_layers_leave_the_one_call_when_their_kernel_is_off(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path / "hf", intermediate_size=128)
     llm = LLM(write_tiny_gguf(folder, tmp_path / "m.gguf", "Q4_0"), dtype="float32",

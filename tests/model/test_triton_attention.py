@@ -103,6 +103,36 @@ def test_half_precision(dtype):
     assert torch.equal(got_cache.float(), ref_cache)
 
 
+def test_float32_queries_on_a_bfloat16_cache():
+    """--kv-cache-dtype bfloat16 under a float32 run: the store rounds the new
+    keys to bf16 as torch does, decode and prefill read the cache widened, as
+    the torch backend does on the same cache."""
+    seqs = [(70, 1), (3, 1), (0, 21), (33, 18)]
+    block_size, heads, kv_heads, head_dim = 16, 4, 2, 64
+    rng = np.random.default_rng(5)
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
+    step = make_step(seqs, block_size, num_blocks, rng)
+    g = torch.Generator().manual_seed(5)
+    T = len(step.slot_mapping)
+    q, k, v = (torch.randn(T, h, head_dim, generator=g).to(DEVICE)
+               for h in (heads, kv_heads, kv_heads))
+    shape = TorchAttentionBackend.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    cache = torch.randn(shape, generator=g).to(torch.bfloat16).to(DEVICE)
+    scale = head_dim ** -0.5
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, ref_cache, TorchAttentionBackend.build_metadata(step))
+    got = ForcedSplits(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, got_cache, ForcedSplits.build_metadata(step))
+    assert torch.equal(got_cache, ref_cache)           # the same bf16 bits
+    assert not torch.equal(got_cache, cache)
+    assert_close(got, ref, torch.float32)
+    # the fp32 keys themselves would answer otherwise: the cache was read as bf16
+    wide = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, cache.float(), TorchAttentionBackend.build_metadata(step))
+    assert (wide - got).abs().max() > 1e-4
+
+
 def test_any_block_size_and_odd_head_dim():
     """Block size 8 (what small tests use) and a head size that is not a power of 2."""
     got, ref, *_ = run_both([(9, 1), (0, 11), (5, 13)], block_size=8, heads=3, kv_heads=1,

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 from typing import Optional
 
-from folio.config import (ACTIVATION_QUANTIZATIONS, CacheConfig, FolioConfig, ModelConfig,
-                          ParallelConfig, SchedulerConfig, parse_size)
+from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
+                          ModelConfig, ParallelConfig, SchedulerConfig, parse_size)
 from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import (float_weight_methods, get_quantization_config,
@@ -92,7 +92,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  attention_backend: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False,
-                 activation_quantization: str = "int8") -> FolioConfig:
+                 activation_quantization: str = "int8",
+                 kv_cache_dtype: str = "auto") -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -138,6 +139,14 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if activation_quantization not in ACTIVATION_QUANTIZATIONS:
         raise ValueError(f"activation_quantization must be one of "
                          f"{', '.join(ACTIVATION_QUANTIZATIONS)}, got {activation_quantization!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    cache_dtype = None if kv_cache_dtype in ("auto", run_dtype) else kv_cache_dtype
+    if cache_dtype is not None and run_dtype != "float32":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype} under dtype {run_dtype}: a "
+                         "cache of its own dtype serves a float32 run only (auto keeps "
+                         f"the run's, {run_dtype})")
     if long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0")
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
@@ -146,7 +155,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem,
                           num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching,
-                          gpu_memory_utilization=gpu_memory_utilization),
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          kv_cache_dtype=cache_dtype),
         scheduler=SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -37,7 +37,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), dtype %s on %s",
                     self.num_blocks, config.cache.block_size,
-                    self.num_blocks * config.cache.block_size, config.dtype, config.device)
+                    self.num_blocks * config.cache.block_size, config.kv_dtype, config.device)
         if config.weight_dtype is not None:
             logger.info("linear weights stored as %s where the kernel serves",
                         config.weight_dtype)

@@ -22,7 +22,7 @@ def _shape(config: FolioConfig, num_blocks: int, num_kv_heads: int,
 
 def bytes_per_block(config: FolioConfig, num_kv_heads: int,
                     backend: type[AttentionBackend]) -> int:
-    elem = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    elem = torch.empty((), dtype=getattr(torch, config.kv_dtype)).element_size()
     return config.model.num_hidden_layers * math.prod(
         _shape(config, 1, num_kv_heads, backend)) * elem
 
@@ -47,6 +47,6 @@ def allocate_kv_caches(config: FolioConfig, num_blocks: int, num_kv_heads: int,
                        backend: type[AttentionBackend]) -> list[torch.Tensor]:
     """One tensor per layer in the backend's layout, allocated once."""
     shape = _shape(config, num_blocks, num_kv_heads, backend)
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, config.kv_dtype)
     return [torch.zeros(shape, dtype=dtype, device=config.device)
             for _ in range(config.model.num_hidden_layers)]

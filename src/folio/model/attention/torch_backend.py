@@ -7,7 +7,10 @@ sequence: `is_causal` for a chunk that starts the sequence, otherwise a mask
 built from absolute positions (SDPA's `is_causal` aligns the triangle to the
 top-left, which is wrong once a sequence resumes mid-prompt with keys before
 its first query). A sliding-window layer masks the keys at or before
-position - window as well.
+position - window as well. A cache narrower than the queries (fp32 run,
+`--kv-cache-dtype bfloat16`) is read widened to the queries' dtype, and a
+whole prompt's own keys and values are rounded to the cache's dtype first, so
+every token sees the keys as the cache holds them, as the native kernel does.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         self.write_kv(k, v, kv_cache, meta)
@@ -78,8 +81,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         b, hkv, dim = q.shape[0], self.num_kv_heads, self.head_dim
         tables = meta.decode_block_tables                          # [B, MB]
-        keys = k_cache[tables].view(b, -1, hkv, dim)               # [B, L, Hkv, D]
-        values = v_cache[tables].view(b, -1, hkv, dim)
+        keys = k_cache[tables].view(b, -1, hkv, dim).to(q.dtype)   # [B, L, Hkv, D]
+        values = v_cache[tables].view(b, -1, hkv, dim).to(q.dtype)
         qg = q.view(b, hkv, -1, dim)                               # [B, Hkv, G, D]
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
         positions = torch.arange(keys.shape[1], device=q.device)
@@ -100,13 +103,15 @@ class TorchAttentionBackend(AttentionBackend):
         window = self.sliding_window
         if span.start_pos == 0 and (window is None or window >= n):
             # a whole prompt, every key in the window: the plain causal triangle
+            if k_cache.dtype != q.dtype:           # as the cache holds them
+                k, v = k.to(k_cache.dtype).to(q.dtype), v.to(k_cache.dtype).to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 scale=self.scale, enable_gqa=True)
             return out[0].transpose(0, 1)
         # a later chunk: earlier keys live only in the cache
-        k = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None]
-        v = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+        k = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(q.dtype)
+        v = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(q.dtype)
         query_pos = span.start_pos + torch.arange(n, device=q.device)
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         mask = key_pos <= query_pos[:, None]                                      # [n, ctx]

@@ -64,7 +64,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] -> k_cache, v_cache [num_blocks, block_size, Hkv, D] at slot_mapping."""
+    """k, v [T, Hkv, D] -> k_cache, v_cache [num_blocks, block_size, Hkv, D] at slot_mapping;
+    a cache of another dtype (--kv-cache-dtype) takes them rounded by torch
+    (round to nearest even; triton's interpreter truncates)."""
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k, v = _rows(k), _rows(v)
     row = k.shape[1] * k.shape[2]
     if k.shape[0]:
@@ -233,14 +237,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     its keys in the cache through tables[i]; one program per (tile, KV head),
     tile t the `block_m` tokens of chunk tile_seq[t] from tile_q0[t] (with
     block_m x query heads per group >= 16 rows, the smallest triton matmul).
-    `dot_fp32` upcasts half-precision matmul inputs (the interpreter needs it);
+    `dot_fp32` upcasts half-precision matmul inputs (the interpreter needs it;
+    so does a cache whose dtype is not q's, --kv-cache-dtype);
     `window` > 0: each token sees its last `window` keys only."""
     q = _rows(q)
     H, D = q.shape[1], q.shape[2]
     _, bs, hkv, _ = k_cache.shape
     G = H // hkv
     g_pad = _pow2(G)
-    fp32 = q.dtype == torch.float32 or dot_fp32
+    fp32 = q.dtype == torch.float32 or k_cache.dtype != q.dtype or dot_fp32
     _prefill_kernel[(tile_seq.shape[0], hkv)](
         q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),

@@ -119,9 +119,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
         "folio_paged_attention": (ctypes.c_int, [p, i64, p, p, p, i64, p, p, i64] + [i32] * 4
-                                  + [i64, f32, i32, i32]),
+                                  + [i64, f32, i32, i32, i32]),
         "folio_paged_attention_window": (ctypes.c_int, [p, i64, p, p, p, i64, p, p, i64]
-                                         + [i32] * 4 + [i64, f32, i32, i32, i64]),
+                                         + [i32] * 4 + [i64, f32, i32, i32, i32, i64]),
         "folio_add_rmsnorm": (None, [p] * 4 + [i64, i64, f32, i32, i32, i32]),
         "folio_rotary": (None, [p, i64, i64, i32, i32, p, p, i32, i32]),
         "folio_head_rmsnorm": (None, [p, i64, i64, i32, i32, p, f32, i32, i32]),
@@ -306,7 +306,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     lib: Optional[ctypes.CDLL] = None,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
     """Attention of every query token of a step: q [T, H, D] (rows may be
-    strided, heads and D dense), kv_cache [2, NB, BS, Hkv, D]; token t reads
+    strided, heads and D dense), kv_cache [2, NB, BS, Hkv, D] in q's dtype or
+    (fp32 q) in bfloat16, --kv-cache-dtype's; token t reads
     block_tables[token_rows[t]] up to context_lens[t] keys, the last
     `sliding_window` of them only where that is given. -> [T, H, D]."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -319,7 +320,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
             tables.shape[1], token_rows.contiguous().data_ptr(),
             context_lens.contiguous().data_ptr(), tokens, heads, num_kv_heads, head_dim,
-            block_size, num_blocks, scale, _DTYPE_CODES[q.dtype], torch.get_num_threads())
+            block_size, num_blocks, scale, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_cache.dtype],
+            torch.get_num_threads())
     if sliding_window is None:
         failed = lib.folio_paged_attention(*args)
     else:

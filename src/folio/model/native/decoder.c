@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 void folio_add_rmsnorm(const void *x, void *residual, const void *weight, void *out,
                        int64_t rows, int64_t hidden, float eps, int dtype, int has_residual,
                        int num_threads);
@@ -47,7 +49,8 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                          int64_t num_blocks, float scale, int dtype, int num_threads);
+                          int64_t num_blocks, float scale, int dtype, int kv_dtype,
+                          int num_threads);
 
 /* A quantized projection: what folio_qlinear reads (int_groups.py's layout). */
 typedef struct {
@@ -63,7 +66,7 @@ typedef struct {
  * projection has one here) in the activations' dtype (fp32 for quantized
  * projections); projections packed for the step's linear kernel (quantized:
  * each a folio_qweight); its KV cache [2][num_blocks][block_size][kv_heads]
- * [head_dim], in the activations' dtype; Qwen3's per-head norms of q and k
+ * [head_dim], in the step's kv_dtype; Qwen3's per-head norms of q and k
  * [head_dim] in the activations' dtype, or NULL. */
 typedef struct {
     const void *input_norm, *post_norm;
@@ -91,7 +94,22 @@ typedef struct {
     int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
     int quantized;                            /* 1: folio_qweight projections */
     int quantize_x;                           /* their folio_qlinear mode */
+    int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16 */
 } folio_step;
+
+/* n elements of a key or value row from the activations (dtype) into the
+ * cache (kv_dtype), rounded to nearest even as torch's cast does. */
+static void store_kv(void *dst, const void *src, int64_t n, int dtype, int kv_dtype) {
+    if (dtype == kv_dtype) {
+        memcpy(dst, src, (size_t)n * (dtype ? sizeof(uint16_t) : sizeof(float)));
+    } else if (kv_dtype) {
+        for (int64_t i = 0; i < n; i++)
+            ((uint16_t *)dst)[i] = float_to_bf16(((const float *)src)[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            ((float *)dst)[i] = bf16_to_float(((const uint16_t *)src)[i]);
+    }
+}
 
 /* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias);
  * nonzero if scratch memory could not be had. */
@@ -117,6 +135,7 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
     const int64_t v_offset = s->num_blocks * s->block_size * kv_size;
     const int dtype = s->dtype, threads = s->num_threads;
     const size_t elt = dtype ? sizeof(uint16_t) : sizeof(float);
+    const size_t kv_elt = s->kv_dtype ? sizeof(uint16_t) : sizeof(float);
     char *x = s->hidden_states, *qkv = s->qkv;
     for (int i = 0; i < num_layers; i++) {
         const folio_layer *w = layers + i;
@@ -136,14 +155,15 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
         char *cache = w->kv_cache;
         for (int64_t j = 0; j < t; j++) {
             const char *k = qkv + elt * (size_t)(j * qkv_width + q_size);
-            memcpy(cache + elt * (size_t)(s->slots[j] * kv_size), k, elt * (size_t)kv_size);
-            memcpy(cache + elt * (size_t)(v_offset + s->slots[j] * kv_size),
-                   k + elt * (size_t)kv_size, elt * (size_t)kv_size);
+            store_kv(cache + kv_elt * (size_t)(s->slots[j] * kv_size), k, kv_size, dtype,
+                     s->kv_dtype);
+            store_kv(cache + kv_elt * (size_t)(v_offset + s->slots[j] * kv_size),
+                     k + elt * (size_t)kv_size, kv_size, dtype, s->kv_dtype);
         }
         if (folio_paged_attention(qkv, qkv_width, cache, s->attn, s->block_tables,
                                   s->max_blocks, s->token_rows, s->context_lens, t, s->heads,
                                   s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
-                                  s->scale, dtype, threads))
+                                  s->scale, dtype, s->kv_dtype, threads))
             return 1;
         if (linear(s, s->attn, q_size, w->o, 0, x, t, h, q_size)) return 1;
         folio_add_rmsnorm(x, s->residual, w->post_norm, s->normed, t, h, s->eps, dtype, 1,

@@ -47,7 +47,7 @@ class _Step(ctypes.Structure):
                 ("hidden_states", _p), ("residual", _p),
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
                 ("num_threads", _i32), ("dtype", _i32), ("quantized", _i32),
-                ("quantize_x", _i32)]
+                ("quantize_x", _i32), ("kv_dtype", _i32)]
 
 
 class _QWeight(ctypes.Structure):
@@ -194,7 +194,7 @@ class NativeDecoder:
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
             dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized),
-            quantize_x=self.quantize_x)
+            quantize_x=self.quantize_x, kv_dtype=native.dtype_code(cache.dtype))
         table = self._layer_table(kv_caches)
         if native.load().folio_decoder_layers(table, len(self.layers), ctypes.byref(step)):
             raise MemoryError("a native CPU kernel could not allocate its scratch memory")

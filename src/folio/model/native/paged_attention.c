@@ -9,7 +9,9 @@
  * block_tables [rows][max_blocks] int64; token_rows[t] is token t's row of the
  * tables and context_lens[t] the number of keys it sees (its position + 1).
  * Scores, softmax and the weighted sum of values are accumulated in fp32;
- * dtype 0 is float32, 1 is bfloat16. A sliding window w > 0 (a local layer):
+ * dtype (of q and out) and kv_dtype (of the cache, --kv-cache-dtype) are each
+ * 0 float32 or 1 bfloat16: fp32 queries may read a bf16 cache, half the bytes
+ * a decode step streams. A sliding window w > 0 (a local layer):
  * a token of context c sees only the keys at c - w .. c - 1 (positions
  * p - w < k <= p), and the blocks wholly before them are not read.
  *
@@ -91,8 +93,8 @@ static inline void block_scores(const void *kv, int64_t first_row, int64_t rows,
 static void one_task(const void *q, int64_t q_row, const void *kv, void *out, int64_t out_row,
                      const int64_t *table, int64_t ctx, int64_t lo, int kvh, int num_heads,
                      int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
-                     float scale, int dtype, float *scores, float *qbuf, float *acc,
-                     float *row) {
+                     float scale, int dtype, int kv_dtype, float *scores, float *qbuf,
+                     float *acc, float *row) {
     const int group = num_heads / num_kv_heads;
     const int64_t stride = (int64_t)num_kv_heads * head_dim;   /* between tokens of a block */
     const int64_t v_offset = num_blocks * block_size * stride;
@@ -105,7 +107,7 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
         int64_t p0 = b * block_size;
         int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
         int64_t first = table[b] * block_size * stride + (int64_t)kvh * head_dim;
-        block_scores(kv, first, rows, stride, dtype, group, head_dim, qbuf, scale, row,
+        block_scores(kv, first, rows, stride, kv_dtype, group, head_dim, qbuf, scale, row,
                      scores, ctx, p0);
     }
     for (int g = 0; g < group; g++) {
@@ -122,7 +124,7 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
         int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
         int64_t first = v_offset + table[b] * block_size * stride + (int64_t)kvh * head_dim;
         for (int64_t r = lo > p0 ? lo - p0 : 0; r < rows; r++) {
-            load_row(kv, first + r * stride, dtype, head_dim, row);
+            load_row(kv, first + r * stride, kv_dtype, head_dim, row);
             for (int g = 0; g < group; g++) {
                 float w = scores[g * ctx + p0 + r];
                 float *ag = acc + g * head_dim;
@@ -396,12 +398,13 @@ static inline __attribute__((always_inline)) void task_vec(
         const void *q, int64_t q_stride, const void *kv, void *out, const int64_t *table,
         const int64_t *ctx, int ntok, int64_t tok0, int kvh0, int kvh1, int num_heads,
         int num_kv_heads, const int head_dim, int block_size, int64_t num_blocks, float scale,
-        int dtype, float *scores, int64_t b0, int64_t b1, float *part, int64_t window) {
+        int dtype, int kv_dtype, float *scores, int64_t b0, int64_t b1, float *part,
+        int64_t window) {
     const int group = num_heads / num_kv_heads;
     const int nv = head_dim / FOLIO_VW;
     const int per_head = ntok * group;             /* queries of one KV head */
     float *vbuf = scores + (int64_t)FOLIO_TASK_VECTORS * block_size;   /* [block_size][head_dim] */
-    const int elt = dtype == 0 ? 4 : 2;
+    const int elt = kv_dtype == 0 ? 4 : 2;           /* bytes of a cached element */
     const int64_t stride = (int64_t)num_kv_heads * head_dim;
     const int64_t v_offset = num_blocks * block_size * stride;
     const int64_t last_ctx = ctx[ntok - 1];        /* positions rise along the tile */
@@ -415,7 +418,7 @@ static inline __attribute__((always_inline)) void task_vec(
     fvec qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
     float m[FOLIO_TASK_VECTORS], l[FOLIO_TASK_VECTORS];
 #if defined(__AVX512BF16__)
-    const int dot_bf16 = dtype == 1 && nv % 2 == 0;
+    const int dot_bf16 = dtype == 1 && kv_dtype == 1 && nv % 2 == 0;
     __m512bh qb[FOLIO_TASK_VECTORS / 2];
 #endif
     for (int h = 0; h < kvh1 - kvh0; h++)
@@ -459,7 +462,7 @@ static inline __attribute__((always_inline)) void task_vec(
                                     block_size);
             else
 #endif
-                block_scores_f32(kv, kfirst, rows, stride, dtype, nv, per_head, qv + i0 * nv,
+                block_scores_f32(kv, kfirst, rows, stride, kv_dtype, nv, per_head, qv + i0 * nv,
                                  scores, block_size);
             for (int t = 0; t < ntok; t++) {
                 /* keys this token sees in the block, rows first .. valid - 1:
@@ -482,7 +485,7 @@ static inline __attribute__((always_inline)) void task_vec(
                             acc[i * nv + j] = fv_mul(acc[i * nv + j], fv_set1(corr));
                 }
             }
-            if (!block_values_small(kv, v_offset + kfirst, rows, stride, dtype, scores,
+            if (!block_values_small(kv, v_offset + kfirst, rows, stride, kv_dtype, scores,
                                     block_size, acc + i0 * nv, per_head, head_dim))
                 continue;
             /* more queries: the block's rows once as fp32, then four queries
@@ -490,7 +493,8 @@ static inline __attribute__((always_inline)) void task_vec(
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < nv; j++)
                     fv_storeu(vbuf + r * head_dim + FOLIO_VW * j,
-                              fv_load(kv, v_offset + kfirst + r * stride + FOLIO_VW * j, dtype));
+                              fv_load(kv, v_offset + kfirst + r * stride + FOLIO_VW * j,
+                                      kv_dtype));
             int k = 0;
             if (head_dim <= 128)
                 for (; k + 4 <= per_head; k += 4)
@@ -525,20 +529,21 @@ static void task_vec_any(const void *q, int64_t q_stride, const void *kv, void *
                          const int64_t *table, const int64_t *ctx, int ntok, int64_t tok0,
                          int kvh0, int kvh1, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, int64_t num_blocks, float scale, int dtype,
-                         float *scores, int64_t b0, int64_t b1, float *part, int64_t window) {
+                         int kv_dtype, float *scores, int64_t b0, int64_t b1, float *part,
+                         int64_t window) {
     /* constant head_dim for the common sizes so the loops over it unroll */
     if (head_dim == 64)
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, scores, b0, b1, part,
-                 window);
+                 num_kv_heads, 64, block_size, num_blocks, scale, dtype, kv_dtype, scores, b0,
+                 b1, part, window);
     else if (head_dim == 128)
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, scores, b0, b1, part,
-                 window);
+                 num_kv_heads, 128, block_size, num_blocks, scale, dtype, kv_dtype, scores, b0,
+                 b1, part, window);
     else
         task_vec(q, q_stride, kv, out, table, ctx, ntok, tok0, kvh0, kvh1, num_heads,
-                 num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores, b0, b1,
-                 part, window);
+                 num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, kv_dtype, scores,
+                 b0, b1, part, window);
 }
 #endif
 
@@ -571,7 +576,7 @@ static int paged_attention(const void *q, int64_t q_stride, const void *kv, void
                            const int64_t *token_rows, const int64_t *context_lens,
                            int64_t tokens, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int64_t num_blocks, float scale, int dtype,
-                           int num_threads, int64_t window) {
+                           int kv_dtype, int num_threads, int64_t window) {
     int64_t max_ctx = 0;
     for (int64_t t = 0; t < tokens; t++)
         max_ctx = context_lens[t] > max_ctx ? context_lens[t] : max_ctx;
@@ -662,13 +667,15 @@ static int paged_attention(const void *q, int64_t q_stride, const void *kv, void
                 if (parts)
                     task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
                                  kvh1, num_heads, num_kv_heads, head_dim, block_size,
-                                 num_blocks, scale, dtype, scores, share * share_blocks,
+                                 num_blocks, scale, dtype, kv_dtype, scores,
+                                 share * share_blocks,
                                  (share + 1) * share_blocks,
                                  parts + task * chunk * group * (head_dim + 2), window);
                 else
                     task_vec_any(q, q_stride, kv, out, table, context_lens + t0, ntok, t0, kvh0,
                                  kvh1, num_heads, num_kv_heads, head_dim, block_size,
-                                 num_blocks, scale, dtype, scores, 0, INT64_MAX, 0, window);
+                                 num_blocks, scale, dtype, kv_dtype, scores, 0, INT64_MAX, 0,
+                                 window);
                 continue;
             }
 #endif
@@ -680,7 +687,8 @@ static int paged_attention(const void *q, int64_t q_stride, const void *kv, void
             const int64_t c = context_lens[t0];
             one_task(q, t0 * q_stride, kv, out, t0 * (int64_t)num_heads * head_dim, table,
                      c, window > 0 && c > window ? c - window : 0, kvh0, num_heads,
-                     num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, scores, qbuf,
+                     num_kv_heads, head_dim, block_size, num_blocks, scale, dtype, kv_dtype,
+                     scores, qbuf,
                      acc, row);
         }
         free(scores);
@@ -730,10 +738,11 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                          int64_t num_blocks, float scale, int dtype, int num_threads) {
+                          int64_t num_blocks, float scale, int dtype, int kv_dtype,
+                          int num_threads) {
     return paged_attention(q, q_stride, kv, out, block_tables, max_blocks, token_rows,
                            context_lens, tokens, num_heads, num_kv_heads, head_dim, block_size,
-                           num_blocks, scale, dtype, num_threads, 0);
+                           num_blocks, scale, dtype, kv_dtype, num_threads, 0);
 }
 
 /* The same for a sliding-window layer: each token sees its last `window` keys. */
@@ -742,8 +751,8 @@ int folio_paged_attention_window(const void *q, int64_t q_stride, const void *kv
                                  const int64_t *token_rows, const int64_t *context_lens,
                                  int64_t tokens, int num_heads, int num_kv_heads, int head_dim,
                                  int block_size, int64_t num_blocks, float scale, int dtype,
-                                 int num_threads, int64_t window) {
+                                 int kv_dtype, int num_threads, int64_t window) {
     return paged_attention(q, q_stride, kv, out, block_tables, max_blocks, token_rows,
                            context_lens, tokens, num_heads, num_kv_heads, head_dim, block_size,
-                           num_blocks, scale, dtype, num_threads, window);
+                           num_blocks, scale, dtype, kv_dtype, num_threads, window);
 }
