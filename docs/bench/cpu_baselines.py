@@ -71,6 +71,17 @@ def folio_cmd(args) -> list[str]:
     return [str(ROOT / ".venv" / "bin" / "folio")]
 
 
+def before_cmd(args) -> list[str]:
+    """`folio` from the --before checkout (its src/ on PYTHONPATH: before_env):
+    its own folio.cli, under --avx2-sim through folio_as_avx2.py, whose
+    kernels then build as an AVX2 CPU's."""
+    return folio_cmd(args) if args.avx2_sim else [PY, "-c", "from folio.cli import main; main()"]
+
+
+def before_env(args) -> dict:
+    return dict(env_for(args), PYTHONPATH=str(Path(args.before).resolve() / "src"))
+
+
 def env_for(args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="2")
     if args.avx2_sim:
@@ -220,13 +231,10 @@ def one_round(args, tmp: Path) -> dict:
     rows: dict = {}
     if args.before:
         port = free_port()
-        env = dict(env_for(args), PYTHONPATH=str(Path(args.before).resolve() / "src"))
-        # the checkout's own folio.cli (under --avx2-sim through folio_as_avx2.py,
-        # whose kernels then build as an AVX2 CPU's)
-        cli = folio_cmd(args) if args.avx2_sim else [PY, "-c",
-                                                     "from folio.cli import main; main()"]
+        env = before_env(args)
         rows["folio before, GGUF codes"] = serve(
-            args, "folio before", [*cli, "serve", "--dtype", "float32", "--port", str(port)],
+            args, "folio before", [*before_cmd(args), "serve", "--dtype", "float32", "--port",
+                                   str(port)],
             port, tmp / "folio-before.log", env=env)
     for name, flags in FOLIO_ROWS.items():
         port = free_port()
@@ -360,6 +368,8 @@ def model_bench_main(doc: str, one_round) -> None:
                    help="make the model here once and reuse it (default: a temporary folder)")
     p.add_argument("--llama-isa", default="native",
                    help="which build of scripts/install_llama_cpp.sh (native, avx2, avx512)")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="a checkout of an earlier Folio whose src/ serves a 'before' row")
     args = p.parse_args()
     args.avx2_sim = False
     run_rounds(args, one_round)

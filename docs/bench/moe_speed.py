@@ -15,7 +15,7 @@ expert's weights read once) against the per-token loop (each token reads
 its k experts), with the bytes of expert weights each reads.
 
     .venv/bin/python docs/bench/moe_speed.py [--rounds N] [--save FILE] [--keep DIR]
-        [--llama-isa native|avx2|avx512]
+        [--llama-isa native|avx2|avx512] [--before DIR]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_baselines import (folio_cmd, free_port, llama_cpp_rows,  # noqa: E402
-                           model_bench_main, prompts_of, random_gguf, serve)
+from cpu_baselines import (before_cmd, before_env, folio_cmd, free_port,  # noqa: E402
+                           llama_cpp_rows, model_bench_main, prompts_of, random_gguf, serve)
 
 SHAPE = dict(arch="qwen3_moe", dialect="v5", hidden_size=768, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=16,
@@ -77,6 +77,12 @@ def one_round(args, tmp: Path) -> dict:
     model = make_model(args.keep or tmp / "model")
     prompts_of(model)
     rows: dict = {}
+    if args.before:
+        port = free_port()
+        rows["folio before (experts in the run dtype)"] = serve(
+            args, "folio before", [*before_cmd(args), "serve", "--model", str(model), "--port",
+                                   str(port)],
+            port, tmp / "folio-before.log", env=before_env(args))
     for name, flags in {"folio (experts in the run dtype)": [],
                         "folio -q int4 (every linear layer and expert in 4-bit codes)":
                             ["-q", "int4"]}.items():

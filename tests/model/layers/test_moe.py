@@ -70,6 +70,46 @@ def test_each_chosen_expert_runs_once_per_step(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,weights_in_float", [(2, True), (2, False), (8, False)])
+@pytest.mark.parametrize("packing", ["none", "packed", "int4"])
+def test_one_token_runs_its_experts_in_turn_as_the_grouped_path_sums(monkeypatch, dtype, top_k,
+                                                                     weights_in_float, packing):
+    """A decode step of one request: its k experts run in turn, one row each,
+    with no sort or scatter, and the output is the grouped path's bit for bit
+    (the same terms, rounded alike, added in the same order: k = 8 is
+    Qwen3-MoE's, where the order of a bf16 sum shows)."""
+    from folio.model.layers.quantization import get_quantization_config
+    w13, w2, xs = _weights(16, 64, 32, top_k)
+    layer = FusedMoE(64, 32, 16, top_k, True, dtype, "blk", ("w1", "w3", "w2"),
+                     quant_config=get_quantization_config("int4", {}) if packing == "int4"
+                     else None)
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+    w13, w2, x = w13.to(dtype), w2.to(dtype), xs[3:4].to(dtype)
+    if packing != "none":
+        layer.process_weights_after_loading()
+        if layer.packed_experts is None:
+            pytest.skip(f"no packed {dtype} product on this machine")
+    packed = layer.packed_experts
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
+    weights, ids = route(logits, top_k, True, weights_in_float)
+    want = moe.grouped_experts(x, w13, w2, weights, ids, packed)
+    rows = []
+    real = moe._expert
+    monkeypatch.setattr(moe, "_expert", lambda r, *a: rows.append(r.shape[0]) or real(r, *a))
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: pytest.fail("sorted one token"))
+    got = fused_experts(x, w13, w2, weights, ids, packed)
+    assert rows == [1] * top_k
+    assert got.dtype == dtype and torch.equal(got, want)
+    if packing != "int4":          # (the codes' own loop: the quantized-experts test)
+        torch.testing.assert_close(
+            got.float(), reference_experts(x, w13, w2, weights, ids).float(),
+            **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2,
+                                                                               rtol=3e-2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routers_match_transformers(dtype):
     """Mixtral: softmax, top-k, renormalize, fp32 weights; Qwen3-MoE: the same
     with renormalization only under norm_topk_prob, weights in the dtype."""

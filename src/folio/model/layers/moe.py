@@ -71,7 +71,34 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor,
                   packed: Optional[list] = None) -> torch.Tensor:
     """x [T, H] through its chosen experts, grouped by expert -> [T, H]
-    (`packed`: every expert's packed matrices, in place of w13 and w2)."""
+    (`packed`: every expert's packed matrices, in place of w13 and w2). One
+    token (a decode step of one request) has nothing to group: its experts run
+    in turn, without the sort and scatter (`one_token_experts`)."""
+    if x.shape[0] == 1:
+        return one_token_experts(x, w13, w2, weights, ids, packed)
+    return grouped_experts(x, w13, w2, weights, ids, packed)
+
+
+def one_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor,
+                      packed: Optional[list] = None) -> torch.Tensor:
+    """x [1, H] through its k experts in turn: the sum grouped_experts makes,
+    in its order (ascending expert id, each term rounded to x's dtype, added
+    in fp32 and rounded once, as index_add_ adds bf16 rows on the CPU), so the
+    two agree bit for bit."""
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
+        y = _expert(x, w13[e], w2[e]) if packed is None else _expert(x, None, None, packed[e])
+        acc += (y * weights[0, j:j + 1]).to(x.dtype)
+    return acc.to(x.dtype)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor,
+                    packed: Optional[list] = None) -> torch.Tensor:
+    """x [T, H]'s (token, expert) rows sorted by expert, each chosen expert run
+    once on all of its rows, the outputs weighted and added back to their
+    tokens -> [T, H]."""
     k = ids.shape[1]
     flat = ids.reshape(-1)                                   # [T * k], row r = (r // k, r % k)
     order = torch.argsort(flat, stable=True)                 # rows sorted by expert id
