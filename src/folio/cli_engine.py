@@ -34,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory for the KV cache, in bytes or as 4GiB, 512MiB, 2GB "
                         "(default: 2GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                   help="the KV cache's element type: auto (the run dtype) or, under a "
-                        "float32 run, bfloat16: half the cache's memory (twice the blocks) "
+                   help="the KV cache's element type: auto (--dtype's: bfloat16 also where "
+                        "a CPU without native bf16 runs it as float32 arithmetic) or, under "
+                        "a float32 run, bfloat16: half the cache's memory (twice the blocks) "
                         "and half the bytes a decode step reads, with keys and values "
                         "rounded to bf16 (logprobs move slightly, docs/benchmarks.md says "
                         "how much)")

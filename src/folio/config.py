@@ -99,7 +99,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9           # CUDA: the card's share weights, activations
                                                   # and KV cache may take together
     # the cache's element type (--kv-cache-dtype, resolved): None is the run
-    # dtype; "bfloat16" under a float32 run halves the bytes a decode step reads
+    # dtype; "bfloat16" under a float32 run (asked for, or --dtype bfloat16 on a
+    # CPU without native bf16) halves the bytes a decode step reads
     kv_cache_dtype: Optional[str] = None
 
 

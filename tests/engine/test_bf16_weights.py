@@ -79,7 +79,8 @@ def test_tiny_models_split_give_the_rounded_weights_answers(tmp_path, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(path, dtype="float32", num_kv_blocks=64).generate(prompts, params)
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64)
+    # the cache kept in fp32 as the plain run's (auto would keep it in bf16)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype="float32")
     head = llm.engine.executor.runner.model.lm_head
     assert head.packed.bf16_weights and (head.weight.numel() > 0) == tied
     split = llm.generate(prompts, params)

@@ -13,7 +13,9 @@ half the cache's bytes. What the tests hold it to:
   arithmetic on its codes) against its float32 cache, mean and max
   |d logprob| bounded (docs/benchmarks.md gives the measured figures);
 - the refusals: an unknown dtype, and a cache wider or narrower than a bf16
-  run's.
+  run's;
+- auto: the dtype asked for, so `--dtype bfloat16` run as float32 arithmetic
+  (a CPU without native bf16) keeps a bf16 cache.
 """
 
 import logging
@@ -51,6 +53,8 @@ def test_twice_the_blocks_in_the_same_memory(tmp_path, caplog):
     # the activations stay float32: only the cache is narrower
     assert narrow.engine.config.dtype == "float32"
     assert narrow.engine.config.kv_dtype == "bfloat16"
+    wide.shutdown()
+    narrow.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["CPU_NATIVE", "TORCH_SDPA"])
@@ -101,6 +105,24 @@ def test_refusals(tmp_path, monkeypatch):
     same = LLM(folder, dtype="bfloat16", kv_cache_dtype="bfloat16", num_kv_blocks=8)
     assert same.engine.config.cache.kv_cache_dtype is None       # the run's own: auto
     assert same.engine.executor.runner.kv_caches[0].dtype == torch.bfloat16
+    same.shutdown()
+
+
+def test_auto_follows_the_dtype_asked_for_where_bf16_runs_as_fp32(tmp_path, monkeypatch):
+    """--dtype bfloat16 on a CPU without native bf16 runs float32 arithmetic on
+    bf16 weights; auto keeps the cache in bf16 as asked, float32 widens it."""
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    folder = make_tiny_model(tmp_path)
+    for kv, want in (("auto", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                     ("float32", torch.float32)):
+        llm = LLM(folder, dtype="bfloat16", kv_cache_dtype=kv, num_kv_blocks=8)
+        assert (llm.engine.config.dtype, llm.engine.config.weight_dtype) == ("float32",
+                                                                             "bfloat16")
+        assert llm.engine.executor.runner.kv_caches[0].dtype == want, kv
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+        llm.shutdown()
 
 
 def test_the_flag_reaches_the_engine_and_refuses_unknown_names(capsys):

@@ -86,8 +86,10 @@ def test_one_call_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_split_one_call_agrees_with_the_modules_to_fp32_rounding(tmp_path, monkeypatch, arch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    # the cache in fp32 (auto would keep it in bf16, where a value that fp32
+    # rounding moves across a tie moves by a bf16 step: the bf16-cache test)
     llm = LLM(make_tiny_model(tmp_path, arch=arch), dtype="bfloat16", num_kv_blocks=64,
-              max_num_batched_tokens=48)
+              max_num_batched_tokens=48, kv_cache_dtype="float32")
     assert (llm.engine.config.dtype, llm.engine.config.weight_dtype) == ("float32", "bfloat16")
     decoder = llm.engine.executor.runner.model.model.native_decoder
     assert decoder is not None and decoder.bf16_weights
@@ -194,9 +196,11 @@ def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype
         pytest.skip("no bf16 element-wise kernels here")
     folder = make_tiny_model(tmp_path / "hf", arch=arch, intermediate_size=128)
     path = write_tiny_gguf(folder, tmp_path / "m.gguf", qtype)
-    acts = "none" if device.split_cpu_bf16(dtype, "cpu")[0] == "float32" else "int8"
+    fp32 = device.split_cpu_bf16(dtype, "cpu")[0] == "float32"
+    # an fp32 run keeps an fp32 cache here (the bf16-cache test is below)
     llm = LLM(path, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48,
-              activation_quantization=acts)
+              activation_quantization="none" if fp32 else "int8",
+              kv_cache_dtype="float32" if fp32 else "auto")
     decoder = llm.engine.executor.runner.model.model.native_decoder
     assert decoder is not None and decoder.quantized
     records = _record_both_paths(monkeypatch)

@@ -35,10 +35,11 @@ def reference(q, kv, tables, rows, lens, scale, window):
     return out
 
 
-def make_step(g, dtype, heads, kv_heads, block_size, dim, seqs=SEQS):
+def make_step(g, dtype, heads, kv_heads, block_size, dim, seqs=SEQS, kv_dtype=None):
+    """q in `dtype`, the cache in `kv_dtype` (default: the same)."""
     width = max(-(-(n + s) // block_size) for n, s in seqs)
     num_blocks = len(seqs) * width + 2
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype or dtype)
     tables = torch.randperm(num_blocks, generator=g)[:len(seqs) * width].view(len(seqs), width)
     rows, lens = [], []
     for i, (n, s) in enumerate(seqs):
@@ -50,14 +51,19 @@ def make_step(g, dtype, heads, kv_heads, block_size, dim, seqs=SEQS):
 
 @pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("build", builds())
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                (torch.float32, torch.bfloat16, 1e-5),
+                                                (torch.bfloat16, torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim", [
     (4, 2, 16, 64), (8, 1, 4, 64), (4, 4, 8, 128), (4, 2, 16, 40), (6, 2, 16, 48)])
-def test_native_kernel_attends_to_the_window(build, dtype, tol, heads, kv_heads, block_size,
-                                             dim):
+def test_native_kernel_attends_to_the_window(build, dtype, kv_dtype, tol, heads, kv_heads,
+                                             block_size, dim):
+    """(fp32 queries on a bf16 cache: --kv-cache-dtype bfloat16; the reference
+    reads the same bf16 keys.)"""
     lib = library(build)
     g = torch.Generator().manual_seed(heads * 7 + dim + block_size)
-    q, kv, tables, rows, lens = make_step(g, dtype, heads, kv_heads, block_size, dim)
+    q, kv, tables, rows, lens = make_step(g, dtype, heads, kv_heads, block_size, dim,
+                                          kv_dtype=kv_dtype)
     for window in WINDOWS:
         expected = reference(q, kv, tables, rows, lens, dim ** -0.5, window).float()
         got = native.paged_attention(q, kv, tables, rows, lens, dim ** -0.5, lib,
@@ -95,11 +101,14 @@ def test_native_few_long_decodes_on_two_threads(build, lens):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_torch_backend_attends_to_the_window(block_size):
-    """TORCH_SDPA's gathered decode and per-span SDPA, masked by the window."""
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_attends_to_the_window(block_size, kv_dtype):
+    """TORCH_SDPA's gathered decode and per-span SDPA, masked by the window
+    (on a bf16 cache too: fp32 queries read it widened)."""
     heads, kv_heads, dim = 4, 2, 32
     g = torch.Generator().manual_seed(block_size)
-    q, kv, tables, rows, lens = make_step(g, torch.float32, heads, kv_heads, block_size, dim)
+    q, kv, tables, rows, lens = make_step(g, torch.float32, heads, kv_heads, block_size, dim,
+                                          kv_dtype=kv_dtype)
     d = sum(1 for n, _ in SEQS if n == 1)
     for window in WINDOWS:
         backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5, sliding_window=window)

@@ -157,7 +157,8 @@ def bench_throughput(args, engine) -> dict:
     done = [replace(r, max_tokens=n) for r, n in zip(requests, produced)]
     prompt_tokens, output_tokens = sum(len(r.prompt_token_ids) for r in done), sum(produced)
     result = {
-        "model": m.model, "dtype": engine.config.dtype, "batching": args.batching,
+        "model": m.model, "dtype": engine.config.dtype,
+        "kv_cache_dtype": engine.config.kv_dtype, "batching": args.batching,
         "requests": len(done), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "seconds": seconds, "requests_per_s": len(done) / seconds,
         "output_tokens_per_s": output_tokens / seconds,

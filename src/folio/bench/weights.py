@@ -149,7 +149,8 @@ def bench_weights(args, engine) -> dict:
     cfg = engine.config.model
     shapes = {cfg.model: shape_of(cfg), **SHAPES}
     return {"model": cfg.model, "quantization": cfg.quantization or "none",
-            "dtype": engine.config.dtype, "loaded": loaded_bytes(runner.model),
+            "dtype": engine.config.dtype, "kv_cache_dtype": engine.config.kv_dtype,
+            "loaded": loaded_bytes(runner.model),
             "shapes": shape_table(shapes)}
 
 

@@ -99,8 +99,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     it). Everything is checked here, from the flags and the checkpoint's config
     (or a GGUF's metadata) alone, before a tokenizer, worker or weight loads."""
     device = devices.resolve_device(device)
-    run_dtype, weight_dtype = devices.split_cpu_bf16(devices.resolve_dtype(dtype, device),
-                                                     device)
+    asked = devices.resolve_dtype(dtype, device)
+    run_dtype, weight_dtype = devices.split_cpu_bf16(asked, device)
     model_config = load_model_config(model)
     if quantization is not None:
         model_config = with_quantization_flag(model_config, quantization)
@@ -142,7 +142,10 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                          f"got {kv_cache_dtype!r}")
-    cache_dtype = None if kv_cache_dtype in ("auto", run_dtype) else kv_cache_dtype
+    # auto: the dtype asked for, so that --dtype bfloat16 on a CPU without
+    # native bf16 (float32 arithmetic on bf16 weights) keeps a bf16 cache too
+    kv = asked if kv_cache_dtype == "auto" else kv_cache_dtype
+    cache_dtype = None if kv == run_dtype else kv
     if cache_dtype is not None and run_dtype != "float32":
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype} under dtype {run_dtype}: a "
                          "cache of its own dtype serves a float32 run only (auto keeps "

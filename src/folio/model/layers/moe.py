@@ -84,8 +84,8 @@ def one_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       packed: Optional[list] = None) -> torch.Tensor:
     """x [1, H] through its k experts in turn: the sum grouped_experts makes,
     in its order (ascending expert id, each term rounded to x's dtype, added
-    in fp32 and rounded once, as index_add_ adds bf16 rows on the CPU), so the
-    two agree bit for bit."""
+    in fp32 and rounded once, as torch's index_add_ adds bf16 rows on the
+    CPU), so on the CPU the two agree bit for bit."""
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, j in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
         y = _expert(x, w13[e], w2[e]) if packed is None else _expert(x, None, None, packed[e])

@@ -15,6 +15,8 @@ static inline float bf16_to_float(uint16_t x) {
 static inline uint16_t float_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffff) > 0x7f800000)  /* NaN: a quiet one, as torch gives */
+        return (uint16_t)((bits >> 16) | 0x40);
     bits += 0x7fff + ((bits >> 16) & 1);   /* round to nearest even, as torch does */
     return (uint16_t)(bits >> 16);
 }
