@@ -123,7 +123,7 @@ class ParallelConfig:
 
 # --activation-quantization: what the activations of quantized layers become
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
-# --kv-cache-dtype: auto is the run dtype
+# --kv-cache-dtype: auto is --dtype's (build_config resolves it)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 

@@ -238,14 +238,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tile t the `block_m` tokens of chunk tile_seq[t] from tile_q0[t] (with
     block_m x query heads per group >= 16 rows, the smallest triton matmul).
     `dot_fp32` upcasts half-precision matmul inputs (the interpreter needs it;
-    so does a cache whose dtype is not q's, --kv-cache-dtype);
+    fp32 q takes that path, whatever the cache: a bf16 cache of an fp32 run is
+    read widened);
     `window` > 0: each token sees its last `window` keys only."""
     q = _rows(q)
     H, D = q.shape[1], q.shape[2]
     _, bs, hkv, _ = k_cache.shape
     G = H // hkv
     g_pad = _pow2(G)
-    fp32 = q.dtype == torch.float32 or k_cache.dtype != q.dtype or dot_fp32
+    fp32 = q.dtype == torch.float32 or dot_fp32
     _prefill_kernel[(tile_seq.shape[0], hkv)](
         q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),

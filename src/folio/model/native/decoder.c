@@ -98,17 +98,15 @@ typedef struct {
 } folio_step;
 
 /* n elements of a key or value row from the activations (dtype) into the
- * cache (kv_dtype), rounded to nearest even as torch's cast does. */
+ * cache (kv_dtype): copied, or an fp32 row rounded to bf16 (nearest even, as
+ * torch's cast); a cache is never wider than its run (build_config). */
 static void store_kv(void *dst, const void *src, int64_t n, int dtype, int kv_dtype) {
     if (dtype == kv_dtype) {
         memcpy(dst, src, (size_t)n * (dtype ? sizeof(uint16_t) : sizeof(float)));
-    } else if (kv_dtype) {
-        for (int64_t i = 0; i < n; i++)
-            ((uint16_t *)dst)[i] = float_to_bf16(((const float *)src)[i]);
-    } else {
-        for (int64_t i = 0; i < n; i++)
-            ((float *)dst)[i] = bf16_to_float(((const uint16_t *)src)[i]);
+        return;
     }
+    for (int64_t i = 0; i < n; i++)
+        ((uint16_t *)dst)[i] = float_to_bf16(((const float *)src)[i]);
 }
 
 /* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias);
