@@ -21,11 +21,13 @@ def test_the_script_dry_runs_every_step(tmp_path):
     pytest.importorskip("triton", reason="the benchmark runs the TRITON backend")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
-    done = subprocess.run([str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", "--out", str(out),
-                           "--work", str(tmp_path / "work")],
+    done = subprocess.run([str(ROOT / "benchmarks" / "gpu.sh"), "--tiny", "--profile",
+                           "--out", str(out), "--work", str(tmp_path / "work")],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
+    partial = json.loads((out / "result.partial.json").read_text())    # the last step's
+    assert partial["throughput"] == result["throughput"] and "_requests" not in partial
     c = result["correctness"]
     assert c["tokens"] == 3 * 8 and c["agree"] == c["tokens"]    # fp32: TRITON = torch
     assert result["batch1"]["ms_per_token"] > 0 and result["throughput"]["requests"] == 4
@@ -37,6 +39,10 @@ def test_the_script_dry_runs_every_step(tmp_path):
     table = (out / "result.md").read_text()
     assert "| batch-1 decode |" in table and table == done.stdout
     assert (tmp_path / "work" / "model" / "config.json").exists()
+    for batch in (1, 4):     # --profile: decode steps timed and their ops listed
+        p = result["profile"][f"batch{batch}"]
+        assert p["wall_ms_per_step"] > 0 and f"| decode step at batch{batch} |" in table
+        assert f"== decode at batch {batch}:" in (out / "profile.txt").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -247,3 +247,12 @@ def test_quantized_layers_leave_the_one_call_when_their_kernel_is_off(tmp_path, 
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_weights_off_the_cpu_never_build_the_cpu_kernels(monkeypatch):
+    """On the H200 (2026-12-04) a CUDA engine spent over 90 s compiling the CPU
+    kernels for a one-call decoder it never calls; weights elsewhere than the
+    CPU decline it before the library is loaded."""
+    from folio.model.native.decoder import NativeDecoder
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("built the CPU kernels"))
+    assert NativeDecoder.build([torch.nn.Linear(4, 4, device="meta")]) is None

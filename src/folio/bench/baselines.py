@@ -50,6 +50,8 @@ def load_hf_model(m: ModelConfig, dtype: torch.dtype):
 
 @torch.inference_mode()
 def _generate(model, input_ids, attention_mask, new_tokens: int):
+    # on the model's device: ids left on the CPU beside a CUDA model cost each step a copy
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     return model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           eos_token_id=None, pad_token_id=0)

@@ -13,9 +13,17 @@ folder (safetensors, a word-level tokenizer of its vocabulary), then:
 3. offline throughput on `--num-prompts` requests (prompt 256-1,024, output
    128-512, random ids, EOS ignored), output tokens/s, against transformers
    `generate` in static batches on the same weights (`--hf-limit` requests);
-4. peak memory against the --gpu-memory-utilization budget.
+4. peak memory against the --gpu-memory-utilization budget;
+5. with --profile, decode steps at batch 1 and 128 under torch.profiler
+   (profile.txt: wall time per step against kernel time, the costliest ops).
 
-It writes result.json and result.md into `--out`. `--tiny` runs the same
+On a GPU, greedy tokens are also compared in fp32 on tiny shapes: random bf16
+weights of 8B shapes give near-tied logits, so bf16 tokens part at the first
+rounding difference between two correct backends.
+
+It writes result.json and result.md into `--out`, and result.partial.json
+after each step (a run cut off by a time limit keeps what it measured).
+`--tiny` runs the same
 steps on tiny shapes in seconds; without a GPU it runs on the CPU with the
 kernels in triton's interpreter, so that the script is known to run.
 """
@@ -29,6 +37,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from folio.cli_types import positive_int
 
@@ -55,6 +64,10 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
                    help="requests the transformers baseline runs (default 64; 2 with --tiny)")
     p.add_argument("--hf-batch", type=positive_int, metavar="B", default=16,
                    help="static batch size of the transformers baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile decode steps at batch 1 and at a full batch "
+                        "(torch.profiler: host time per step against kernel time, the "
+                        "costliest kernels) into profile.txt")
 
 
 def make_model(folder: Path, shape: dict, dtype, device: str, seed: int = 0):
@@ -168,6 +181,50 @@ def batch1_decode(engine, vocab: int, bandwidth: float, length: int) -> dict:
             "weight_bytes": read, "bandwidth_fraction": read / (ms / 1e3) / bandwidth}
 
 
+def profile_decode(engine, vocab: int, out_dir: Path, device: str, batches=(1, 128),
+                   steps: int = 12) -> dict:
+    """Decode steps under torch.profiler at each batch size: wall ms per step
+    against the kernels' ms per step (the difference is the host's share that
+    the device waits on), and the costliest kernels, into out_dir/profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from folio import SamplingParams
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.startswith("cuda") else [])
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    prompt = min(64, engine.config.max_model_len - steps - 16)
+    report, lines = {}, []
+    for batch in batches:
+        for i in range(batch):
+            engine.add_tokenized_request(f"prof{batch}-{i}", None,
+                                         [(11 * i + 3 * j) % (vocab - 3) + 3
+                                          for j in range(prompt)], params)
+        for _ in range(4):                    # prefill, then decodes warm
+            engine.step()
+        _sync(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            _sync(device)
+            wall = (time.perf_counter() - t0) / steps * 1e3
+        while engine.has_unfinished_requests():
+            engine.step()
+        events = prof.key_averages()
+        kernel_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+        report[f"batch{batch}"] = {"wall_ms_per_step": wall,
+                                   "kernel_ms_per_step": kernel_us / 1e3 / steps}
+        sort = "self_device_time_total" if len(activities) > 1 else "self_cpu_time_total"
+        lines += [f"== decode at batch {batch}: {wall:.2f} ms per step wall, "
+                  f"{kernel_us / 1e3 / steps:.2f} ms of kernels", "",
+                  events.table(sort_by=sort, row_limit=18, max_name_column_width=60), "",
+                  events.table(sort_by="self_cpu_time_total", row_limit=12,
+                               max_name_column_width=60), ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "profile.txt").write_text("\n".join(lines))
+    return report
+
+
 def _cpu_name() -> str:
     from folio.env_report import cpu_info
     model, flags = cpu_info()
@@ -191,6 +248,15 @@ def run(args) -> dict:
         "torch": torch.__version__, "dtype": dtype_name, "tiny": args.tiny,
         "shape": shape, "requests": n_prompts}
     steps: dict = {}
+    result["steps"] = steps
+
+    def save(more: Optional[dict] = None) -> None:
+        """What is measured so far, into result.partial.json: a run cut short
+        by its time limit keeps its finished steps."""
+        args.out.mkdir(parents=True, exist_ok=True)
+        partial = {k: v for k, v in {**result, **(more or {})}.items() if not k.startswith("_")}
+        (args.out / "result.partial.json").write_text(json.dumps(partial, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.work or tmp) / "model"
         folder.mkdir(parents=True, exist_ok=True)
@@ -205,8 +271,23 @@ def run(args) -> dict:
                                             # interpreted Triton steps take ~0.1 s each
                                             8 if args.tiny else 32)
         steps["correctness_s"] = time.perf_counter() - t
+        save()
+        if cuda and not args.tiny:
+            # random bf16 weights of 8B shapes give near-tied logits, so the bf16
+            # tokens part at the first rounding difference; in fp32 (no TF32 on
+            # either side) the two backends must give the same tokens
+            t = time.perf_counter()
+            tiny = Path(args.work or tmp) / "tiny-fp32"
+            tiny.mkdir(parents=True, exist_ok=True)
+            make_model(tiny, TINY, torch.float32, device)
+            result["correctness_fp32_tiny"] = correctness(tiny, "float32", device,
+                                                          TINY["vocab_size"], (5, 20, 40, 300),
+                                                          32)
+            steps["correctness_fp32_tiny_s"] = time.perf_counter() - t
+            save()
         result.update(_engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens,
-                                   bandwidth, steps))
+                                   bandwidth, steps, save))
+        save()
         _free(device)
         t = time.perf_counter()
         result["transformers"] = _hf_run(hf_model.to(device), result["_requests"][:hf_limit],
@@ -215,12 +296,11 @@ def run(args) -> dict:
     del result["_requests"]
     result["speedup_over_transformers"] = (result["throughput"]["output_tokens_per_s"]
                                            / result["transformers"]["output_tokens_per_s"])
-    result["steps"] = steps
     return result
 
 
 def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandwidth,
-                 steps) -> dict:
+                 steps, save) -> dict:
     import torch
 
     from folio.bench.datasets import random_requests
@@ -239,6 +319,14 @@ def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandw
     t = time.perf_counter()
     out["batch1"] = batch1_decode(engine, shape["vocab_size"], bandwidth, b1)
     steps["batch1_s"] = time.perf_counter() - t
+    save(out)
+    if getattr(args, "profile", False):
+        t = time.perf_counter()
+        out["profile"] = profile_decode(engine, shape["vocab_size"], args.out, device,
+                                        batches=(1, 4 if args.tiny else 128),
+                                        steps=3 if args.tiny else 12)
+        steps["profile_s"] = time.perf_counter() - t
+        save(out)
     requests = random_requests(n_prompts, lens[0], lens[1], shape["vocab_size"], [0, 1, 2], 0)
     engine.reset_prefix_cache()
     t = time.perf_counter()
@@ -283,6 +371,14 @@ def markdown(r: dict) -> str:
         ("speedup", f"{r['speedup_over_transformers']:.2f}x"),
         ("KV blocks; CUDA graphs", f"{r['kv_blocks']}; {r['cuda_graphs']}"),
     ]
+    if "correctness_fp32_tiny" in r:
+        f = r["correctness_fp32_tiny"]
+        rows.insert(5, ("fp32, tiny shapes: TRITON = torch backend",
+                        f"{f['agree']} of {f['tokens']} (first differences at "
+                        f"{f['first_difference']})"))
+    for name, p in r.get("profile", {}).items():
+        rows.append((f"decode step at {name}", f"{p['wall_ms_per_step']:.2f} ms wall, "
+                                               f"{p['kernel_ms_per_step']:.2f} ms of kernels"))
     if "memory" in r:
         m = r["memory"]
         rows.append(("peak memory / budget", f"{m['peak_allocated_bytes'] / 2**30:.1f} GiB / "

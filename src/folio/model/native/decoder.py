@@ -93,7 +93,10 @@ class NativeDecoder:
     @classmethod
     def build(cls, layers) -> Optional["NativeDecoder"]:
         """The native path for these decoder layers, or None where it does not apply."""
-        if not layers or native.load() is None:
+        # CPU weights only: checked before load(), which builds the CPU kernels
+        # (a minute and more of compiling) that a CUDA engine would never call
+        if not layers or any(t.device.type != "cpu" for t in layers[0].parameters()) \
+                or native.load() is None:
             return None
         kinds = set()
         for layer in layers:
