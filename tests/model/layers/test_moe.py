@@ -230,3 +230,22 @@ def test_quantized_experts_are_the_loop_on_their_dequantized_weights(method):
     torch.testing.assert_close(
         moe.dense_packed_experts(x, layer.w13_weight, layer.w2_weight, weights, ids,
                                  layer.packed_experts), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_router_on_the_cpu_multiplies_in_fp32_and_rounds_once():
+    """The router's logits are a bf16 product's (exact products, fp32 sums, one
+    rounding to bf16), made on an fp32 copy of W: at one token oneDNN's bf16
+    path costs 8x the fp32 product on an AMX CPU."""
+    from folio.model.layers.moe import Router
+    g = torch.Generator().manual_seed(0)
+    router = Router(768, 16, torch.bfloat16)
+    router.weight.data = torch.randn(16, 768, generator=g).bfloat16()
+    router.prepare()
+    assert router.w32 is not None and router.w32.dtype == torch.float32
+    x = torch.randn(5, 768, generator=g).bfloat16()
+    got = router(x)
+    exact = (x.double() @ router.weight.double().t()).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, exact)
+    fp32 = Router(768, 16, torch.float32)
+    fp32.prepare()
+    assert fp32.w32 is None                      # an fp32 router is its own product
