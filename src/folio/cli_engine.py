@@ -90,6 +90,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default: TRITON on CUDA, else the first of the others that runs")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly, without CUDA graphs")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2} proposes the tokens that followed the '
+                        "last few tokens where they occurred before in the prompt or "
+                        "output; the model checks them all in one step and keeps what it "
+                        "would have picked itself (sampled requests: rejection sampling)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -107,4 +114,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
                 activation_quantization=args.activation_quantization,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype,
+                speculative_config=args.speculative_config)

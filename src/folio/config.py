@@ -105,6 +105,20 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config (vLLM's JSON keys): proposals the target model
+    verifies in one step. `ngram`: the longest recent suffix of the sequence
+    (prompt_lookup_max down to prompt_lookup_min tokens) found earlier in it
+    proposes the tokens that followed there."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # no proposals in a step with more running sequences than this (None: always)
+    disable_by_batch_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
@@ -113,6 +127,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0    # cap on one request's prefill chunk (0: none)
     scheduling_policy: str = "fcfs"          # fcfs | priority (lower priority value first)
     priority_aging_steps: int = 64           # waiting this many steps gains one priority level
+    speculative: Optional[SpeculativeConfig] = None   # --speculative-config
 
 
 @dataclass(frozen=True)

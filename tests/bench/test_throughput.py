@@ -93,3 +93,20 @@ def test_the_transformers_baseline_reads_the_default_gguf_dequantized():
     model = load_hf_model(m, torch.float32)
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.shape == (576, 576) and q.dtype == torch.float32 and q.abs().sum() > 0
+
+
+def test_speculative_decoding_is_reported(tiny, tmp_path, capsys):
+    data = tmp_path / "loops.jsonl"
+    # most of the tiny vocabulary in the prompt: whatever the model says occurred
+    # before, and a one-token lookup proposes what followed it
+    data.write_text(json.dumps({"prompt_token_ids": list(range(5, 300)), "max_tokens": 8}) + "\n")
+    argv = ["bench", "throughput", "--model", tiny, "--dtype", "float32", "--dataset", str(data),
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                    '"prompt_lookup_min": 1}']
+    spec = run_json(capsys, argv + ["--json"])["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_drafts"]
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    assert main(argv) == 0
+    assert (f"speculative decoding: {spec['num_accepted_tokens']} of "
+            f"{spec['num_draft_tokens']} proposed tokens accepted") in capsys.readouterr().out

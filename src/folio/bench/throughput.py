@@ -153,7 +153,13 @@ def bench_throughput(args, engine) -> dict:
     ceiling = measure_ceiling(m, dtype, engine.config.device)
     _warm_up(engine)
     mode = "continuous" if args.batching == "both" else args.batching
+    sched = engine.scheduler
+    spec_before = (sched.spec_num_drafts, sched.spec_num_draft_tokens,
+                   sched.spec_num_accepted_tokens)
     produced, seconds = _timed_run(args, engine, requests, mode)
+    drafts, drafted, accepted = (now - then for now, then in zip(
+        (sched.spec_num_drafts, sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens),
+        spec_before))
     done = [replace(r, max_tokens=n) for r, n in zip(requests, produced)]
     prompt_tokens, output_tokens = sum(len(r.prompt_token_ids) for r in done), sum(produced)
     result = {
@@ -167,6 +173,11 @@ def bench_throughput(args, engine) -> dict:
         "ceiling_fraction": workload_flops(m, done) / seconds / (ceiling * 1e9),
         "threads": torch.get_num_threads(), "batch_size": args.batch_size,
     }
+    if engine.config.scheduler.speculative is not None:
+        result["spec_decode"] = {
+            "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
     if args.batching == "both":
         static_produced, static_seconds = _timed_run(args, engine, requests, "static")
         result["static_output_tokens_per_s"] = sum(static_produced) / static_seconds
@@ -192,6 +203,15 @@ def print_report(result: dict) -> None:
           f"{result['total_tokens_per_s']:.1f} total tok/s")
     print(f"ceiling {result['ceiling_gflops']:.1f} GFLOP/s  "
           f"fraction {100 * result['ceiling_fraction']:.1f}%")
+    spec = result.get("spec_decode")
+    if spec:
+        rate = "-" if spec["acceptance_rate"] is None else \
+            f"{100 * spec['acceptance_rate']:.1f}%"
+        length = "-" if spec["mean_accepted_length"] is None else \
+            f"{spec['mean_accepted_length']:.2f}"
+        print(f"speculative decoding: {spec['num_accepted_tokens']} of "
+              f"{spec['num_draft_tokens']} proposed tokens accepted ({rate}), "
+              f"{length} tokens a step with proposals")
     if "continuous_over_static" in result:
         print(f"static batching (batch {result.get('batch_size', '')}) "
               f"{result['static_output_tokens_per_s']:.1f} output tok/s  ->  continuous is "

@@ -135,6 +135,19 @@ class KVCacheManager:
         if blocks:
             self.pool.release(reversed(blocks))
 
+    def trim(self, seq_id: int, num_tokens: int) -> bool:
+        """Return the blocks past the first `num_tokens` tokens (slots taken for
+        proposed tokens that were rejected); True when any went back. They
+        hold no published tokens: only computed tokens are ever published."""
+        table = self.tables.get(seq_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return False
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.release(reversed(extra))
+        return True
+
     # ---- prefix caching --------------------------------------------------------
     def _block_hashes(self, seq_id: int, token_ids: list[int], num_full: int) -> list[int]:
         hashes = self._hashes.setdefault(seq_id, [])

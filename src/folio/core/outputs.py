@@ -56,6 +56,10 @@ class ScheduledSeq:
     # (Re)started after a prefix-cache hit, for samplers that need every token
     # seen (penalties, min_tokens): the tokens before start_pos.
     history_prefix: Optional[list[int]] = None
+    # Speculative decoding: proposed tokens after the decode token, at positions
+    # start_pos + 1 ..; token_ids = [the decode token] + these. The runner
+    # verifies them (core/spec_decode.py).
+    spec_token_ids: Optional[list[int]] = None
 
 
 @dataclass
@@ -80,7 +84,9 @@ TopLogprobs = list[tuple[int, float]]      # (token id, logprob), best first
 
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token per sequence scheduled with sample=True, in order."""
+    """One sampled token per sequence scheduled with sample=True, in order; a
+    sequence that carried proposed tokens has one entry per token it keeps,
+    consecutive: the proposals accepted, then the target's own next token."""
 
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)

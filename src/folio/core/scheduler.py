@@ -22,6 +22,7 @@ from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                 ScheduledSeq, SchedulerOutput)
 from folio.core.beam import step_beams
 from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
+from folio.core.spec_decode import ngram_propose
 from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 
@@ -42,6 +43,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests the scheduler itself ended (cache too small): the engine reports them.
         self.finished_by_capacity: list[Request] = []
+        # Speculative decoding: proposal runs, tokens proposed and accepted, all steps
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self._resend_table: set[int] = set()   # seq ids whose blocks were trimmed
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -115,7 +121,13 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if num_new <= 0:
                 continue
-            grants = self._allocate(req, num_new)
+            # proposals ride on a decode only where their slots are free: they
+            # never preempt anyone
+            drafts = self._proposals(req, budget) if num_new == 1 else []
+            grants = self._allocate(req, num_new + len(drafts)) if drafts else None
+            if grants is None:
+                drafts = []
+                grants = self._allocate(req, num_new)
             if grants is None and len(self.running) == 1:
                 # Alone and still out of blocks: the whole cache is too small for
                 # this sequence to grow; it ends here rather than loop forever.
@@ -136,7 +148,7 @@ class Scheduler:
                 grants = self._allocate(req, num_new)
             if grants is None:
                 continue
-            budget -= self._emit(out, req, num_new, grants)
+            budget -= self._emit(out, req, num_new, grants, drafts)
             done.add(req.request_id)
         # After a preemption there is no room to spare: admit nobody this step.
         while (self.waiting and budget > 0 and not pressure
@@ -152,6 +164,29 @@ class Scheduler:
             self.running.append(req)
             budget -= self._emit(out, req, self._chunk(req, budget), grants)
         return out
+
+    def _proposals(self, req: Request, budget: int) -> list[int]:
+        """Tokens proposed after a decode's token (speculative decoding), within
+        what the request may still produce and the step's budget. Requests of
+        one sequence whose sampling does not depend on the tokens before
+        (no penalties, min_tokens or structured outputs), for now."""
+        spec = self.config.speculative
+        if spec is None or req.beam is not None or len(req.seqs) != 1:
+            return []
+        if spec.disable_by_batch_size is not None and \
+                len(self.running) > spec.disable_by_batch_size:
+            return []
+        p = req.params
+        if p.keeps_history:
+            return []
+        seq = req.seqs[0]
+        k = min(spec.num_speculative_tokens, budget - 1,
+                self.config.max_model_len - len(seq.token_ids) - 1)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return ngram_propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens per sequence this step: one to decode, else a prompt chunk."""
@@ -219,7 +254,8 @@ class Scheduler:
         self.finished_by_capacity = []
         # First, so that a failed sequence's uncomputed blocks are never cached.
         outputs += self._fail_requests(runner_out.failed)
-        self._cache_computed_blocks(sched_out)
+        speculated = {s.seq_id: s for s in sched_out.seqs if s.spec_token_ids}
+        self._cache_computed_blocks(sched_out, speculated)
         self._fork_new_children(runner_out)
         by_seq: dict[int, EngineCoreOutput] = {}
         for seq_id, scored in runner_out.prompt_logprobs.items():
@@ -229,9 +265,13 @@ class Scheduler:
                                                   prompt_logprobs=scored)
         touched: dict[str, Request] = {}
         beam_tops: dict[str, dict[int, list]] = {}
+        ended: set[int] = set()           # ended by a token of this step: its later ones go
+        kept: dict[int, int] = {}         # tokens each sequence took this step
         tops = runner_out.top_logprobs or [None] * len(runner_out.seq_ids)
         for seq_id, token, logprob, top in zip(runner_out.seq_ids, runner_out.token_ids,
                                                runner_out.logprobs, tops):
+            if seq_id in ended:
+                continue
             entry = self._seqs.get(seq_id)
             if entry is None or entry[1].status.is_finished:   # aborted after scheduling
                 by_seq.pop(seq_id, None)
@@ -242,16 +282,19 @@ class Scheduler:
                 continue
             seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
+            kept[seq_id] = kept.get(seq_id, 0) + 1
             status = self._stop_status(req, seq, token)
             if status is not None:
                 self._finish_seq(seq, status)
+                ended.add(seq_id)
             out = by_seq.setdefault(seq_id, EngineCoreOutput(req.request_id, seq.index, [], []))
             out.new_token_ids.append(token)
             out.new_logprobs.append(logprob)
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
             if top is not None:
-                out.new_top_logprobs = [top]
+                out.new_top_logprobs = (out.new_top_logprobs or []) + [top]
             touched[req.request_id] = req
+        self._keep_accepted(speculated, kept)
         for rid, beam in beam_tops.items():
             try:
                 outputs.extend(self._beam_step(self.requests[rid], beam))
@@ -301,12 +344,38 @@ class Scheduler:
         req.status = RequestStatus.FINISHED_STOPPED
         return [EngineCoreOutput(req.request_id, 0, [], [], "stop", beams=state.finished)]
 
-    def _cache_computed_blocks(self, sched_out: SchedulerOutput) -> None:
+    def _cache_computed_blocks(self, sched_out: SchedulerOutput,
+                               speculated: dict[int, ScheduledSeq]) -> None:
         for s in sched_out.seqs:
             entry = self._seqs.get(s.seq_id)
-            if entry is not None and not entry[1].status.is_finished:
+            if entry is not None and not entry[1].status.is_finished \
+                    and s.seq_id not in speculated:      # those once verified
                 self.kv.cache_full_blocks(s.seq_id, entry[1].token_ids,
                                           s.start_pos + len(s.token_ids))
+
+    def _keep_accepted(self, speculated: dict[int, ScheduledSeq], kept: dict[int, int]) -> None:
+        """Sequences that carried proposals: the accepted ones are computed
+        tokens now (their keys and values were written by the step); the slots
+        of rejected ones are free for the next step to overwrite, and blocks
+        wholly past them go back to the pool. Only then are full blocks
+        published, so the prefix cache never sees a rejected token."""
+        for seq_id, s in speculated.items():
+            proposed = len(s.spec_token_ids)
+            accepted = max(kept.get(seq_id, 0) - 1, 0)
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += proposed
+            self.spec_num_accepted_tokens += accepted
+            entry = self._seqs.get(seq_id)
+            if entry is None or entry[1].status.is_finished:
+                continue
+            req, seq = entry
+            if kept.get(seq_id, 0) == 0:
+                continue
+            req.num_computed_tokens += accepted
+            # the next step writes the token just sampled, at num_computed
+            if self.kv.trim(seq_id, req.num_computed_tokens + 1):
+                self._resend_table.add(seq_id)
+            self.kv.cache_full_blocks(seq_id, seq.token_ids, req.num_computed_tokens)
 
     def _fork_new_children(self, runner_out: ModelRunnerOutput) -> None:
         for seq_id in runner_out.seq_ids:
@@ -326,7 +395,7 @@ class Scheduler:
                                       req.num_computed_tokens + num_new)
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int,
-              grants: list[SlotGrant]) -> int:
+              grants: list[SlotGrant], drafts: list[int] = ()) -> int:
         start = req.num_computed_tokens
         reaches_end = start + num_new == req.num_tokens
         seqs = req.kv_seqs
@@ -334,29 +403,33 @@ class Scheduler:
             fresh = seq.seq_id not in self._started
             if grant.copy is not None:
                 out.blocks_to_copy.append(grant.copy)
+            resend = seq.seq_id in self._resend_table
+            self._resend_table.discard(seq.seq_id)
             out.seqs.append(ScheduledSeq(
                 seq_id=seq.seq_id,
-                token_ids=seq.token_ids[start:start + num_new],
+                token_ids=seq.token_ids[start:start + num_new] + list(drafts),
                 start_pos=start,
                 new_block_ids=grant.new_block_ids,
                 block_ids=(self.kv.block_ids(seq.seq_id)
-                           if fresh or grant.copy is not None else None),
+                           if fresh or resend or grant.copy is not None else None),
                 sampling=sampling_info(req, seq) if fresh else None,
                 sample=reaches_end,
                 prompt_targets=prompt_targets(req, seq, start, num_new),
                 fork_children=fork_children(req) if reaches_end else None,
                 history_prefix=(seq.token_ids[:start] if fresh and start and
-                                req.params.keeps_history else None)))
+                                req.params.keeps_history else None),
+                spec_token_ids=list(drafts) if drafts else None))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
-        req.num_computed_tokens += num_new
-        return num_new * len(seqs)
+        req.num_computed_tokens += num_new       # proposals count once accepted
+        return (num_new + len(drafts)) * len(seqs)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         for seq in req.live_seqs:
             self.kv.free(seq.seq_id)
             self._started.discard(seq.seq_id)
+            self._resend_table.discard(seq.seq_id)
             seq.status = RequestStatus.PREEMPTED
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -383,6 +456,7 @@ class Scheduler:
         seq.status = status
         self.kv.free(seq.seq_id)
         self._started.discard(seq.seq_id)
+        self._resend_table.discard(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
 
     def _end_request(self, req: Request, status: RequestStatus) -> None:

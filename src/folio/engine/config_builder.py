@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
-                          ModelConfig, ParallelConfig, SchedulerConfig, parse_size)
+                          ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                          parse_size)
+from folio.core.spec_decode import parse_speculative_config
 from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import (float_weight_methods, get_quantization_config,
@@ -93,7 +95,9 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False,
                  activation_quantization: str = "int8",
-                 kv_cache_dtype: str = "auto") -> FolioConfig:
+                 kv_cache_dtype: str = "auto",
+                 speculative_config: Union[None, str, dict, SpeculativeConfig] = None
+                 ) -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -152,6 +156,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                          f"the run's, {run_dtype})")
     if long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0")
+    speculative = parse_speculative_config(speculative_config)
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
     return FolioConfig(
         model=model_config,
@@ -165,7 +170,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            scheduling_policy=scheduling_policy),
+            scheduling_policy=scheduling_policy, speculative=speculative),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
         dtype=run_dtype, weight_dtype=weight_dtype, device=device, seed=seed,

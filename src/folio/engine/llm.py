@@ -33,7 +33,8 @@ class LLM:
                  scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp",
                  quantization: Optional[str] = None, attention_backend: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 activation_quantization: str = "int8", kv_cache_dtype: str = "auto"):
+                 activation_quantization: str = "int8", kv_cache_dtype: str = "auto",
+                 speculative_config: Union[None, str, dict] = None):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -48,7 +49,8 @@ class LLM:
             distributed_executor_backend=distributed_executor_backend,
             quantization=quantization, attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            activation_quantization=activation_quantization, kv_cache_dtype=kv_cache_dtype)
+            activation_quantization=activation_quantization, kv_cache_dtype=kv_cache_dtype,
+            speculative_config=speculative_config)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

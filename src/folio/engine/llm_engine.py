@@ -104,7 +104,10 @@ class LLMEngine:
                          kv_cache_usage=sched.kv.usage(), kv_cache_waste=sched.waste.last,
                          num_preemptions=sched.num_preemptions,
                          prefix_cache_queries=sched.prefix_cache_queries,
-                         prefix_cache_hits=sched.prefix_cache_hits)
+                         prefix_cache_hits=sched.prefix_cache_hits,
+                         spec_num_drafts=sched.spec_num_drafts,
+                         spec_num_draft_tokens=sched.spec_num_draft_tokens,
+                         spec_num_accepted_tokens=sched.spec_num_accepted_tokens)
 
     def check_kv_cache(self) -> None:
         """The KV cache must hold one sequence of max_model_len tokens: a smaller one

@@ -226,7 +226,7 @@ class OutputProcessor:
                 ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         touched: dict[str, _RequestState] = {}
         stopped: list[tuple[str, int]] = []
-        for co in core_outputs:
+        for co in self._token_by_token(core_outputs):
             state = self.states.get(co.request_id)
             if state is None:
                 continue
@@ -271,6 +271,26 @@ class OutputProcessor:
                 del self.states[rid]
             outputs.append(out)
         return outputs, stopped
+
+    def _token_by_token(self, core_outputs: list[EngineCoreOutput]):
+        """Several tokens of a sequence in one step (accepted proposals) are
+        taken one at a time where stop strings are watched, so that a stop
+        inside the run ends the sequence at that token, as it would have ended
+        had they come one step each."""
+        for co in core_outputs:
+            state = self.states.get(co.request_id)
+            n = len(co.new_token_ids)
+            if n < 2 or state is None or not state.stop or co.beams is not None:
+                yield co
+                continue
+            tops = co.new_top_logprobs
+            for i in range(n):
+                last = i == n - 1
+                yield EngineCoreOutput(
+                    co.request_id, co.index, co.new_token_ids[i:i + 1], co.new_logprobs[i:i + 1],
+                    co.finish_reason if last else None, co.stop_reason if last else None,
+                    None if tops is None else tops[i:i + 1],
+                    co.prompt_logprobs if i == 0 else None, error=co.error)
 
     def _append_text(self, state: _RequestState, seq: _SeqText, delta: str) -> bool:
         """Add text; True when a stop string ended the sequence."""

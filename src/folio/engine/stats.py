@@ -20,3 +20,7 @@ class StepStats:
     num_preemptions: int        # total preemptions of running requests
     prefix_cache_queries: int   # total prompt tokens looked up in the prefix cache
     prefix_cache_hits: int      # of which found
+    # speculative decoding: proposal runs, tokens proposed, of which accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

@@ -3,17 +3,22 @@
 One registry per app (never the global one), updated from the engine thread
 after every step from the engine's StepStats message (the server never reads
 the scheduler). `folio:num_requests_waiting` is the queue length to autoscale
-on.
+on. Every `log_interval` seconds of steps a line of the same numbers goes to
+the log (throughput, queue, KV usage, prefix hits, speculative acceptance).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+import time
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from folio.engine.protocol import StepStats
 from folio.outputs import RequestOutput
+
+logger = logging.getLogger("folio")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -22,7 +27,8 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, cost=None):
+    def __init__(self, model_name: str, cost=None, log_interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = CollectorRegistry(auto_describe=True)
         r, label = self.registry, ["model_name"]
 
@@ -49,6 +55,18 @@ class ServerMetrics:
                                      "Prompt tokens looked up in the prefix cache.")
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._cache_seen = (0, 0)
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Speculative decoding: decode steps that carried proposals.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Speculative decoding: tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Speculative decoding: proposed tokens accepted.")
+        self.spec_rate = gauge("spec_decode_acceptance_rate",
+                               "Speculative decoding: accepted over proposed tokens, since start.")
+        self.spec_length = gauge("spec_decode_mean_accepted_length",
+                                 "Speculative decoding: tokens a step with proposals yields per "
+                                 "sequence (1 + accepted per proposal run), since start.")
+        self._spec_seen = (0, 0, 0)
         self.success = Counter("folio:request_success", "Finished requests by reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
@@ -76,6 +94,9 @@ class ServerMetrics:
         self.model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}   # request id -> (tokens, last time)
         self._preemptions_seen = 0
+        self.log_interval, self._clock = log_interval, clock
+        self._log_from: Optional[tuple[float, int, int, int, int]] = None
+        self._tokens = [0, 0]            # prompt and output tokens, since start
 
     def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
         """Engine thread, after each step: gauges set, the totals' growth counted."""
@@ -90,11 +111,45 @@ class ServerMetrics:
         self.cache_queries.inc(max(0, queries - self._cache_seen[0]))
         self.cache_hits.inc(max(0, hits - self._cache_seen[1]))
         self._cache_seen = (queries, hits)
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        for metric, now, seen in zip((self.spec_drafts, self.spec_draft_tokens,
+                                      self.spec_accepted), spec, self._spec_seen):
+            metric.inc(max(0, now - seen))
+        self._spec_seen = spec
+        if spec[1]:
+            self.spec_rate.set(spec[2] / spec[1])
+            self.spec_length.set(1 + spec[2] / spec[0])
         step = [0, 0]                    # the step's new prompt and output tokens
         for out in outputs:
             self._on_output(out, step)
         if self.cost is not None:
             self.cost.add(*step)
+        self._tokens[0] += step[0]
+        self._tokens[1] += step[1]
+        self._maybe_log(stats)
+
+    def _maybe_log(self, stats: StepStats) -> None:
+        """Every log_interval seconds: the interval's throughput and the state now."""
+        now = self._clock()
+        mark = (now, *self._tokens, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        if self._log_from is None:
+            self._log_from = mark
+            return
+        elapsed = now - self._log_from[0]
+        if elapsed < self.log_interval:
+            return
+        prompt, output, drafted, accepted = (a - b for a, b in zip(mark[1:], self._log_from[1:]))
+        self._log_from = mark
+        hits = stats.prefix_cache_hits / stats.prefix_cache_queries \
+            if stats.prefix_cache_queries else 0.0
+        line = (f"prompt throughput {prompt / elapsed:.1f} tok/s, generation throughput "
+                f"{output / elapsed:.1f} tok/s, running {stats.num_running}, waiting "
+                f"{stats.num_waiting}, KV cache usage {100 * stats.kv_cache_usage:.1f}%, "
+                f"prefix cache hit rate {100 * hits:.1f}%")
+        if drafted:
+            line += (f", speculative acceptance {100 * accepted / drafted:.1f}% "
+                     f"({accepted} of {drafted} proposed)")
+        logger.info("%s", line)
 
     def _on_output(self, out: RequestOutput, step: list[int]) -> None:
         m = out.metrics

@@ -19,7 +19,8 @@ from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, Sc
 from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization.int_groups import set_activation_quantization
-from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
+from folio.model.layers.sampler import (SamplingBatch, build_sampling_batch, sample,
+                                        sampling_distribution)
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.cpu_threads import default_threads
@@ -27,6 +28,7 @@ from folio.worker.device import torch_dtype
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from folio.worker.spec_verify import rejection_sample, verify_greedy
 
 logger = logging.getLogger("folio")
 
@@ -143,24 +145,73 @@ class ModelRunner:
         out = ModelRunnerOutput()
         self._score_prompts(hidden, ordered, last_rows, out)
         targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
+        proposals: dict[int, list[int]] = {}         # greedy sequences' proposals
+        sampled: list[tuple[ScheduledSeq, int]] = []  # sampled ones with proposals, last row
         for s, row in zip(ordered, last_rows):
             if s.sample and s.seq_id not in out.failed:
+                if s.spec_token_ids and self.states[s.seq_id].generator is not None:
+                    sampled.append((s, row))
+                    continue
+                if s.spec_token_ids:
+                    # a row for the decode token and for each proposal: what
+                    # the model itself picks after each
+                    proposals[s.seq_id] = s.spec_token_ids
+                    targets.extend((s.seq_id, r)
+                                   for r in range(row - len(s.spec_token_ids), row))
                 targets.append((s.seq_id, row))
                 for child_id, info in s.fork_children or ():
                     self._start_child(child_id, info, s.seq_id)
                     targets.append((child_id, row))
-        if targets:
+        # a sampled sequence's proposals: its rows verified together (below)
+        spec_rows = [(s, list(range(row - len(s.spec_token_ids), row + 1)))
+                     for s, row in sampled]
+        rows = [r for _, r in targets] + [r for _, rs in spec_rows for r in rs]
+        if rows:
             # Forked samples share their parent's row: the LM head runs once per row.
-            unique = sorted({row for _, row in targets})
+            unique = sorted(set(rows))
             index = {row: i for i, row in enumerate(unique)}
             logits = self.model.compute_logits(hidden[torch.tensor(unique, device=self.device)])
-            if len(unique) < len(targets):
-                logits = logits[torch.tensor([index[r] for _, r in targets], device=self.device)]
-            # logits: [S, V] in the run dtype, one row per target
+            # logits: [rows, V] in the run dtype
             if not self.is_driver:      # the logits gather is collective; sampling is not
                 return out
-            self._sample_into(out, logits, [seq_id for seq_id, _ in targets])
+
+            def of(picked: list[int]) -> torch.Tensor:
+                if picked == unique:
+                    return logits
+                return logits[torch.tensor([index[r] for r in picked], device=self.device)]
+            if targets:
+                self._sample_into(out, of([r for _, r in targets]),
+                                  [seq_id for seq_id, _ in targets])
+                if proposals:
+                    verify_greedy(out, proposals)
+            for s, rs in spec_rows:
+                self._verify_sampled(out, of(rs), s)
         return out
+
+    def _verify_sampled(self, out: ModelRunnerOutput, logits: torch.Tensor,
+                        s: ScheduledSeq) -> None:
+        """A sampled sequence's proposals, by rejection sampling against the
+        distributions its k + 1 rows of logits give (worker/spec_verify.py); a
+        failure fails this sequence alone."""
+        k = len(s.spec_token_ids)
+        try:
+            self._check_fault([s.seq_id])
+            probs, logprobs = sampling_distribution(
+                logits, self._sampling_batch([s.seq_id] * (k + 1)))
+            tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator)
+        except Exception as e:          # noqa: BLE001 - this sequence's fault
+            out.failed[s.seq_id] = _describe(e)
+            return
+        want = self.states[s.seq_id].sampling.params.logprobs
+        for i, token in enumerate(tokens):
+            out.seq_ids.append(s.seq_id)
+            out.token_ids.append(token)
+            out.logprobs.append(float(logprobs[i, token]))
+            if not want:
+                out.top_logprobs.append(None if want is None else [])
+            else:
+                top, ids = logprobs[i].topk(want)
+                out.top_logprobs.append(list(zip(ids.tolist(), top.tolist())))
 
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
                      seq_ids: list[int]) -> None:

@@ -131,6 +131,37 @@ def apply_adjustments(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor
     return logits
 
 
+def _sampling_probs(logits: torch.Tensor, batch: SamplingBatch,
+                    idx: torch.Tensor) -> torch.Tensor:
+    """Steps 6-9 on the (adjusted, fp32) logits of the batch's rows `idx`: the
+    distribution a row samples from (min-p's dropped tokens at 0; the rest
+    not renormalized, which the exponential race does not need)."""
+    scaled = logits / batch.temperature[idx, None]
+    if batch.needs_top_k or batch.needs_top_p:
+        scaled = _apply_top_k_top_p(scaled, batch.top_k[idx] if batch.needs_top_k else None,
+                                    batch.top_p[idx] if batch.needs_top_p else None)
+    probs = scaled.softmax(dim=-1)
+    if batch.min_p is not None:
+        floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def sampling_distribution(logits: torch.Tensor, batch: SamplingBatch
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, raw logprobs), both [S, V] fp32, for rows that all sample
+    (temperature > 0): the distribution `sample` draws each row from, summing
+    to 1, and the model's own logprobs that it reports (speculative
+    decoding's rejection sampling verifies proposals against these)."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if batch.adjust is not None:
+        logits = apply_adjustments(logits, batch.adjust)
+    idx = torch.arange(logits.shape[0], device=logits.device)
+    probs = _sampling_probs(logits, batch, idx)
+    return probs / probs.sum(dim=-1, keepdim=True), logprobs
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                        top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """top_k / top_p: [S] per row, or None where no row of the batch uses it."""
@@ -172,15 +203,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if not batch.all_greedy:
         random_rows = [i for i, g in enumerate(batch.generators) if g is not None]
         idx = torch.tensor(random_rows, device=logits.device)
-        scaled = logits[idx] / batch.temperature[idx, None]
-        if batch.needs_top_k or batch.needs_top_p:
-            scaled = _apply_top_k_top_p(scaled,
-                                        batch.top_k[idx] if batch.needs_top_k else None,
-                                        batch.top_p[idx] if batch.needs_top_p else None)
-        probs = scaled.softmax(dim=-1)
-        if batch.min_p is not None:
-            floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
+        probs = _sampling_probs(logits[idx], batch, idx)
         noise = torch.empty_like(probs)
         for j, row in enumerate(random_rows):
             noise[j].exponential_(generator=batch.generators[row])

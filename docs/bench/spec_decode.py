@@ -1,0 +1,156 @@
+"""Speculative decoding with n-gram proposals (issue 30), on the default model
+with its default settings, offline (`LLM`), greedy, in one run, rounds
+alternating between the configurations:
+
+- copying, one request at a time: chat prompts whose answers copy or edit a
+  given text (public-domain prose, and a passage of code), up to 256 tokens
+  each, EOS ends them; greedy, and sampled at temperature 0.7 (seeded);
+- random ids, one request at a time: 256 random prompt ids, 256 output tokens
+  (EOS ignored), two requests;
+- standard: 32 requests at once, prompts 32-384 and outputs 32-192 random ids
+  (cpu_baselines.py's standard workload, offline).
+
+For each: output tok/s without and with proposals, their ratio, and the
+acceptance rate (accepted over proposed tokens) and mean accepted length
+(tokens a step with proposals yields per sequence).
+
+    .venv/bin/python docs/bench/spec_decode.py [--rounds N] [--k 4] [--save FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from datetime import datetime, timezone
+
+from folio.bench.texts import ALICE, AUSTEN
+
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+'''
+COPYING = [
+    [{"role": "user", "content": "Repeat this passage exactly:\n\n" + ALICE}],
+    [{"role": "user", "content": "Repeat this passage exactly:\n\n" + AUSTEN}],
+    [{"role": "user", "content": "Rewrite this Python function with the name `rolling_mean` "
+                                 "instead of `moving_average`, changing nothing else:\n\n" + CODE}],
+]
+
+
+def _counters(llm) -> tuple[int, int, int]:
+    s = llm.engine.scheduler
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
+
+def _acceptance(before, after) -> dict:
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    return {"proposed": drafted, "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
+def run_config(spec, standard, random_ids) -> dict:
+    from folio import LLM, SamplingParams
+    from folio.bench.throughput import run_engine
+    llm = LLM(max_model_len=2048, speculative_config=spec)
+    llm.generate([{"prompt_token_ids": [1] * 16}],
+                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    out = {}
+    # copying, one at a time
+    c0, t0, tokens = _counters(llm), time.perf_counter(), 0
+    params = SamplingParams(temperature=0, max_tokens=256)
+    texts = []
+    for chat in COPYING:
+        o = llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+        tokens += len(o.token_ids)
+        texts.append(o.token_ids)
+    seconds = time.perf_counter() - t0
+    out["copying"] = {"output_tokens": tokens, "seconds": seconds,
+                      "tok_s": tokens / seconds, **_acceptance(c0, _counters(llm)),
+                      "tokens": texts}
+    # copying, sampled (temperature 0.7, seeded), one at a time
+    c0, t0, tokens = _counters(llm), time.perf_counter(), 0
+    for i, chat in enumerate(COPYING):
+        o = llm.chat(chat, SamplingParams(temperature=0.7, seed=i, max_tokens=256),
+                     use_tqdm=False)[0].outputs[0]
+        tokens += len(o.token_ids)
+    seconds = time.perf_counter() - t0
+    out["copying, T=0.7"] = {"output_tokens": tokens, "seconds": seconds,
+                             "tok_s": tokens / seconds, **_acceptance(c0, _counters(llm))}
+    # random ids, one at a time
+    c0, t0, tokens = _counters(llm), time.perf_counter(), 0
+    for ids in random_ids:
+        o = llm.generate([{"prompt_token_ids": ids}],
+                         SamplingParams(temperature=0, max_tokens=256, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+        tokens += len(o.token_ids)
+    seconds = time.perf_counter() - t0
+    out["random ids"] = {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                         **_acceptance(c0, _counters(llm))}
+    # standard: 32 at once
+    c0 = _counters(llm)
+    produced, seconds = run_engine(llm.engine, standard, True, "continuous", 0)
+    out["standard"] = {"output_tokens": sum(produced), "seconds": seconds,
+                       "tok_s": sum(produced) / seconds, **_acceptance(c0, _counters(llm))}
+    llm.shutdown()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--save", default=None, metavar="FILE")
+    args = p.parse_args()
+    from folio.bench.datasets import random_requests
+    from folio.env_report import cpu_info
+    model, flags = cpu_info()
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+    print(f"{datetime.now(timezone.utc).isoformat(timespec='minutes')} | {model}; flags: "
+          f"{' '.join(f for f in wanted if f in flags)}")
+    vocab = 49152
+    standard = random_requests(32, (32, 384), (32, 192), vocab, [0, 1, 2], 0)
+    rng = random.Random(1)
+    random_ids = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(2)]
+    configs = {"off": None,
+               f"ngram k={args.k}": {"method": "ngram", "num_speculative_tokens": args.k,
+                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    results: dict = {name: [] for name in configs}
+    for r in range(args.rounds):
+        for name, spec in configs.items():
+            res = run_config(spec, standard, random_ids)
+            results[name].append(res)
+            print(f"round {r + 1} {name}: " + ", ".join(
+                f"{w} {v['tok_s']:.1f} tok/s" for w, v in res.items()), flush=True)
+    on = f"ngram k={args.k}"
+    same = [sum(x == y for x, y in zip(a["copying"]["tokens"], b["copying"]["tokens"]))
+            for a, b in zip(results["off"], results[on])]
+    print(f"\ngreedy copying outputs identical with and without proposals, per round: "
+          f"{same} of {len(COPYING)}\n")
+    print("| workload | round | off, tok/s | ngram, tok/s | ratio | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|")
+    for w in ("copying", "copying, T=0.7", "random ids", "standard"):
+        for r in range(args.rounds):
+            a, b = results["off"][r][w], results[on][r][w]
+            rate = "-" if b["acceptance_rate"] is None else f"{100 * b['acceptance_rate']:.0f}%"
+            length = "-" if b["mean_accepted_length"] is None else \
+                f"{b['mean_accepted_length']:.2f}"
+            print(f"| {w} | {r + 1} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | "
+                  f"{b['tok_s'] / a['tok_s']:.2f}x | {rate} ({b['accepted']} of "
+                  f"{b['proposed']}) | {length} |")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
