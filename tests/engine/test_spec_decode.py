@@ -30,8 +30,8 @@ def test_the_config_reads_vllms_keys_and_refuses_what_it_cannot_run():
     c = parse_speculative_config(json.dumps(NGRAM))
     assert c == SpeculativeConfig("ngram", 4, 4, 2)
     assert parse_speculative_config(None) is None and parse_speculative_config({}) is None
-    # one lookup bound given: the other follows it
-    assert parse_speculative_config({"prompt_lookup_max": 3}).prompt_lookup_min == 2
+    # one lookup bound given: the other is the same (vLLM's rule)
+    assert parse_speculative_config({"prompt_lookup_max": 3}).prompt_lookup_min == 3
     assert parse_speculative_config({"prompt_lookup_min": 6}).prompt_lookup_max == 6
     for bad, message in [
         ("{not json", "not valid JSON"),
@@ -39,6 +39,7 @@ def test_the_config_reads_vllms_keys_and_refuses_what_it_cannot_run():
         ({"method": "eagle"}, "method must be one of ngram"),
         ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported yet"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+        ({"prompt_lookup_max": "4"}, "prompt_lookup_max must be a positive integer"),
         ({"num_speculative_tokens": 17}, "at most 16"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "above prompt_lookup_max"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size must be a positive"),
@@ -150,12 +151,12 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 # ---- the scheduler's bookkeeping ------------------------------------------------
 
-def _scheduler(num_blocks=16, block_size=4, **spec):
-    config = SchedulerConfig(max_model_len=256, max_num_batched_tokens=64,
+def _scheduler(num_blocks=16, block_size=4, budget=64, caching=True, **spec):
+    config = SchedulerConfig(max_model_len=256, max_num_batched_tokens=budget,
                              speculative=SpeculativeConfig(**{**dict(
                                  num_speculative_tokens=6, prompt_lookup_max=3,
                                  prompt_lookup_min=1), **spec}))
-    return Scheduler(config, num_blocks, block_size)
+    return Scheduler(config, num_blocks, block_size, caching)
 
 
 def _request(rid: str, prompt: list[int], params: SamplingParams) -> Request:
@@ -207,13 +208,14 @@ def test_rejected_slots_go_back_and_only_accepted_tokens_are_cached():
     assert sched.kv.num_free_blocks == 16
 
 
-def test_no_proposals_past_max_tokens_or_where_sampling_reads_the_history():
+def test_no_proposals_past_max_tokens_where_sampling_reads_the_history_or_for_a_seed():
     sched = _scheduler()
     prompt = [1, 2, 1, 2, 1, 2, 1, 2]
     greedy = _request("g", prompt, SamplingParams(temperature=0, max_tokens=3))
-    sampled = _request("s", prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=9))
+    sampled = _request("s", prompt, SamplingParams(temperature=0.8, max_tokens=9))
     penalized = _request("p", prompt, SamplingParams(temperature=0, repetition_penalty=1.2))
-    reqs = (greedy, sampled, penalized)
+    seeded = _request("x", prompt, SamplingParams(temperature=0.8, seed=1))
+    reqs = (greedy, sampled, penalized, seeded)
     for r in reqs:
         sched.add_request(r)
     _step(sched, sched.schedule(), {r.seqs[0].seq_id: [1] for r in reqs})
@@ -223,8 +225,51 @@ def test_no_proposals_past_max_tokens_or_where_sampling_reads_the_history():
     assert spec[greedy.seqs[0].seq_id] == [2]
     assert spec[sampled.seqs[0].seq_id] == [2, 1, 2, 1, 2, 1]
     assert spec[penalized.seqs[0].seq_id] is None       # its rows would need their own history
+    # a seed's text must not depend on what else runs, and proposals do
+    assert spec[seeded.seqs[0].seq_id] is None
     _step(sched, so, {})
-    sched.abort_requests(["g", "s", "p"])
+    sched.abort_requests(["g", "s", "p", "x"])
+
+
+def test_proposals_take_only_the_budget_every_decode_leaves():
+    """Four decodes that could each carry 6 proposals, a budget of 16 tokens:
+    every decode runs, and the proposals share the 12 tokens left."""
+    sched = _scheduler(num_blocks=64, budget=16)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]
+    reqs = [_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=20))
+            for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    while any(r.num_computed_tokens < len(prompt) for r in reqs):     # chunked prefills
+        so = sched.schedule()
+        _step(sched, so, {s.seq_id: [6] for s in so.seqs if s.sample})
+    so = sched.schedule()
+    assert sorted(s.seq_id for s in so.seqs) == sorted(r.seqs[0].seq_id for r in reqs)
+    assert so.num_batched_tokens == 16 and so.num_preempted == 0
+    assert sum(len(s.spec_token_ids or ()) for s in so.seqs) == 12
+    _step(sched, so, {})
+    sched.abort_requests([r.request_id for r in reqs])
+
+
+def test_proposals_never_take_a_block_a_decode_needs():
+    """One block free. A's decode fits its last block and could carry
+    proposals into a new one; B's decode needs a new block. B gets it, A
+    carries nothing, and nobody is preempted."""
+    sched = _scheduler(num_blocks=5, budget=16, caching=False)
+    a = _request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(temperature=0, max_tokens=20))
+    b = _request("b", list(range(10, 18)), SamplingParams(temperature=0, max_tokens=20))
+    for r in (a, b):
+        sched.add_request(r)
+    so = sched.schedule()
+    assert so.num_batched_tokens == 15                   # both prompts in one step
+    _step(sched, so, {a.seqs[0].seq_id: [2], b.seqs[0].seq_id: [20]})
+    assert sched.kv.num_free_blocks == 1
+    so = sched.schedule()
+    spec = {s.seq_id: s.spec_token_ids for s in so.seqs}
+    assert set(spec) == {a.seqs[0].seq_id, b.seqs[0].seq_id} and so.num_preempted == 0
+    assert spec[a.seqs[0].seq_id] is None and sched.kv.num_free_blocks == 0
+    _step(sched, so, {})
+    sched.abort_requests(["a", "b"])
 
 
 @pytest.mark.parametrize("limit, proposes", [(1, False), (2, True)])
@@ -284,13 +329,19 @@ def test_stops_and_limits_inside_an_accepted_run(default_llm, spec_llm):
                 assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
-def test_sampled_requests_take_proposals_and_stay_reproducible(spec_llm):
-    params = SamplingParams(temperature=0.7, top_p=0.95, seed=42, max_tokens=80, logprobs=1)
+def test_sampled_requests_take_proposals_and_seeded_ones_keep_their_text(spec_llm,
+                                                                        default_llm):
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=80, logprobs=1)
     sched = spec_llm.engine.scheduler
     before = sched.spec_num_accepted_tokens
-    a, b = (spec_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0] for _ in range(2))
-    assert a.token_ids == b.token_ids and a.text == b.text
+    a = spec_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0]
     assert sched.spec_num_accepted_tokens > before
+    # a seeded request: no proposals, the text it has without them
+    seeded = SamplingParams(temperature=0.7, top_p=0.95, seed=42, max_tokens=40)
+    before = sched.spec_num_draft_tokens
+    got = spec_llm.chat(COPY, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == default_llm.chat(COPY, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert sched.spec_num_draft_tokens == before
     assert all(len(lp) >= 1 and t in lp for t, lp in zip(a.token_ids, a.logprobs))
     assert spec_llm.engine.scheduler.kv.num_free_blocks == 256
 

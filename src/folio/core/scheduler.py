@@ -22,7 +22,7 @@ from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                 ScheduledSeq, SchedulerOutput)
 from folio.core.beam import step_beams
 from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
-from folio.core.spec_decode import ngram_propose
+from folio.core.spec_decode import NgramProposer
 from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 
@@ -48,6 +48,9 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self._resend_table: set[int] = set()   # seq ids whose blocks were trimmed
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+                         if spec is not None else None)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -121,13 +124,7 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if num_new <= 0:
                 continue
-            # proposals ride on a decode only where their slots are free: they
-            # never preempt anyone
-            drafts = self._proposals(req, budget) if num_new == 1 else []
-            grants = self._allocate(req, num_new + len(drafts)) if drafts else None
-            if grants is None:
-                drafts = []
-                grants = self._allocate(req, num_new)
+            grants = self._allocate(req, num_new)
             if grants is None and len(self.running) == 1:
                 # Alone and still out of blocks: the whole cache is too small for
                 # this sequence to grow; it ends here rather than loop forever.
@@ -148,7 +145,7 @@ class Scheduler:
                 grants = self._allocate(req, num_new)
             if grants is None:
                 continue
-            budget -= self._emit(out, req, num_new, grants, drafts)
+            budget -= self._emit(out, req, num_new, grants)
             done.add(req.request_id)
         # After a preemption there is no room to spare: admit nobody this step.
         while (self.waiting and budget > 0 and not pressure
@@ -163,13 +160,48 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             budget -= self._emit(out, req, self._chunk(req, budget), grants)
+        if self.config.speculative is not None:
+            self._attach_proposals(out, budget)
         return out
+
+    def _attach_proposals(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative decoding, once every decode, prompt chunk and admission
+        of the step has its tokens and slots: proposals ride on decodes with
+        the budget and the free blocks left, so they never take what another
+        sequence needs, and never preempt. A decode with proposals becomes one
+        span, [its token] + proposals (ScheduledSeq.spec_token_ids)."""
+        for s in out.seqs:
+            if budget <= 0:
+                return
+            entry = self._seqs.get(s.seq_id)
+            if entry is None or len(s.token_ids) != 1 or not s.sample \
+                    or s.prompt_targets is not None or s.fork_children:
+                continue
+            req, seq = entry
+            drafts = self._proposals(req, budget)
+            if not drafts:
+                continue
+            first = s.start_pos + 1
+            grants = self.kv.allocate_slots([s.seq_id], first, first + len(drafts))
+            if grants is None:
+                continue
+            (grant,) = grants
+            if grant.copy is not None:
+                out.blocks_to_copy.append(grant.copy)
+            s.new_block_ids = s.new_block_ids + grant.new_block_ids
+            if s.block_ids is not None or grant.copy is not None:
+                s.block_ids = self.kv.block_ids(s.seq_id)
+            s.token_ids = s.token_ids + drafts
+            s.spec_token_ids = drafts
+            budget -= len(drafts)
 
     def _proposals(self, req: Request, budget: int) -> list[int]:
         """Tokens proposed after a decode's token (speculative decoding), within
-        what the request may still produce and the step's budget. Requests of
-        one sequence whose sampling does not depend on the tokens before
-        (no penalties, min_tokens or structured outputs), for now."""
+        what the request may still produce and `budget`. Requests of one
+        sequence whose sampling does not depend on the tokens before (no
+        penalties, min_tokens or structured outputs), and no seeded sampled
+        ones: a seed gives the same text whatever else runs, and whether a
+        step carries proposals depends on what else runs."""
         spec = self.config.speculative
         if spec is None or req.beam is not None or len(req.seqs) != 1:
             return []
@@ -177,16 +209,17 @@ class Scheduler:
                 len(self.running) > spec.disable_by_batch_size:
             return []
         p = req.params
-        if p.keeps_history:
+        if p.keeps_history or p.prompt_logprobs is not None or \
+                (not p.greedy and p.seed is not None):
             return []
         seq = req.seqs[0]
-        k = min(spec.num_speculative_tokens, budget - 1,
+        k = min(spec.num_speculative_tokens, budget,
                 self.config.max_model_len - len(seq.token_ids) - 1)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return []
-        return ngram_propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return self.proposer.propose(seq.seq_id, seq.token_ids, k)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens per sequence this step: one to decode, else a prompt chunk."""
@@ -267,6 +300,9 @@ class Scheduler:
         beam_tops: dict[str, dict[int, list]] = {}
         ended: set[int] = set()           # ended by a token of this step: its later ones go
         kept: dict[int, int] = {}         # tokens each sequence took this step
+        entries: dict[int, int] = {}      # tokens the runner gave each sequence
+        for seq_id in runner_out.seq_ids:
+            entries[seq_id] = entries.get(seq_id, 0) + 1
         tops = runner_out.top_logprobs or [None] * len(runner_out.seq_ids)
         for seq_id, token, logprob, top in zip(runner_out.seq_ids, runner_out.token_ids,
                                                runner_out.logprobs, tops):
@@ -285,6 +321,9 @@ class Scheduler:
             kept[seq_id] = kept.get(seq_id, 0) + 1
             status = self._stop_status(req, seq, token)
             if status is not None:
+                if seq_id in speculated:    # what it computed, published before it goes
+                    self.kv.cache_full_blocks(seq_id, seq.token_ids,
+                                              speculated[seq_id].start_pos + kept[seq_id])
                 self._finish_seq(seq, status)
                 ended.add(seq_id)
             out = by_seq.setdefault(seq_id, EngineCoreOutput(req.request_id, seq.index, [], []))
@@ -294,7 +333,7 @@ class Scheduler:
             if top is not None:
                 out.new_top_logprobs = (out.new_top_logprobs or []) + [top]
             touched[req.request_id] = req
-        self._keep_accepted(speculated, kept)
+        self._keep_accepted(speculated, kept, entries)
         for rid, beam in beam_tops.items():
             try:
                 outputs.extend(self._beam_step(self.requests[rid], beam))
@@ -353,24 +392,25 @@ class Scheduler:
                 self.kv.cache_full_blocks(s.seq_id, entry[1].token_ids,
                                           s.start_pos + len(s.token_ids))
 
-    def _keep_accepted(self, speculated: dict[int, ScheduledSeq], kept: dict[int, int]) -> None:
+    def _keep_accepted(self, speculated: dict[int, ScheduledSeq], kept: dict[int, int],
+                       entries: dict[int, int]) -> None:
         """Sequences that carried proposals: the accepted ones are computed
         tokens now (their keys and values were written by the step); the slots
         of rejected ones are free for the next step to overwrite, and blocks
         wholly past them go back to the pool. Only then are full blocks
-        published, so the prefix cache never sees a rejected token."""
+        published, so the prefix cache never sees a rejected token. (The
+        runner gave each the accepted proposals and one token after them.)"""
         for seq_id, s in speculated.items():
-            proposed = len(s.spec_token_ids)
-            accepted = max(kept.get(seq_id, 0) - 1, 0)
+            if not entries.get(seq_id):
+                continue                # failed or aborted: nothing was verified
             self.spec_num_drafts += 1
-            self.spec_num_draft_tokens += proposed
-            self.spec_num_accepted_tokens += accepted
+            self.spec_num_draft_tokens += len(s.spec_token_ids)
+            self.spec_num_accepted_tokens += entries[seq_id] - 1
             entry = self._seqs.get(seq_id)
             if entry is None or entry[1].status.is_finished:
                 continue
             req, seq = entry
-            if kept.get(seq_id, 0) == 0:
-                continue
+            accepted = kept[seq_id] - 1
             req.num_computed_tokens += accepted
             # the next step writes the token just sampled, at num_computed
             if self.kv.trim(seq_id, req.num_computed_tokens + 1):
@@ -395,7 +435,7 @@ class Scheduler:
                                       req.num_computed_tokens + num_new)
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int,
-              grants: list[SlotGrant], drafts: list[int] = ()) -> int:
+              grants: list[SlotGrant]) -> int:
         start = req.num_computed_tokens
         reaches_end = start + num_new == req.num_tokens
         seqs = req.kv_seqs
@@ -407,7 +447,7 @@ class Scheduler:
             self._resend_table.discard(seq.seq_id)
             out.seqs.append(ScheduledSeq(
                 seq_id=seq.seq_id,
-                token_ids=seq.token_ids[start:start + num_new] + list(drafts),
+                token_ids=seq.token_ids[start:start + num_new],
                 start_pos=start,
                 new_block_ids=grant.new_block_ids,
                 block_ids=(self.kv.block_ids(seq.seq_id)
@@ -417,12 +457,11 @@ class Scheduler:
                 prompt_targets=prompt_targets(req, seq, start, num_new),
                 fork_children=fork_children(req) if reaches_end else None,
                 history_prefix=(seq.token_ids[:start] if fresh and start and
-                                req.params.keeps_history else None),
-                spec_token_ids=list(drafts) if drafts else None))
+                                req.params.keeps_history else None)))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
         req.num_computed_tokens += num_new       # proposals count once accepted
-        return (num_new + len(drafts)) * len(seqs)
+        return num_new * len(seqs)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -457,6 +496,8 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         self._started.discard(seq.seq_id)
         self._resend_table.discard(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
 
     def _end_request(self, req: Request, status: RequestStatus) -> None:

@@ -63,7 +63,8 @@ def rejection_sample(probs: torch.Tensor, drafts: list[int],
             continue
         residual = probs[i].clone()
         residual[d] = 0
-        kept.append(_draw(residual, generator))
+        # (all of p on d would have accepted it: the residual has mass)
+        kept.append(_draw(residual if residual.sum() > 0 else probs[i], generator))
         return kept
     kept.append(_draw(probs[len(drafts)], generator))
     return kept
