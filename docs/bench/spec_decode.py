@@ -8,7 +8,8 @@ alternating between the configurations:
 - random ids, one request at a time: 256 random prompt ids, 256 output tokens
   (EOS ignored), two requests;
 - standard: 32 requests at once, prompts 32-384 and outputs 32-192 random ids
-  (cpu_baselines.py's standard workload, offline).
+  (cpu_baselines.py's standard workload, offline), greedy, and sampled at
+  temperature 1 (where the model rarely repeats what came before).
 
 For each: output tok/s without and with proposals, their ratio, and the
 acceptance rate (accepted over proposed tokens) and mean accepted length
@@ -102,6 +103,17 @@ def run_config(spec, standard, random_ids) -> dict:
     produced, seconds = run_engine(llm.engine, standard, True, "continuous", 0)
     out["standard"] = {"output_tokens": sum(produced), "seconds": seconds,
                        "tok_s": sum(produced) / seconds, **_acceptance(c0, _counters(llm))}
+    # standard, sampled at temperature 1 (the low-acceptance case)
+    c0, t0 = _counters(llm), time.perf_counter()
+    for i, r in enumerate(standard):
+        llm.engine.add_tokenized_request(f"t1-{i}", None, r.prompt_token_ids, SamplingParams(
+            temperature=1.0, max_tokens=r.max_tokens, ignore_eos=True))
+    tokens = 0
+    while llm.engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].token_ids) for o in llm.engine.step() if o.finished)
+    seconds = time.perf_counter() - t0
+    out["standard, T=1"] = {"output_tokens": tokens, "seconds": seconds,
+                            "tok_s": tokens / seconds, **_acceptance(c0, _counters(llm))}
     llm.shutdown()
     return out
 
@@ -139,7 +151,7 @@ def main() -> None:
           f"{same} of {len(COPYING)}\n")
     print("| workload | round | off, tok/s | ngram, tok/s | ratio | acceptance | mean accepted length |")
     print("|---|---|---|---|---|---|---|")
-    for w in ("copying", "copying, T=0.7", "random ids", "standard"):
+    for w in ("copying", "copying, T=0.7", "random ids", "standard", "standard, T=1"):
         for r in range(args.rounds):
             a, b = results["off"][r][w], results[on][r][w]
             rate = "-" if b["acceptance_rate"] is None else f"{100 * b['acceptance_rate']:.0f}%"

@@ -93,6 +93,10 @@ class Request:
         # fork from it when its last prompt token is sampled.
         self.forked = len(seqs) == 1
         self.beam = None        # a core.beam.BeamState for beam-search requests
+        # speculative decoding: proposal runs wholly rejected in a row, and the
+        # decodes to go without proposals before the next try (Scheduler._proposals)
+        self.spec_misses = 0
+        self.spec_wait = 0
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -272,6 +272,27 @@ def test_proposals_never_take_a_block_a_decode_needs():
     sched.abort_requests(["a", "b"])
 
 
+def test_a_request_whose_proposals_all_fail_backs_off():
+    """A run wholly rejected: the next two decodes go without proposals (then
+    4, 8, .. 32 after further misses); an accepted proposal resets that."""
+    sched = _scheduler()
+    req = _request("r", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3],
+                   SamplingParams(temperature=0, max_tokens=50))
+    sched.add_request(req)
+    sid = req.seqs[0].seq_id
+    _step(sched, sched.schedule(), {sid: [4]})
+    carried = []
+    for _ in range(6):
+        so = sched.schedule()
+        drafts = so.seqs[0].spec_token_ids
+        carried.append(drafts is not None)
+        # the model rejects the first run, then accepts the first proposal of each
+        _step(sched, so, {sid: [1] if len(carried) == 1 or not drafts else drafts[:1] + [2]})
+    assert carried == [True, False, False, True, True, True]
+    assert (req.spec_misses, req.spec_wait) == (0, 0)
+    sched.abort_requests(["r"])
+
+
 @pytest.mark.parametrize("limit, proposes", [(1, False), (2, True)])
 def test_disable_by_batch_size(limit, proposes):
     sched = _scheduler(disable_by_batch_size=limit)

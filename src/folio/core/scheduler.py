@@ -212,6 +212,9 @@ class Scheduler:
         if p.keeps_history or p.prompt_logprobs is not None or \
                 (not p.greedy and p.seed is not None):
             return []
+        if req.spec_wait > 0:           # backing off after rejected runs
+            req.spec_wait -= 1
+            return []
         seq = req.seqs[0]
         k = min(spec.num_speculative_tokens, budget,
                 self.config.max_model_len - len(seq.token_ids) - 1)
@@ -410,6 +413,12 @@ class Scheduler:
             if entry is None or entry[1].status.is_finished:
                 continue
             req, seq = entry
+            # a run wholly rejected: the next 2, 4, .. 32 decodes go without
+            # proposals (a request whose own choices do not repeat its text,
+            # sampled at a high temperature say, stops paying for rows it throws
+            # away); any accepted proposal resets the wait
+            req.spec_misses = req.spec_misses + 1 if entries[seq_id] == 1 else 0
+            req.spec_wait = min(1 << req.spec_misses, 32) if req.spec_misses else 0
             accepted = kept[seq_id] - 1
             req.num_computed_tokens += accepted
             # the next step writes the token just sampled, at num_computed
