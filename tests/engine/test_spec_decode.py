@@ -385,7 +385,8 @@ def test_under_preemption():
 
 # ---- served: the flag, the openai client, /metrics, the periodic log -------------
 
-def test_served_with_proposals_counts_them_in_metrics():
+def test_served_with_proposals_counts_them_in_metrics(tmp_path, capsys):
+    from folio.cli import main
     from openai import OpenAI
 
     from tests.server.conftest import ServerProcess
@@ -405,8 +406,30 @@ def test_served_with_proposals_counts_them_in_metrics():
         assert 0 < accepted <= drafted and m["folio:spec_decode_num_drafts_total"] > 0
         assert m["folio:spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
         assert m["folio:spec_decode_mean_accepted_length"] > 1
+        # folio bench serve reads the counters around its run
+        data = tmp_path / "copy.jsonl"
+        data.write_text(json.dumps({"prompt": COPY[0]["content"], "max_tokens": 40}) + "\n")
+        assert main(["bench", "serve", "--base-url", server.url, "--dataset", str(data),
+                     "--num-prompts", "1", "--endpoint", "/v1/chat/completions",
+                     "--json"]) == 0
+        run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+        assert 0 < run["spec_decode"]["num_accepted_tokens"] <= \
+            run["spec_decode"]["num_draft_tokens"]
     finally:
         server.stop()
+
+
+def test_bench_serve_reads_vllms_counters_too():
+    from folio.bench.serve import spec_decode_run, spec_decode_totals
+    text = "\n".join(f"# TYPE vllm:spec_decode_{n}_total counter\n"
+                     f'vllm:spec_decode_{n}_total{{model_name="m"}} {v}'
+                     for n, v in (("num_drafts", 10), ("num_draft_tokens", 40),
+                                  ("num_accepted_tokens", 30))) + "\n"
+    after = spec_decode_totals(text)
+    assert after == (10, 40, 30) and spec_decode_totals("") is None
+    run = spec_decode_run((5, 20, 10), after)
+    assert run == {"num_draft_tokens": 20, "num_accepted_tokens": 20, "acceptance_rate": 1.0,
+                   "mean_accepted_length": 5.0}
 
 
 def test_the_periodic_log_line(caplog):

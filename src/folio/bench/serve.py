@@ -110,6 +110,36 @@ def server_cost(metrics_text: str) -> dict:
             if family.name == "folio:cost_per_1k_tokens" for sample in family.samples}
 
 
+_SPEC = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_totals(metrics_text: str) -> Optional[tuple[float, float, float]]:
+    """The server's speculative decoding counters (drafts, proposed tokens,
+    accepted tokens), Folio's `folio:` or vLLM's `vllm:` names; None where the
+    server has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        prefix, _, name = family.name.partition(":spec_decode_")
+        name = name.removesuffix("_total")
+        if prefix in ("folio", "vllm") and name in _SPEC:
+            found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return tuple(found[n] for n in _SPEC) if len(found) == len(_SPEC) else None
+
+
+def spec_decode_run(before, after) -> Optional[dict]:
+    """A run's share of the counters: proposed, accepted, their rate and the
+    tokens a step with proposals yielded; None without counters or proposals."""
+    if before is None or after is None:
+        return None
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    if drafted <= 0:
+        return None
+    return {"num_draft_tokens": int(drafted), "num_accepted_tokens": int(accepted),
+            "acceptance_rate": accepted / drafted,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
 def parse_slo(text: Optional[str]) -> dict[str, float]:
     """'ttft_ms=500,tpot_ms=50' -> {'ttft_ms': 500.0, 'tpot_ms': 50.0}."""
     if not text:

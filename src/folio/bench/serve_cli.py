@@ -10,7 +10,7 @@ from typing import Optional
 
 from folio.bench.args import format_range, write_result
 from folio.bench.datasets import jsonl_requests, random_requests
-from folio.bench.serve import _drive, summarize
+from folio.bench.serve import _drive, spec_decode_run, summarize
 
 
 def _get_json(args, path: str):
@@ -129,6 +129,16 @@ def _costs(args, summary: dict) -> dict:
             "server": served}
 
 
+def _spec_totals(args):
+    """The server's speculative decoding counters now (None: none, or no /metrics)."""
+    from folio.bench.serve import spec_decode_totals
+    try:
+        with urllib.request.urlopen(args.base_url + "/metrics", timeout=30) as r:
+            return spec_decode_totals(r.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 def _line(s: dict) -> str:
     """One run's summary; a figure no request completed to give is '-'."""
     return (f"rate {s['request_rate']}: {s['completed']} ok, {s['failed']} failed in "
@@ -142,6 +152,10 @@ def _line(s: dict) -> str:
                f"{_ms(s['cost_per_1k']['from_throughput']['output'], '.5f')} from throughput, "
                f"{_ms(s['cost_per_1k']['server'].get('output'), '.5f')} the server's"
                if "cost_per_1k" in s else "")
+            + (f" | speculative: {s['spec_decode']['num_accepted_tokens']} of "
+               f"{s['spec_decode']['num_draft_tokens']} proposed accepted "
+               f"({100 * s['spec_decode']['acceptance_rate']:.0f}%)"
+               if s.get("spec_decode") else "")
             + (f" | first error: {s['errors'][0]}" if s["failed"] and s["errors"] else ""))
 
 
@@ -196,8 +210,12 @@ def cmd_bench_serve(args) -> int:
         # Each rate of a sweep draws its own random prompts: with the same ones
         # every later rate would find them in the server's prefix cache.
         requests, texts = _workload(args, model, args.seed + i)
+        spec_before = _spec_totals(args)
         results, seconds = asyncio.run(_drive(args, model, requests, texts, rate))
         summaries.append(summarize(results, seconds, slo, rate))
+        spec = spec_decode_run(spec_before, _spec_totals(args))
+        if spec is not None:
+            summaries[-1]["spec_decode"] = spec
         if args.cost_per_hour:
             summaries[-1]["cost_per_1k"] = _costs(args, summaries[-1])
         if not args.json:
