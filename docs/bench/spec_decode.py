@@ -15,7 +15,11 @@ For each: output tok/s without and with proposals, their ratio, and the
 acceptance rate (accepted over proposed tokens) and mean accepted length
 (tokens a step with proposals yields per sequence).
 
-    .venv/bin/python docs/bench/spec_decode.py [--rounds N] [--k 4] [--save FILE]
+With --served, the copying prompts are also sent one at a time to `folio
+serve` without and with proposals, through `folio bench serve` (chat
+endpoint, streaming), each server alone on the machine.
+
+    .venv/bin/python docs/bench/spec_decode.py [--rounds N] [--k 4] [--save FILE] [--served]
 """
 
 from __future__ import annotations
@@ -118,11 +122,52 @@ def run_config(spec, standard, random_ids) -> dict:
     return out
 
 
+def served(spec, rounds: int) -> list[dict]:
+    """`folio bench serve` on the copying prompts, one at a time, against a
+    `folio serve` started with `spec` (None: without proposals)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_baselines import free_port, wait_up
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "folio.cli", "serve", "--port", str(port),
+           "--max-model-len", "2048"]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "copying.jsonl"
+        data.write_text("".join(json.dumps({"prompt": c[0]["content"], "max_tokens": 256})
+                                + "\n" for c in COPYING))
+        with open(Path(tmp) / "server.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ))
+            try:
+                wait_up(url, proc, 600)
+                runs = []
+                for _ in range(rounds + 1):         # the first warms up
+                    done = subprocess.run(
+                        [sys.executable, "-m", "folio.cli", "bench", "serve", "--base-url", url,
+                         "--endpoint", "/v1/chat/completions", "--dataset", str(data),
+                         "--num-prompts", str(len(COPYING)), "--max-concurrency", "1",
+                         "--json"], capture_output=True, text=True, check=True)
+                    runs.append(json.loads(done.stdout.strip().splitlines()[-1])["runs"][0])
+                return runs[1:]
+            finally:
+                proc.terminate()
+                proc.wait(30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--save", default=None, metavar="FILE")
+    p.add_argument("--served", action="store_true",
+                   help="also the copying prompts served, one at a time")
     args = p.parse_args()
     from folio.bench.datasets import random_requests
     from folio.env_report import cpu_info
@@ -160,6 +205,17 @@ def main() -> None:
             print(f"| {w} | {r + 1} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | "
                   f"{b['tok_s'] / a['tok_s']:.2f}x | {rate} ({b['accepted']} of "
                   f"{b['proposed']}) | {length} |")
+    if args.served:
+        serve_runs = {name: served(spec, args.rounds) for name, spec in configs.items()}
+        results["served"] = serve_runs
+        print("\n| served, copying one at a time | round | off, out tok/s | ngram, out tok/s "
+              "| ratio | TPOT median off / ngram, ms |")
+        print("|---|---|---|---|---|---|")
+        for r in range(args.rounds):
+            a, b = serve_runs["off"][r], serve_runs[on][r]
+            print(f"| | {r + 1} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
+                  f"{b['output_throughput'] / a['output_throughput']:.2f}x | "
+                  f"{a['tpot_ms']['median']:.1f} / {b['tpot_ms']['median']:.1f} |")
     if args.save:
         with open(args.save, "w") as f:
             json.dump(results, f, indent=1)
