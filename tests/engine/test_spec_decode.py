@@ -367,6 +367,31 @@ def test_sampled_requests_take_proposals_and_seeded_ones_keep_their_text(spec_ll
     assert spec_llm.engine.scheduler.kv.num_free_blocks == 256
 
 
+def test_structured_outputs_take_proposals_the_grammar_allows(default_llm, spec_llm):
+    """A JSON schema: each row of a proposal run is masked to what the grammar
+    allows after the proposals before it, so the output is the one without
+    proposals, and valid; proposals the grammar refuses are never kept."""
+    schema = {"type": "object", "properties": {"title": {"type": "string"},
+                                               "year": {"type": "integer"}},
+              "required": ["title", "year"]}
+    record = '{"title": "Alice\'s Adventures in Wonderland", "year": 1865}'
+    chats = [[{"role": "user", "content": f"Repeat this JSON exactly: {record}"}],
+             [{"role": "user", "content": "Repeat exactly: the year 1865, the year 1865"}]]
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs={"json": schema})
+    want = [o.outputs[0] for o in default_llm.chat(chats, params, use_tqdm=False)]
+    sched = spec_llm.engine.scheduler
+    before = sched.spec_num_accepted_tokens, sched.spec_num_draft_tokens
+    got = [o.outputs[0] for o in spec_llm.chat(chats, params, use_tqdm=False)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g in got:
+        value = json.loads(g.text)
+        assert isinstance(value["title"], str) and isinstance(value["year"], int)
+    assert sched.spec_num_accepted_tokens > before[0]
+    # the second prompt's proposals ("the year ...") are not JSON: refused ones
+    assert sched.spec_num_draft_tokens - before[1] > sched.spec_num_accepted_tokens - before[0]
+
+
 def test_under_preemption():
     """A cache too small for the batch: requests are preempted and recomputed
     with proposals on, and the tokens are still those without them."""

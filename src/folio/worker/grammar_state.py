@@ -36,22 +36,53 @@ class GrammarState:
 
 
 def apply_grammars(logits: torch.Tensor, states: list[Optional[GrammarState]],
-                   tokens: list[Optional[list[int]]]) -> None:
+                   tokens: list[Optional[list[int]]],
+                   proposals: Optional[dict[int, list[int]]] = None) -> None:
     """Mask `logits` [S, V] in place: row i to what states[i] allows after the
-    sequence's tokens[i] (rows whose state is None are left as they are)."""
+    sequence's tokens[i] (rows whose state is None are left as they are).
+
+    A sequence with proposed tokens d1..dk (speculative decoding, `proposals`
+    by the row of its first of k + 1 consecutive rows) has its row j masked
+    to what the grammar allows after d1..dj: the matcher takes the proposals
+    as far as the grammar lets it, fills each row, and is rolled back. Rows
+    past a proposal the grammar refuses keep the last mask: the proposal is
+    then one the masked row cannot pick, so verification ends there."""
     import xgrammar as xgr
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(states), logits.shape[-1])
+    follow: dict[int, int] = {}      # row -> the proposal row it repeats
     for i in rows:
+        if i in follow:
+            continue
         state = states[i]
         state.catch_up(tokens[i])
-        if state.matcher.is_terminated():
-            bitmask[i].zero_()
-            for t in state.matcher.stop_token_ids:
-                bit = 1 << (t % 32)
-                bitmask[i, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit   # int32
-        else:
-            state.matcher.fill_next_token_bitmask(bitmask, i)
+        _fill(state, bitmask, i)
+        drafts = (proposals or {}).get(i, ())
+        taken = 0
+        for j, token in enumerate(drafts, start=1):
+            if not state.matcher.is_terminated() and state.matcher.accept_token(token):
+                taken += 1
+                _fill(state, bitmask, i + j)
+            else:
+                for rest in range(i + j, i + len(drafts) + 1):
+                    bitmask[rest] = bitmask[i + j - 1]
+                break
+        for j in range(1, len(drafts) + 1):
+            follow[i + j] = i
+        if taken:
+            state.matcher.rollback(taken)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def _fill(state: GrammarState, bitmask: torch.Tensor, row: int) -> None:
+    """What the matcher allows next into bitmask[row]: once it has taken EOS,
+    only the stop tokens (ignore_eos runs past the grammar)."""
+    if state.matcher.is_terminated():
+        bitmask[row].zero_()
+        for t in state.matcher.stop_token_ids:
+            bit = 1 << (t % 32)
+            bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit   # int32
+    else:
+        state.matcher.fill_next_token_bitmask(bitmask, row)

@@ -181,12 +181,26 @@ class ModelRunner:
                 return logits[torch.tensor([index[r] for r in picked], device=self.device)]
             if targets:
                 self._sample_into(out, of([r for _, r in targets]),
-                                  [seq_id for seq_id, _ in targets])
+                                  [seq_id for seq_id, _ in targets], proposals)
                 if proposals:
                     verify_greedy(out, proposals)
             for s, rs in spec_rows:
                 self._verify_sampled(out, of(rs), s)
+            self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
+                                                         for s, _ in sampled}})
         return out
+
+    def _record_accepted(self, out: ModelRunnerOutput, proposals: dict[int, list[int]]) -> None:
+        """A sequence that keeps its tokens (a grammar's) takes the proposals it
+        accepted into them: they were inputs of this step, not of the next."""
+        kept: dict[int, int] = {}
+        for seq_id in out.seq_ids:
+            if seq_id in proposals:
+                kept[seq_id] = kept.get(seq_id, 0) + 1
+        for seq_id, n in kept.items():
+            state = self.states[seq_id]
+            if state.history is not None and n > 1:
+                state.history.extend(proposals[seq_id][:n - 1])
 
     def _verify_sampled(self, out: ModelRunnerOutput, logits: torch.Tensor,
                         s: ScheduledSeq) -> None:
@@ -196,6 +210,7 @@ class ModelRunner:
         k = len(s.spec_token_ids)
         try:
             self._check_fault([s.seq_id])
+            self._constrain(logits, [s.seq_id] * (k + 1), {s.seq_id: s.spec_token_ids})
             probs, logprobs = sampling_distribution(
                 logits, self._sampling_batch([s.seq_id] * (k + 1)))
             tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator)
@@ -214,7 +229,8 @@ class ModelRunner:
                 out.top_logprobs.append(list(zip(ids.tolist(), top.tolist())))
 
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
-                     seq_ids: list[int]) -> None:
+                     seq_ids: list[int], proposals: Optional[dict[int, list[int]]] = None
+                     ) -> None:
         """Sample the whole batch at once; if that raises, row by row, so that
         only the rows that fail on their own are failed. (The failed attempt may
         have drawn from the other rows' generators already: their tokens are
@@ -223,29 +239,42 @@ class ModelRunner:
         exceptional path is worth.)"""
         try:
             self._check_fault(seq_ids)
-            self._constrain(logits, seq_ids)
+            self._constrain(logits, seq_ids, proposals)
             rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids)))]
         except Exception:               # noqa: BLE001 - find the row at fault below
             rows = []
-            for i, seq_id in enumerate(seq_ids):
+            i = 0
+            while i < len(seq_ids):     # a sequence's rows (its proposals') together
+                seq_id, j = seq_ids[i], i + 1
+                while j < len(seq_ids) and seq_ids[j] == seq_id:
+                    j += 1
                 try:
                     self._check_fault([seq_id])
-                    self._constrain(logits[i:i + 1], [seq_id])
-                    rows.append(([seq_id], sample(logits[i:i + 1],
-                                                  self._sampling_batch([seq_id]))))
+                    self._constrain(logits[i:j], seq_ids[i:j], proposals)
+                    rows.append((seq_ids[i:j], sample(logits[i:j],
+                                                      self._sampling_batch(seq_ids[i:j]))))
                 except Exception as e:  # noqa: BLE001 - this sequence's fault
                     out.failed[seq_id] = _describe(e)
+                i = j
         for ids, result in rows:
             out.seq_ids.extend(ids)
             out.token_ids.extend(result.tokens.tolist())
             out.logprobs.extend(result.logprobs.tolist())
             out.top_logprobs.extend(self._top_lists(ids, result))
 
-    def _constrain(self, logits: torch.Tensor, seq_ids: list[int]) -> None:
-        """Rows with structured outputs: what their grammar allows next."""
+    def _constrain(self, logits: torch.Tensor, seq_ids: list[int],
+                   proposals: Optional[dict[int, list[int]]] = None) -> None:
+        """Rows with structured outputs: what their grammar allows next (after
+        the proposals before each row, for a sequence with proposals)."""
         states = [self.states[i] for i in seq_ids]
         if any(s.grammar is not None for s in states):
-            apply_grammars(logits, [s.grammar for s in states], [s.history for s in states])
+            by_row = {}
+            for row, seq_id in enumerate(seq_ids):
+                if proposals and seq_id in proposals and \
+                        (row == 0 or seq_ids[row - 1] != seq_id):
+                    by_row[row] = proposals[seq_id]
+            apply_grammars(logits, [s.grammar for s in states], [s.history for s in states],
+                           by_row)
 
     def _check_fault(self, seq_ids: list[int]) -> None:
         if self.fault_hook is not None:
@@ -333,7 +362,8 @@ class ModelRunner:
         if state.sampling.params.keeps_history:
             if s.start_pos == 0 or s.history_prefix is not None:
                 state.history = list(s.history_prefix or [])
-            state.history.extend(s.token_ids)
+            # proposals join it once accepted (_record_accepted)
+            state.history.extend(s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
