@@ -208,12 +208,13 @@ def test_rejected_slots_go_back_and_only_accepted_tokens_are_cached():
     assert sched.kv.num_free_blocks == 16
 
 
-def test_no_proposals_past_max_tokens_where_sampling_reads_the_history_or_for_a_seed():
+def test_no_proposals_past_max_tokens_with_prompt_logprobs_or_for_a_seed():
     sched = _scheduler()
     prompt = [1, 2, 1, 2, 1, 2, 1, 2]
     greedy = _request("g", prompt, SamplingParams(temperature=0, max_tokens=3))
     sampled = _request("s", prompt, SamplingParams(temperature=0.8, max_tokens=9))
-    penalized = _request("p", prompt, SamplingParams(temperature=0, repetition_penalty=1.2))
+    penalized = _request("p", prompt, SamplingParams(temperature=0, repetition_penalty=1.2,
+                                                     prompt_logprobs=1))
     seeded = _request("x", prompt, SamplingParams(temperature=0.8, seed=1))
     reqs = (greedy, sampled, penalized, seeded)
     for r in reqs:
@@ -224,7 +225,7 @@ def test_no_proposals_past_max_tokens_where_sampling_reads_the_history_or_for_a_
     # 1 of 3 tokens out: at most 1 proposal (+ the token after it) keeps within 3
     assert spec[greedy.seqs[0].seq_id] == [2]
     assert spec[sampled.seqs[0].seq_id] == [2, 1, 2, 1, 2, 1]
-    assert spec[penalized.seqs[0].seq_id] is None       # its rows would need their own history
+    assert spec[penalized.seqs[0].seq_id] is None       # prompt logprobs: none
     # a seed's text must not depend on what else runs, and proposals do
     assert spec[seeded.seqs[0].seq_id] is None
     _step(sched, so, {})
@@ -390,6 +391,27 @@ def test_structured_outputs_take_proposals_the_grammar_allows(default_llm, spec_
     assert sched.spec_num_accepted_tokens > before[0]
     # the second prompt's proposals ("the year ...") are not JSON: refused ones
     assert sched.spec_num_draft_tokens - before[1] > sched.spec_num_accepted_tokens - before[0]
+
+
+def test_penalties_and_min_tokens_see_the_proposals_before_each_row(default_llm, spec_llm):
+    """Penalties and min_tokens read the tokens before each row: a proposal
+    run's row j sees the j proposals before it, so the tokens are those
+    decoded one at a time. min_tokens one short of where the model ends by
+    itself puts that EOS in the middle of a run, where a row that did not
+    count the proposals before it would still mask EOS."""
+    natural = len(default_llm.chat(COPY, SamplingParams(temperature=0, max_tokens=300),
+                                   use_tqdm=False)[0].outputs[0].token_ids)
+    for params in [SamplingParams(temperature=0, max_tokens=60, repetition_penalty=1.03),
+                   SamplingParams(temperature=0, max_tokens=60, frequency_penalty=0.05,
+                                  presence_penalty=0.05),
+                   SamplingParams(temperature=0, max_tokens=natural + 20,
+                                  min_tokens=natural - 1)]:
+        sched = spec_llm.engine.scheduler
+        before = sched.spec_num_accepted_tokens
+        want = default_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0].token_ids
+        got = spec_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want, params
+        assert sched.spec_num_accepted_tokens > before, params
 
 
 def test_under_preemption():

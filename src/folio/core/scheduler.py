@@ -198,10 +198,10 @@ class Scheduler:
     def _proposals(self, req: Request, budget: int) -> list[int]:
         """Tokens proposed after a decode's token (speculative decoding), within
         what the request may still produce and `budget`. Requests of one
-        sequence whose sampling does not count the tokens before (no
-        penalties or min_tokens; a grammar checks proposals in the runner),
-        and no seeded sampled ones: a seed gives the same text whatever else
-        runs, and whether a step carries proposals depends on what else runs."""
+        sequence (the runner gives each proposal row the tokens before it, for
+        penalties, min_tokens and grammars), without prompt logprobs, and no
+        seeded sampled ones: a seed gives the same text whatever else runs,
+        and whether a step carries proposals depends on what else runs."""
         spec = self.config.speculative
         if spec is None or req.beam is not None or len(req.seqs) != 1:
             return []
@@ -209,7 +209,7 @@ class Scheduler:
                 len(self.running) > spec.disable_by_batch_size:
             return []
         p = req.params
-        if p.needs_history or p.min_tokens or p.prompt_logprobs is not None or \
+        if p.prompt_logprobs is not None or \
                 (not p.greedy and p.seed is not None):
             return []
         if req.spec_wait > 0:           # backing off after rejected runs

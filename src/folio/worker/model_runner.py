@@ -212,7 +212,8 @@ class ModelRunner:
             self._check_fault([s.seq_id])
             self._constrain(logits, [s.seq_id] * (k + 1), {s.seq_id: s.spec_token_ids})
             probs, logprobs = sampling_distribution(
-                logits, self._sampling_batch([s.seq_id] * (k + 1)))
+                logits, self._sampling_batch([s.seq_id] * (k + 1),
+                                             {s.seq_id: s.spec_token_ids}))
             tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator)
         except Exception as e:          # noqa: BLE001 - this sequence's fault
             out.failed[s.seq_id] = _describe(e)
@@ -240,7 +241,7 @@ class ModelRunner:
         try:
             self._check_fault(seq_ids)
             self._constrain(logits, seq_ids, proposals)
-            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids)))]
+            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids, proposals)))]
         except Exception:               # noqa: BLE001 - find the row at fault below
             rows = []
             i = 0
@@ -251,8 +252,8 @@ class ModelRunner:
                 try:
                     self._check_fault([seq_id])
                     self._constrain(logits[i:j], seq_ids[i:j], proposals)
-                    rows.append((seq_ids[i:j], sample(logits[i:j],
-                                                      self._sampling_batch(seq_ids[i:j]))))
+                    rows.append((seq_ids[i:j], sample(
+                        logits[i:j], self._sampling_batch(seq_ids[i:j], proposals))))
                 except Exception as e:  # noqa: BLE001 - this sequence's fault
                     out.failed[seq_id] = _describe(e)
                 i = j
@@ -399,11 +400,22 @@ class ModelRunner:
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.device)
 
-    def _sampling_batch(self, seq_ids: list[int]) -> SamplingBatch:
+    def _sampling_batch(self, seq_ids: list[int],
+                        proposals: Optional[dict[int, list[int]]] = None) -> SamplingBatch:
+        """The rows' sampling tensors; a sequence's proposal run (consecutive
+        rows) sees at its row j its tokens and the j proposals before that row,
+        as penalties and min_tokens would have seen them one decode at a time."""
         states = [self.states[seq_id] for seq_id in seq_ids]
+        histories = [s.history for s in states]
+        if proposals:
+            for row, seq_id in enumerate(seq_ids):
+                j = 0
+                while row - j - 1 >= 0 and seq_ids[row - j - 1] == seq_id:
+                    j += 1
+                if j and seq_id in proposals and histories[row] is not None:
+                    histories[row] = histories[row] + proposals[seq_id][:j]
         return build_sampling_batch([s.sampling for s in states], [s.generator for s in states],
-                                    [s.history for s in states], self.model.config.vocab_size,
-                                    self.device)
+                                    histories, self.model.config.vocab_size, self.device)
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
