@@ -51,16 +51,15 @@ COPYING = [
 ]
 
 
-def _counters(llm) -> tuple[int, int, int]:
-    s = llm.engine.scheduler
-    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+def _counters(llm):
+    return llm.engine.scheduler.spec_counts
 
 
 def _acceptance(before, after) -> dict:
-    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
-    return {"proposed": drafted, "accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+    run = after.since(before)
+    return {"proposed": run.draft_tokens, "accepted": run.accepted_tokens,
+            "acceptance_rate": run.acceptance_rate,
+            "mean_accepted_length": run.mean_accepted_length}
 
 
 def run_config(spec, standard, random_ids) -> dict:

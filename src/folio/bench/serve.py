@@ -22,6 +22,7 @@ from folio.bench.args import (checked, dataset, existing_file, http_url, output_
                               request_rate, request_rates)
 from folio.bench.datasets import BenchRequest
 from folio.cli_types import length_range, non_negative_float, positive_float, positive_int
+from folio.core.spec_decode import SpecDecodeCounts
 
 
 @dataclass
@@ -113,7 +114,7 @@ def server_cost(metrics_text: str) -> dict:
 _SPEC = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-def spec_decode_totals(metrics_text: str) -> Optional[tuple[float, float, float]]:
+def spec_decode_totals(metrics_text: str) -> Optional[SpecDecodeCounts]:
     """The server's speculative decoding counters (drafts, proposed tokens,
     accepted tokens), Folio's `folio:` or vLLM's `vllm:` names; None where the
     server has none."""
@@ -124,7 +125,7 @@ def spec_decode_totals(metrics_text: str) -> Optional[tuple[float, float, float]
         name = name.removesuffix("_total")
         if prefix in ("folio", "vllm") and name in _SPEC:
             found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return tuple(found[n] for n in _SPEC) if len(found) == len(_SPEC) else None
+    return SpecDecodeCounts(*(found[n] for n in _SPEC)) if len(found) == len(_SPEC) else None
 
 
 def spec_decode_run(before, after) -> Optional[dict]:
@@ -132,12 +133,13 @@ def spec_decode_run(before, after) -> Optional[dict]:
     tokens a step with proposals yielded; None without counters or proposals."""
     if before is None or after is None:
         return None
-    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
-    if drafted <= 0:
+    run = after.since(before)
+    if run.draft_tokens <= 0:
         return None
-    return {"num_draft_tokens": int(drafted), "num_accepted_tokens": int(accepted),
-            "acceptance_rate": accepted / drafted,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+    return {"num_draft_tokens": int(run.draft_tokens),
+            "num_accepted_tokens": int(run.accepted_tokens),
+            "acceptance_rate": run.acceptance_rate,
+            "mean_accepted_length": run.mean_accepted_length}
 
 
 def parse_slo(text: Optional[str]) -> dict[str, float]:

@@ -153,13 +153,9 @@ def bench_throughput(args, engine) -> dict:
     ceiling = measure_ceiling(m, dtype, engine.config.device)
     _warm_up(engine)
     mode = "continuous" if args.batching == "both" else args.batching
-    sched = engine.scheduler
-    spec_before = (sched.spec_num_drafts, sched.spec_num_draft_tokens,
-                   sched.spec_num_accepted_tokens)
+    spec_before = engine.scheduler.spec_counts
     produced, seconds = _timed_run(args, engine, requests, mode)
-    drafts, drafted, accepted = (now - then for now, then in zip(
-        (sched.spec_num_drafts, sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens),
-        spec_before))
+    spec = engine.scheduler.spec_counts.since(spec_before)
     done = [replace(r, max_tokens=n) for r, n in zip(requests, produced)]
     prompt_tokens, output_tokens = sum(len(r.prompt_token_ids) for r in done), sum(produced)
     result = {
@@ -174,10 +170,7 @@ def bench_throughput(args, engine) -> dict:
         "threads": torch.get_num_threads(), "batch_size": args.batch_size,
     }
     if engine.config.scheduler.speculative is not None:
-        result["spec_decode"] = {
-            "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+        result["spec_decode"] = spec.summary()
     if args.batching == "both":
         static_produced, static_seconds = _timed_run(args, engine, requests, "static")
         result["static_output_tokens_per_s"] = sum(static_produced) / static_seconds

@@ -22,7 +22,7 @@ from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                 ScheduledSeq, SchedulerOutput)
 from folio.core.beam import step_beams
 from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
-from folio.core.spec_decode import NgramProposer
+from folio.core.spec_decode import NgramProposer, SpecDecodeCounts
 from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 
@@ -51,6 +51,11 @@ class Scheduler:
         spec = config.speculative
         self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
                          if spec is not None else None)
+
+    @property
+    def spec_counts(self) -> SpecDecodeCounts:
+        return SpecDecodeCounts(self.spec_num_drafts, self.spec_num_draft_tokens,
+                                self.spec_num_accepted_tokens)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -303,9 +308,10 @@ class Scheduler:
         beam_tops: dict[str, dict[int, list]] = {}
         ended: set[int] = set()           # ended by a token of this step: its later ones go
         kept: dict[int, int] = {}         # tokens each sequence took this step
-        entries: dict[int, int] = {}      # tokens the runner gave each sequence
-        for seq_id in runner_out.seq_ids:
-            entries[seq_id] = entries.get(seq_id, 0) + 1
+        entries: dict[int, int] = {}      # tokens the runner gave each that proposed
+        if speculated:
+            for seq_id in runner_out.seq_ids:
+                entries[seq_id] = entries.get(seq_id, 0) + 1
         tops = runner_out.top_logprobs or [None] * len(runner_out.seq_ids)
         for seq_id, token, logprob, top in zip(runner_out.seq_ids, runner_out.token_ids,
                                                runner_out.logprobs, tops):

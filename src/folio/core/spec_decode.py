@@ -14,12 +14,38 @@ from __future__ import annotations
 import json
 from array import array
 from dataclasses import fields
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from folio.config import SpeculativeConfig
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpecDecodeCounts(NamedTuple):
+    """Totals of verified proposal runs, tokens proposed and tokens accepted:
+    the scheduler's, a server's /metrics, or the difference of two readings."""
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def since(self, before: "SpecDecodeCounts") -> "SpecDecodeCounts":
+        return SpecDecodeCounts(*(a - b for a, b in zip(self, before)))
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> Optional[float]:
+        """Tokens a step with proposals yields per sequence."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+    def summary(self) -> dict:
+        return {"num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
+                "num_accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length}
 
 
 def parse_speculative_config(value: Union[None, str, dict, SpeculativeConfig]

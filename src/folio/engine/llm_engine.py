@@ -105,9 +105,8 @@ class LLMEngine:
                          num_preemptions=sched.num_preemptions,
                          prefix_cache_queries=sched.prefix_cache_queries,
                          prefix_cache_hits=sched.prefix_cache_hits,
-                         spec_num_drafts=sched.spec_num_drafts,
-                         spec_num_draft_tokens=sched.spec_num_draft_tokens,
-                         spec_num_accepted_tokens=sched.spec_num_accepted_tokens)
+                         **dict(zip(("spec_num_drafts", "spec_num_draft_tokens",
+                                     "spec_num_accepted_tokens"), sched.spec_counts)))
 
     def check_kv_cache(self) -> None:
         """The KV cache must hold one sequence of max_model_len tokens: a smaller one

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from folio.core.spec_decode import SpecDecodeCounts
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -24,3 +26,8 @@ class StepStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec(self) -> SpecDecodeCounts:
+        return SpecDecodeCounts(self.spec_num_drafts, self.spec_num_draft_tokens,
+                                self.spec_num_accepted_tokens)

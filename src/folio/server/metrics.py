@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from folio.core.spec_decode import SpecDecodeCounts
 from folio.engine.protocol import StepStats
 from folio.outputs import RequestOutput
 
@@ -66,7 +67,7 @@ class ServerMetrics:
         self.spec_length = gauge("spec_decode_mean_accepted_length",
                                  "Speculative decoding: tokens a step with proposals yields per "
                                  "sequence (1 + accepted per proposal run), since start.")
-        self._spec_seen = (0, 0, 0)
+        self._spec_seen = SpecDecodeCounts()
         self.success = Counter("folio:request_success", "Finished requests by reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
@@ -111,14 +112,14 @@ class ServerMetrics:
         self.cache_queries.inc(max(0, queries - self._cache_seen[0]))
         self.cache_hits.inc(max(0, hits - self._cache_seen[1]))
         self._cache_seen = (queries, hits)
-        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
-        for metric, now, seen in zip((self.spec_drafts, self.spec_draft_tokens,
-                                      self.spec_accepted), spec, self._spec_seen):
-            metric.inc(max(0, now - seen))
+        spec = stats.spec
+        for metric, grown in zip((self.spec_drafts, self.spec_draft_tokens,
+                                  self.spec_accepted), spec.since(self._spec_seen)):
+            metric.inc(max(0, grown))
         self._spec_seen = spec
-        if spec[1]:
-            self.spec_rate.set(spec[2] / spec[1])
-            self.spec_length.set(1 + spec[2] / spec[0])
+        if spec.draft_tokens:
+            self.spec_rate.set(spec.acceptance_rate)
+            self.spec_length.set(spec.mean_accepted_length)
         step = [0, 0]                    # the step's new prompt and output tokens
         for out in outputs:
             self._on_output(out, step)
