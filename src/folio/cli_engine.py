@@ -95,8 +95,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2} proposes the tokens that followed the '
                         "last few tokens where they occurred before in the prompt or "
-                        "output; the model checks them all in one step and keeps what it "
-                        "would have picked itself (sampled requests: rejection sampling)")
+                        'output; {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4} has a smaller model with the same '
+                        'tokenizer propose its greedy picks ("quantization": as '
+                        "--quantization for it); the model checks them all in one step and "
+                        "keeps what it would have picked itself (sampled requests: "
+                        "rejection sampling)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -109,13 +109,20 @@ class SpeculativeConfig:
     """--speculative-config (vLLM's JSON keys): proposals the target model
     verifies in one step. `ngram`: the longest recent suffix of the sequence
     (prompt_lookup_max down to prompt_lookup_min tokens) found earlier in it
-    proposes the tokens that followed there."""
+    proposes the tokens that followed there. `draft_model`: a smaller model
+    with the same tokenizer (`model`, in its own format or `quantization`)
+    proposes its greedy picks."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # no proposals in a step with more running sequences than this (None: always)
+    # no proposals in a step with more running sequences than this (None: always;
+    # draft_model's default: spec_decode.DRAFT_DISABLE_BY_BATCH_SIZE)
     disable_by_batch_size: Optional[int] = None
+    model: Optional[str] = None             # draft_model: its checkpoint
+    quantization: Optional[str] = None      # draft_model: as --quantization for it
+    # draft_model: its checkpoint's config, read by build_config (not a user key)
+    draft: Optional[ModelConfig] = None
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ class Request:
         # decodes to go without proposals before the next try (Scheduler._proposals)
         self.spec_misses = 0
         self.spec_wait = 0
+        # a draft model proposes for it (decided when it is first scheduled)
+        self.draft_eligible = True
 
     @property
     def live_seqs(self) -> list[Sequence]:

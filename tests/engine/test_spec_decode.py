@@ -36,8 +36,7 @@ def test_the_config_reads_vllms_keys_and_refuses_what_it_cannot_run():
     for bad, message in [
         ("{not json", "not valid JSON"),
         ("[1]", "must be a JSON object"),
-        ({"method": "eagle"}, "method must be one of ngram"),
-        ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported yet"),
+        ({"method": "eagle"}, "method must be one of ngram, draft_model"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
         ({"prompt_lookup_max": "4"}, "prompt_lookup_max must be a positive integer"),
         ({"num_speculative_tokens": 17}, "at most 16"),
@@ -336,13 +335,19 @@ def test_greedy_tokens_are_those_without_proposals(default_llm, spec_llm):
 
 
 def test_stops_and_limits_inside_an_accepted_run(default_llm, spec_llm):
+    assert_stops_and_limits_as_without(default_llm, spec_llm)
+
+
+def assert_stops_and_limits_as_without(plain, spec):
+    """max_tokens, stop strings (with and without the stop in the text) and
+    logprobs: the same with proposals as without, on the copying prompt."""
     for params in [SamplingParams(temperature=0, max_tokens=37),
                    SamplingParams(temperature=0, max_tokens=100, stop=["peeped"]),
                    SamplingParams(temperature=0, max_tokens=100, stop=["the bank"],
                                   include_stop_str_in_output=True),
                    SamplingParams(temperature=0, max_tokens=40, logprobs=2)]:
-        want = default_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0]
-        got = spec_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0]
+        want = plain.chat(COPY, params, use_tqdm=False)[0].outputs[0]
+        got = spec.chat(COPY, params, use_tqdm=False)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
             (want.token_ids, want.text, want.finish_reason, want.stop_reason), params
         if params.logprobs:

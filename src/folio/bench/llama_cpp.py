@@ -66,13 +66,14 @@ class LlamaServer:
     """One llama-server process on a free local port, stopped on exit."""
 
     def __init__(self, binary: str, gguf: str, slots: int, ctx_per_slot: int, threads: int,
-                 startup_timeout: float = 300.0):
+                 startup_timeout: float = 300.0, extra_args: tuple[str, ...] = ()):
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()     # noqa: SIM115 - closed by close()
         self.cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads),
                     "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+                    "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
+                    *extra_args]
         self._proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready(startup_timeout)
@@ -99,12 +100,16 @@ class LlamaServer:
             time.sleep(0.2)
         raise RuntimeError(f"llama-server was not ready in {timeout:.0f} s:\n{self._log_tail()}")
 
-    def complete(self, token_ids: list[int], max_tokens: int, timeout: float = 3600.0) -> int:
-        """Output tokens of one greedy completion of exactly `max_tokens`."""
+    def complete(self, token_ids: list[int], max_tokens: int, timeout: float = 3600.0,
+                 result: dict | None = None) -> int:
+        """Output tokens of one greedy completion of exactly `max_tokens`
+        (`result`, if given, gets the server's whole answer)."""
         out = _post(f"{self.url}/completion",
                     {"prompt": token_ids, "n_predict": max_tokens, "ignore_eos": True,
                      "temperature": 0.0, "top_k": 1, "cache_prompt": False,
                      "stream": False}, timeout)
+        if result is not None:
+            result.update(out)
         n = out.get("tokens_predicted")
         if n != max_tokens:
             raise RuntimeError(f"llama-server returned {n} tokens for a request of {max_tokens} "

@@ -22,7 +22,7 @@ from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                 ScheduledSeq, SchedulerOutput)
 from folio.core.beam import step_beams
 from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
-from folio.core.spec_decode import NgramProposer, SpecDecodeCounts
+from folio.core.spec_decode import DRAFT_PLACEHOLDER, NgramProposer, SpecDecodeCounts
 from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 
@@ -50,7 +50,7 @@ class Scheduler:
         self._resend_table: set[int] = set()   # seq ids whose blocks were trimmed
         spec = config.speculative
         self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-                         if spec is not None else None)
+                         if spec is not None and spec.method == "ngram" else None)
 
     @property
     def spec_counts(self) -> SpecDecodeCounts:
@@ -163,6 +163,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+                req.draft_eligible = self._draft_eligible()
             self.running.append(req)
             budget -= self._emit(out, req, self._chunk(req, budget), grants)
         if self.config.speculative is not None:
@@ -200,6 +201,28 @@ class Scheduler:
             s.spec_token_ids = drafts
             budget -= len(drafts)
 
+    def _draft_eligible(self) -> bool:
+        """Whether a request being admitted will take a draft model's
+        proposals: only if the requests running and waiting with it are within
+        disable_by_batch_size (or max_num_seqs, if fewer: no more can run). The
+        draft sees a sequence only when it proposes
+        and then catches up on every token before (a prefill of the draft); a
+        request that arrives to more load than that would pay that prefill
+        late, for the few decodes it gets once the batch has shrunk."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model" or spec.disable_by_batch_size is None:
+            return True
+        load = min(len(self.running) + len(self.waiting) + 1, self.config.max_num_seqs)
+        return load <= spec.disable_by_batch_size
+
+    def _drafts_for(self, req: Request) -> bool:
+        """Whether a draft model may propose for `req` (the runner's draft then
+        needs the tokens before a prefix hit, to catch up where the cache lacks
+        its keys and values)."""
+        spec = self.config.speculative
+        return (spec is not None and spec.method == "draft_model" and req.draft_eligible
+                and len(req.seqs) == 1)
+
     def _proposals(self, req: Request, budget: int) -> list[int]:
         """Tokens proposed after a decode's token (speculative decoding), within
         what the request may still produce and `budget`. Requests of one
@@ -208,7 +231,8 @@ class Scheduler:
         seeded sampled ones: a seed gives the same text whatever else runs,
         and whether a step carries proposals depends on what else runs."""
         spec = self.config.speculative
-        if spec is None or req.beam is not None or len(req.seqs) != 1:
+        if spec is None or req.beam is not None or len(req.seqs) != 1 \
+                or not req.draft_eligible:
             return []
         if spec.disable_by_batch_size is not None and \
                 len(self.running) > spec.disable_by_batch_size:
@@ -227,6 +251,8 @@ class Scheduler:
             k = min(k, p.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return []
+        if self.proposer is None:       # a draft model's, made by the runner
+            return [DRAFT_PLACEHOLDER] * k
         return self.proposer.propose(seq.seq_id, seq.token_ids, k)
 
     def _chunk(self, req: Request, budget: int) -> int:
@@ -471,8 +497,8 @@ class Scheduler:
                 sample=reaches_end,
                 prompt_targets=prompt_targets(req, seq, start, num_new),
                 fork_children=fork_children(req) if reaches_end else None,
-                history_prefix=(seq.token_ids[:start] if fresh and start and
-                                req.params.keeps_history else None)))
+                history_prefix=(seq.token_ids[:start] if fresh and start and (
+                    req.params.keeps_history or self._drafts_for(req)) else None)))
             self._started.add(seq.seq_id)
             seq.status = RequestStatus.RUNNING
         req.num_computed_tokens += num_new       # proposals count once accepted

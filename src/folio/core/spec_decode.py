@@ -7,6 +7,9 @@ token followed by the proposals as one query span, the runner verifies them
 against the target model's own choices on those rows and returns the
 accepted ones followed by one token of its own (worker/spec_verify.py),
 and the scheduler keeps what was accepted (Scheduler.update_from_output).
+The n-gram proposer runs here; a draft model runs in the runner
+(worker/draft_proposer.py), which writes its proposals over the
+placeholders the scheduler leaves, as many as the scheduler gave slots.
 """
 
 from __future__ import annotations
@@ -18,7 +21,20 @@ from typing import Any, NamedTuple, Optional, Union
 
 from folio.config import SpeculativeConfig
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+# keys that mean nothing to a method
+_NOT_FOR = {"ngram": {"model", "quantization"},
+            "draft_model": {"prompt_lookup_max", "prompt_lookup_min"}}
+# A draft model's proposals stop while more than this many requests run,
+# unless disable_by_batch_size says otherwise: its k steps and the target's
+# k + 1 rows per sequence cost more than they save once the target's step is
+# bound by arithmetic, not by reading the weights (measured on the default
+# model, its float weights drafted for by its own 4-bit codes, 2 cores:
+# 1.07x at 16 requests at once, 0.70x at 32; docs/benchmarks.md)
+DRAFT_DISABLE_BY_BATCH_SIZE = 16
+# what the scheduler puts where a draft model's proposals go: the runner
+# writes the draft's tokens over them before the step runs
+DRAFT_PLACEHOLDER = 0
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -64,17 +80,21 @@ def parse_speculative_config(value: Union[None, str, dict, SpeculativeConfig]
     if not value:
         return None
     method = value.get("method", "ngram")
-    if method == "draft_model":
-        raise ValueError("speculative_config: method 'draft_model' is not supported yet; "
-                         "use 'ngram'")
     if method not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, "
                          f"got {method!r}")
-    known = {f.name for f in fields(SpeculativeConfig)}
+    known = {f.name for f in fields(SpeculativeConfig)} - {"draft"} - _NOT_FOR[method]
     unknown = sorted(set(value) - known)
     if unknown:
-        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(known))}")
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} for "
+                         f"method {method}; known: {', '.join(sorted(known))}")
+    if method == "draft_model" and (not isinstance(value.get("model"), str)
+                                    or not value["model"]):
+        raise ValueError("speculative_config: method draft_model needs \"model\", the "
+                         "draft's checkpoint (a folder or a .gguf file)")
+    q = value.get("quantization")
+    if q is not None and not isinstance(q, str):
+        raise ValueError(f"speculative_config: quantization must be a name, got {q!r}")
     args: dict[str, Any] = dict(value)
     for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         v = args.get(name, 1)
@@ -86,6 +106,8 @@ def parse_speculative_config(value: Union[None, str, dict, SpeculativeConfig]
         args["prompt_lookup_min"] = args["prompt_lookup_max"]
     if "prompt_lookup_min" in args and "prompt_lookup_max" not in args:
         args["prompt_lookup_max"] = args["prompt_lookup_min"]
+    if method == "draft_model":
+        args.setdefault("disable_by_batch_size", DRAFT_DISABLE_BY_BATCH_SIZE)
     config = SpeculativeConfig(**args)
     if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"speculative_config: num_speculative_tokens must be at most "

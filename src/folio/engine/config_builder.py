@@ -82,6 +82,42 @@ def _say_requantized(path: str, name: str) -> None:
                 name, "/".join(kinds), name)
 
 
+VOCAB_PADDING = 1024     # ids a checkpoint's embedding may have beyond its tokenizer's
+
+
+def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int,
+                     tensor_parallel_size: int, weight_dtype: Optional[str]
+                     ) -> SpeculativeConfig:
+    """The draft model's checkpoint read and checked against the target's:
+    it must reach max_model_len, and its proposals must be tokens of the
+    target (a draft whose vocabulary is wider has its extra ids masked)."""
+    if tensor_parallel_size > 1:
+        raise ValueError("speculative_config: a draft model under tensor parallelism is not "
+                         "supported yet; use method ngram, or tensor_parallel_size 1")
+    if not spec.model:
+        raise ValueError('speculative_config: method draft_model needs "model", the '
+                         "draft's checkpoint (a folder or a .gguf file)")
+    try:
+        draft = load_model_config(spec.model)
+        if spec.quantization is not None:
+            draft = with_quantization_flag(draft, spec.quantization)
+        refuse_quantized_experts(draft)
+        get_quantization_config(draft.quantization, draft.quantization_config,
+                                weight_dtype=weight_dtype)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config: the draft model {spec.model!r}: {e}") from None
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config: the draft model reaches "
+                         f"{draft.max_position_embeddings} positions, below max_model_len "
+                         f"({max_model_len}); give a smaller max_model_len")
+    # (padding apart: the tokenizers themselves are not compared)
+    if abs(draft.vocab_size - target.vocab_size) > VOCAB_PADDING:
+        raise ValueError(f"speculative_config: the draft model's vocabulary "
+                         f"({draft.vocab_size} ids) is not the target's "
+                         f"({target.vocab_size}): a draft model needs the target's tokenizer")
+    return dataclasses.replace(spec, draft=draft)
+
+
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  device: Optional[str] = None, max_model_len: Optional[int] = None,
                  block_size: int = 16, kv_cache_memory_bytes: int | str | None = None,
@@ -157,6 +193,9 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0")
     speculative = parse_speculative_config(speculative_config)
+    if speculative is not None and speculative.method == "draft_model":
+        speculative = with_draft_model(speculative, model_config, max_model_len,
+                                       tensor_parallel_size, weight_dtype)
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
     return FolioConfig(
         model=model_config,

@@ -38,6 +38,11 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), dtype %s on %s",
                     self.num_blocks, config.cache.block_size,
                     self.num_blocks * config.cache.block_size, config.kv_dtype, config.device)
+        drafter = getattr(self.executor.runner, "drafter", None)
+        if drafter is not None:
+            logger.info("each block also holds the draft model's keys and values (%d of its "
+                        "%d bytes)", drafter.bytes_per_block,
+                        self.executor.runner.bytes_per_block)
         if config.weight_dtype is not None:
             logger.info("linear weights stored as %s where the kernel serves",
                         config.weight_dtype)
@@ -112,15 +117,14 @@ class LLMEngine:
         """The KV cache must hold one sequence of max_model_len tokens: a smaller one
         would refuse the longest requests forever, so a server must not start on it
         (as in vLLM). The error says what to give instead."""
-        from folio.worker.kv_cache import bytes_per_block
         config = self.config
         size, have, limit = config.cache.block_size, self.num_blocks, config.max_model_len
         need = -(-limit // size)
         if have >= need:
             return
-        heads = max(1, config.model.num_key_value_heads // config.parallel.tensor_parallel_size)
         # every executor keeps rank 0's runner in-process: its backend's layout
-        need_bytes = need * bytes_per_block(config, heads, self.executor.runner.attn_backend)
+        # (and a draft model's share of each block)
+        need_bytes = need * self.executor.runner.bytes_per_block
         raise ValueError(
             f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
             f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
-import math
-
-from folio.config import FolioConfig
+from folio.config import FolioConfig, ModelConfig
 from folio.model.attention.backend import AttentionBackend
 
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
@@ -14,17 +15,21 @@ CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
 
 
 def _shape(config: FolioConfig, num_blocks: int, num_kv_heads: int,
-           backend: type[AttentionBackend]) -> tuple[int, ...]:
+           backend: type[AttentionBackend], model: ModelConfig) -> tuple[int, ...]:
     """One layer's cache, in the layout of the backend that reads it."""
     return backend.get_kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads,
-                                      config.model.head_dim)
+                                      model.head_dim)
 
 
 def bytes_per_block(config: FolioConfig, num_kv_heads: int,
-                    backend: type[AttentionBackend]) -> int:
+                    backend: type[AttentionBackend],
+                    model: Optional[ModelConfig] = None) -> int:
+    """A block's bytes over every layer of `model` (default: the served one;
+    a draft model's cache has blocks of the same ids beside it)."""
+    model = model or config.model
     elem = torch.empty((), dtype=getattr(torch, config.kv_dtype)).element_size()
-    return config.model.num_hidden_layers * math.prod(
-        _shape(config, 1, num_kv_heads, backend)) * elem
+    return model.num_hidden_layers * math.prod(
+        _shape(config, 1, num_kv_heads, backend, model)) * elem
 
 
 def kv_memory_budget(config: FolioConfig) -> int:
@@ -34,19 +39,24 @@ def kv_memory_budget(config: FolioConfig) -> int:
 
 
 def num_kv_blocks(config: FolioConfig, num_kv_heads: int,
-                  backend: type[AttentionBackend]) -> int:
+                  backend: type[AttentionBackend], extra_bytes_per_block: int = 0) -> int:
+    """Blocks in the budget; `extra_bytes_per_block`: a draft model's share
+    of each block (its own cache, indexed by the same block ids)."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    n = kv_memory_budget(config) // bytes_per_block(config, num_kv_heads, backend)
+    n = kv_memory_budget(config) // (bytes_per_block(config, num_kv_heads, backend)
+                                     + extra_bytes_per_block)
     if n < 1:
         raise ValueError("kv_cache_memory_bytes is too small to hold a single KV block")
     return n
 
 
 def allocate_kv_caches(config: FolioConfig, num_blocks: int, num_kv_heads: int,
-                       backend: type[AttentionBackend]) -> list[torch.Tensor]:
+                       backend: type[AttentionBackend],
+                       model: Optional[ModelConfig] = None) -> list[torch.Tensor]:
     """One tensor per layer in the backend's layout, allocated once."""
-    shape = _shape(config, num_blocks, num_kv_heads, backend)
+    model = model or config.model
+    shape = _shape(config, num_blocks, num_kv_heads, backend, model)
     dtype = getattr(torch, config.kv_dtype)
     return [torch.zeros(shape, dtype=dtype, device=config.device)
-            for _ in range(config.model.num_hidden_layers)]
+            for _ in range(model.num_hidden_layers)]

@@ -25,6 +25,7 @@ from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
+from folio.worker.draft_proposer import build_drafter
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
@@ -58,10 +59,17 @@ class ModelRunner:
         self.model.load_weights(iter_weights(config.model))
         set_activation_quantization(self.model, config.activation_quantization)
         self.model.build_native_decoder()
+        # speculative decoding with a draft model: its weights and, below, its cache
+        self.drafter = build_drafter(config, self.dtype, self.attn_backend,
+                                     self.model.config.vocab_size)
         num_kv_heads = self.model.num_kv_heads_per_rank
+        self.bytes_per_block = bytes_per_block(config, num_kv_heads, self.attn_backend) + \
+            (self.drafter.bytes_per_block if self.drafter else 0)
         self.num_blocks = self._size_kv_cache(num_kv_heads)
         self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads,
                                             self.attn_backend)
+        if self.drafter:
+            self.drafter.allocate(self.num_blocks)
         self.graphs = self._capture_graphs()
         self.states: dict[int, SeqState] = {}
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
@@ -74,9 +82,10 @@ class ModelRunner:
         if (self.device.type == "cuda" and cache.num_kv_blocks is None
                 and cache.kv_cache_memory_bytes is None):
             from folio.worker.gpu_memory import measure
-            per_block = bytes_per_block(self.config, num_kv_heads, self.attn_backend)
-            return measure(self, per_block, cache.gpu_memory_utilization).num_blocks
-        return num_kv_blocks(self.config, num_kv_heads, self.attn_backend)
+            return measure(self, self.bytes_per_block, cache.gpu_memory_utilization).num_blocks
+        return num_kv_blocks(self.config, num_kv_heads, self.attn_backend,
+                             self.bytes_per_block - bytes_per_block(
+                                 self.config, num_kv_heads, self.attn_backend))
 
     def _capture_graphs(self) -> Optional[DecodeGraphs]:
         """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
@@ -112,6 +121,8 @@ class ModelRunner:
         returned, {seq_id: error}, for the scheduler to fail its request alone."""
         for seq_id in so.finished_seq_ids:
             self.states.pop(seq_id, None)
+            if self.drafter:
+                self.drafter.forget(seq_id)
         failed: dict[int, str] = {}
         for s in so.seqs:
             try:
@@ -134,6 +145,7 @@ class ModelRunner:
         # Decodes (one query token) first, batched; then prefill chunks.
         ordered = [s for s in so.seqs if len(s.token_ids) == 1] + \
                   [s for s in so.seqs if len(s.token_ids) > 1]
+        draft_q = self._draft(ordered) if self.drafter else {}
         ids, step, last_rows = self._describe(ordered)
         if self.graphs is not None and self.graphs.fits(step):
             hidden = self.graphs.run(step, ids)
@@ -185,7 +197,7 @@ class ModelRunner:
                 if proposals:
                     verify_greedy(out, proposals)
             for s, rs in spec_rows:
-                self._verify_sampled(out, of(rs), s)
+                self._verify_sampled(out, of(rs), s, draft_q.get(s.seq_id))
             self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
         return out
@@ -201,9 +213,31 @@ class ModelRunner:
             state = self.states[seq_id]
             if state.history is not None and n > 1:
                 state.history.extend(proposals[seq_id][:n - 1])
+            if self.drafter:
+                self.drafter.accepted(seq_id, proposals[seq_id][:n - 1])
+
+    def _draft(self, ordered: list[ScheduledSeq]) -> dict[int, torch.Tensor]:
+        """The draft model's proposals over the scheduler's placeholders (and
+        the q a sampled sequence's were drawn from). Should the draft fail, the
+        placeholders stay: proposals like any others, which the target rejects
+        (its rows wasted, its tokens right)."""
+        try:
+            return self.drafter.propose(
+                ordered, {s.seq_id: self.states[s.seq_id].block_table for s in ordered},
+                {s.seq_id: self.states[s.seq_id].generator for s in ordered
+                 if s.spec_token_ids and self.states[s.seq_id].generator is not None},
+                self._draft_distribution)
+        except Exception:               # noqa: BLE001 - the draft's, not the target's
+            logger.exception("the draft model failed; this step's proposals are placeholders")
+            return {}
+
+    def _draft_distribution(self, seq_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """A draft model's rows under their sequences' sampling settings: what
+        a sampled sequence's proposals are drawn from."""
+        return sampling_distribution(logits, self._sampling_batch(seq_ids))[0]
 
     def _verify_sampled(self, out: ModelRunnerOutput, logits: torch.Tensor,
-                        s: ScheduledSeq) -> None:
+                        s: ScheduledSeq, q: Optional[torch.Tensor] = None) -> None:
         """A sampled sequence's proposals, by rejection sampling against the
         distributions its k + 1 rows of logits give (worker/spec_verify.py); a
         failure fails this sequence alone."""
@@ -214,7 +248,8 @@ class ModelRunner:
             probs, logprobs = sampling_distribution(
                 logits, self._sampling_batch([s.seq_id] * (k + 1),
                                              {s.seq_id: s.spec_token_ids}))
-            tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator)
+            tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator,
+                                      q)
         except Exception as e:          # noqa: BLE001 - this sequence's fault
             out.failed[s.seq_id] = _describe(e)
             return
@@ -365,36 +400,25 @@ class ModelRunner:
                 state.history = list(s.history_prefix or [])
             # proposals join it once accepted (_record_accepted)
             state.history.extend(s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
+        if self.drafter:
+            self.drafter.observe(s, state.block_table)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for cache in self.kv_caches:
             self.attn_backend.copy_blocks(cache, src, dst)
+        if self.drafter:
+            self.drafter.copied(pairs)
 
     def _describe(self, ordered: list[ScheduledSeq]
                   ) -> tuple[np.ndarray, StepDescription, list[int]]:
         """(input ids, the step for the attention backend, each sequence's last row)."""
-        bs = self.block_size
-        ids, pos, slots, last_rows, tables = [], [], [], [], []
-        num_decodes = row = 0
-        for s in ordered:
-            n = len(s.token_ids)
-            table = np.asarray(self.states[s.seq_id].block_table, dtype=np.int64)
-            p = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            ids.extend(s.token_ids)
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table)
-            num_decodes += n == 1          # decodes come first
-            row += n
-            last_rows.append(row - 1)
-        positions = np.concatenate(pos)
-        step = StepDescription(
-            query_lens=[len(s.token_ids) for s in ordered],
-            start_positions=[s.start_pos for s in ordered], block_tables=tables,
-            slot_mapping=np.concatenate(slots), positions=positions, num_decodes=num_decodes,
-            device=self.device)
+        ids = [t for s in ordered for t in s.token_ids]
+        step, last_rows = StepDescription.of_spans(
+            [(s.start_pos, len(s.token_ids),
+              np.asarray(self.states[s.seq_id].block_table, dtype=np.int64)) for s in ordered],
+            self.block_size, self.device)
         return np.asarray(ids, dtype=np.int64), step, last_rows
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:

@@ -14,10 +14,12 @@ rejection the token comes from the residual max(0, p - q), normalized; when
 every proposal stands, one more token comes from the last row's p. Each kept
 token is then distributed as p, whatever the proposer. N-gram proposals are
 deterministic (q is all on d): accept with probability p(d), and the
-residual is p without d.
+residual is p without d; a draft model's are drawn from its own q.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -50,20 +52,26 @@ def verify_greedy(out: ModelRunnerOutput, proposals: dict[int, list[int]]) -> No
             out.top_logprobs = [out.top_logprobs[x] for x in keep]
 
 
-def rejection_sample(probs: torch.Tensor, drafts: list[int],
-                     generator: torch.Generator) -> list[int]:
+def rejection_sample(probs: torch.Tensor, drafts: list[int], generator: torch.Generator,
+                     q: Optional[torch.Tensor] = None) -> list[int]:
     """Tokens kept for one sequence: probs [k + 1, V], the target's sampling
     distribution (temperature, top-k/p, min-p applied, rows summing to 1) after
-    the decode token and after each of the k deterministic proposals."""
+    the decode token and after each of the k proposals; q [k, V], the
+    distributions the proposals were drawn from (None: deterministic ones,
+    q all on d)."""
     kept = []
     for i, d in enumerate(drafts):
         u = torch.rand((), generator=generator, device=probs.device)
-        if u < probs[i, d]:
+        q_d = 1.0 if q is None else q[i, d]
+        if u * q_d < probs[i, d]:          # with probability min(1, p(d) / q(d))
             kept.append(d)
             continue
-        residual = probs[i].clone()
-        residual[d] = 0
-        # (all of p on d would have accepted it: the residual has mass)
+        if q is None:
+            residual = probs[i].clone()
+            residual[d] = 0
+        else:
+            residual = (probs[i] - q[i]).clamp_min(0)
+        # (p no larger than q anywhere means p = q, which accepts: mass is left)
         kept.append(_draw(residual if residual.sum() > 0 else probs[i], generator))
         return kept
     kept.append(_draw(probs[len(drafts)], generator))

@@ -36,6 +36,27 @@ class StepDescription:
     num_decodes: int                 # the first sequences, one token each
     device: torch.device
 
+    @classmethod
+    def of_spans(cls, spans: list[tuple[int, int, np.ndarray]], block_size: int,
+                 device: torch.device) -> tuple["StepDescription", list[int]]:
+        """The step of query spans (start position, tokens, int64 block table),
+        one-token spans first; and each span's last row."""
+        pos, slots, last_rows = [], [], []
+        num_decodes = row = 0
+        for start, n, table in spans:
+            p = np.arange(start, start + n, dtype=np.int64)
+            pos.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+            num_decodes += n == 1
+            row += n
+            last_rows.append(row - 1)
+        step = cls(query_lens=[n for _, n, _ in spans],
+                   start_positions=[start for start, _, _ in spans],
+                   block_tables=[table for _, _, table in spans],
+                   slot_mapping=np.concatenate(slots), positions=np.concatenate(pos),
+                   num_decodes=num_decodes, device=device)
+        return step, last_rows
+
 
 class AttentionBackend:
     name: ClassVar[str] = ""
