@@ -22,11 +22,12 @@ from folio.core.outputs import (EngineCoreOutput, ModelRunnerOutput,
                                 ScheduledSeq, SchedulerOutput)
 from folio.core.beam import step_beams
 from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
-from folio.core.spec_decode import DRAFT_PLACEHOLDER, NgramProposer, SpecDecodeCounts
+from folio.core.spec_decode import NgramProposer
+from folio.core.spec_scheduling import SpecScheduling
 from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 
-class Scheduler:
+class Scheduler(SpecScheduling):
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True):
         self.config = config
@@ -52,12 +53,6 @@ class Scheduler:
         self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
                          if spec is not None and spec.method == "ngram" else None)
 
-    @property
-    def spec_counts(self) -> SpecDecodeCounts:
-        return SpecDecodeCounts(self.spec_num_drafts, self.spec_num_draft_tokens,
-                                self.spec_num_accepted_tokens)
-
-    # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -169,91 +164,6 @@ class Scheduler:
         if self.config.speculative is not None:
             self._attach_proposals(out, budget)
         return out
-
-    def _attach_proposals(self, out: SchedulerOutput, budget: int) -> None:
-        """Speculative decoding, once every decode, prompt chunk and admission
-        of the step has its tokens and slots: proposals ride on decodes with
-        the budget and the free blocks left, so they never take what another
-        sequence needs, and never preempt. A decode with proposals becomes one
-        span, [its token] + proposals (ScheduledSeq.spec_token_ids)."""
-        for s in out.seqs:
-            if budget <= 0:
-                return
-            entry = self._seqs.get(s.seq_id)
-            if entry is None or len(s.token_ids) != 1 or not s.sample \
-                    or s.prompt_targets is not None or s.fork_children:
-                continue
-            req, seq = entry
-            drafts = self._proposals(req, budget)
-            if not drafts:
-                continue
-            first = s.start_pos + 1
-            grants = self.kv.allocate_slots([s.seq_id], first, first + len(drafts))
-            if grants is None:
-                continue
-            (grant,) = grants
-            if grant.copy is not None:
-                out.blocks_to_copy.append(grant.copy)
-            s.new_block_ids = s.new_block_ids + grant.new_block_ids
-            if s.block_ids is not None or grant.copy is not None:
-                s.block_ids = self.kv.block_ids(s.seq_id)
-            s.token_ids = s.token_ids + drafts
-            s.spec_token_ids = drafts
-            budget -= len(drafts)
-
-    def _draft_eligible(self) -> bool:
-        """Whether a request being admitted will take a draft model's
-        proposals: only if the requests running and waiting with it are within
-        disable_by_batch_size (or max_num_seqs, if fewer: no more can run). The
-        draft sees a sequence only when it proposes
-        and then catches up on every token before (a prefill of the draft); a
-        request that arrives to more load than that would pay that prefill
-        late, for the few decodes it gets once the batch has shrunk."""
-        spec = self.config.speculative
-        if spec is None or spec.method != "draft_model" or spec.disable_by_batch_size is None:
-            return True
-        load = min(len(self.running) + len(self.waiting) + 1, self.config.max_num_seqs)
-        return load <= spec.disable_by_batch_size
-
-    def _drafts_for(self, req: Request) -> bool:
-        """Whether a draft model may propose for `req` (the runner's draft then
-        needs the tokens before a prefix hit, to catch up where the cache lacks
-        its keys and values)."""
-        spec = self.config.speculative
-        return (spec is not None and spec.method == "draft_model" and req.draft_eligible
-                and len(req.seqs) == 1)
-
-    def _proposals(self, req: Request, budget: int) -> list[int]:
-        """Tokens proposed after a decode's token (speculative decoding), within
-        what the request may still produce and `budget`. Requests of one
-        sequence (the runner gives each proposal row the tokens before it, for
-        penalties, min_tokens and grammars), without prompt logprobs, and no
-        seeded sampled ones: a seed gives the same text whatever else runs,
-        and whether a step carries proposals depends on what else runs."""
-        spec = self.config.speculative
-        if spec is None or req.beam is not None or len(req.seqs) != 1 \
-                or not req.draft_eligible:
-            return []
-        if spec.disable_by_batch_size is not None and \
-                len(self.running) > spec.disable_by_batch_size:
-            return []
-        p = req.params
-        if p.prompt_logprobs is not None or \
-                (not p.greedy and p.seed is not None):
-            return []
-        if req.spec_wait > 0:           # backing off after rejected runs
-            req.spec_wait -= 1
-            return []
-        seq = req.seqs[0]
-        k = min(spec.num_speculative_tokens, budget,
-                self.config.max_model_len - len(seq.token_ids) - 1)
-        if p.max_tokens is not None:
-            k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0:
-            return []
-        if self.proposer is None:       # a draft model's, made by the runner
-            return [DRAFT_PLACEHOLDER] * k
-        return self.proposer.propose(seq.seq_id, seq.token_ids, k)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens per sequence this step: one to decode, else a prompt chunk."""
@@ -426,37 +336,6 @@ class Scheduler:
                     and s.seq_id not in speculated:      # those once verified
                 self.kv.cache_full_blocks(s.seq_id, entry[1].token_ids,
                                           s.start_pos + len(s.token_ids))
-
-    def _keep_accepted(self, speculated: dict[int, ScheduledSeq], kept: dict[int, int],
-                       entries: dict[int, int]) -> None:
-        """Sequences that carried proposals: the accepted ones are computed
-        tokens now (their keys and values were written by the step); the slots
-        of rejected ones are free for the next step to overwrite, and blocks
-        wholly past them go back to the pool. Only then are full blocks
-        published, so the prefix cache never sees a rejected token. (The
-        runner gave each the accepted proposals and one token after them.)"""
-        for seq_id, s in speculated.items():
-            if not entries.get(seq_id):
-                continue                # failed or aborted: nothing was verified
-            self.spec_num_drafts += 1
-            self.spec_num_draft_tokens += len(s.spec_token_ids)
-            self.spec_num_accepted_tokens += entries[seq_id] - 1
-            entry = self._seqs.get(seq_id)
-            if entry is None or entry[1].status.is_finished:
-                continue
-            req, seq = entry
-            # a run wholly rejected: the next 2, 4, .. 32 decodes go without
-            # proposals (a request whose own choices do not repeat its text,
-            # sampled at a high temperature say, stops paying for rows it throws
-            # away); any accepted proposal resets the wait
-            req.spec_misses = req.spec_misses + 1 if entries[seq_id] == 1 else 0
-            req.spec_wait = min(1 << req.spec_misses, 32) if req.spec_misses else 0
-            accepted = kept[seq_id] - 1
-            req.num_computed_tokens += accepted
-            # the next step writes the token just sampled, at num_computed
-            if self.kv.trim(seq_id, req.num_computed_tokens + 1):
-                self._resend_table.add(seq_id)
-            self.kv.cache_full_blocks(seq_id, seq.token_ids, req.num_computed_tokens)
 
     def _fork_new_children(self, runner_out: ModelRunnerOutput) -> None:
         for seq_id in runner_out.seq_ids:

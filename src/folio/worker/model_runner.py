@@ -19,8 +19,7 @@ from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, Sc
 from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization.int_groups import set_activation_quantization
-from folio.model.layers.sampler import (SamplingBatch, build_sampling_batch, sample,
-                                        sampling_distribution)
+from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.cpu_threads import default_threads
@@ -29,7 +28,8 @@ from folio.worker.draft_proposer import build_drafter
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
-from folio.worker.spec_verify import rejection_sample, verify_greedy
+from folio.worker.spec_runner import SpecRunner, describe_fault as _describe
+from folio.worker.spec_verify import verify_greedy
 
 logger = logging.getLogger("folio")
 
@@ -43,7 +43,7 @@ class SeqState:
     grammar: Optional[GrammarState] = None   # structured outputs: the sequence's matcher
 
 
-class ModelRunner:
+class ModelRunner(SpecRunner):
     def __init__(self, config: FolioConfig, num_threads: Optional[int] = None,
                  is_driver: bool = True):
         if config.device == "cpu":
@@ -201,68 +201,6 @@ class ModelRunner:
             self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
         return out
-
-    def _record_accepted(self, out: ModelRunnerOutput, proposals: dict[int, list[int]]) -> None:
-        """A sequence that keeps its tokens (a grammar's) takes the proposals it
-        accepted into them: they were inputs of this step, not of the next."""
-        kept: dict[int, int] = {}
-        for seq_id in out.seq_ids:
-            if seq_id in proposals:
-                kept[seq_id] = kept.get(seq_id, 0) + 1
-        for seq_id, n in kept.items():
-            state = self.states[seq_id]
-            if state.history is not None and n > 1:
-                state.history.extend(proposals[seq_id][:n - 1])
-            if self.drafter:
-                self.drafter.accepted(seq_id, proposals[seq_id][:n - 1])
-
-    def _draft(self, ordered: list[ScheduledSeq]) -> dict[int, torch.Tensor]:
-        """The draft model's proposals over the scheduler's placeholders (and
-        the q a sampled sequence's were drawn from). Should the draft fail, the
-        placeholders stay: proposals like any others, which the target rejects
-        (its rows wasted, its tokens right)."""
-        try:
-            return self.drafter.propose(
-                ordered, {s.seq_id: self.states[s.seq_id].block_table for s in ordered},
-                {s.seq_id: self.states[s.seq_id].generator for s in ordered
-                 if s.spec_token_ids and self.states[s.seq_id].generator is not None},
-                self._draft_distribution)
-        except Exception:               # noqa: BLE001 - the draft's, not the target's
-            logger.exception("the draft model failed; this step's proposals are placeholders")
-            return {}
-
-    def _draft_distribution(self, seq_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """A draft model's rows under their sequences' sampling settings: what
-        a sampled sequence's proposals are drawn from."""
-        return sampling_distribution(logits, self._sampling_batch(seq_ids))[0]
-
-    def _verify_sampled(self, out: ModelRunnerOutput, logits: torch.Tensor,
-                        s: ScheduledSeq, q: Optional[torch.Tensor] = None) -> None:
-        """A sampled sequence's proposals, by rejection sampling against the
-        distributions its k + 1 rows of logits give (worker/spec_verify.py); a
-        failure fails this sequence alone."""
-        k = len(s.spec_token_ids)
-        try:
-            self._check_fault([s.seq_id])
-            self._constrain(logits, [s.seq_id] * (k + 1), {s.seq_id: s.spec_token_ids})
-            probs, logprobs = sampling_distribution(
-                logits, self._sampling_batch([s.seq_id] * (k + 1),
-                                             {s.seq_id: s.spec_token_ids}))
-            tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator,
-                                      q)
-        except Exception as e:          # noqa: BLE001 - this sequence's fault
-            out.failed[s.seq_id] = _describe(e)
-            return
-        want = self.states[s.seq_id].sampling.params.logprobs
-        for i, token in enumerate(tokens):
-            out.seq_ids.append(s.seq_id)
-            out.token_ids.append(token)
-            out.logprobs.append(float(logprobs[i, token]))
-            if not want:
-                out.top_logprobs.append(None if want is None else [])
-            else:
-                top, ids = logprobs[i].topk(want)
-                out.top_logprobs.append(list(zip(ids.tolist(), top.tolist())))
 
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
                      seq_ids: list[int], proposals: Optional[dict[int, list[int]]] = None
@@ -440,6 +378,3 @@ class ModelRunner:
                     histories[row] = histories[row] + proposals[seq_id][:j]
         return build_sampling_batch([s.sampling for s in states], [s.generator for s in states],
                                     histories, self.model.config.vocab_size, self.device)
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
