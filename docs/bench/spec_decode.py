@@ -24,7 +24,7 @@ endpoint, streaming), each server alone on the machine.
 
     .venv/bin/python docs/bench/spec_decode.py [--rounds N] [--k 4] [--save FILE] [--served]
                                                [--draft] [--draft-k 4] [--llama-cpp]
-                                               [--sweep 1,2,4,8,16]
+                                               [--sweep 1,2,4,8,16] [--only-standard]
 """
 
 from __future__ import annotations
@@ -67,12 +67,19 @@ def _acceptance(before, after) -> dict:
             "mean_accepted_length": run.mean_accepted_length}
 
 
-def run_config(spec, standard, random_ids, **engine) -> dict:
+def run_config(spec, standard, random_ids, only_standard=False, **engine) -> dict:
     from folio import LLM, SamplingParams
-    from folio.bench.throughput import run_engine
     llm = LLM(max_model_len=2048, speculative_config=spec, **engine)
     llm.generate([{"prompt_token_ids": [1] * 16}],
                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    out = {} if only_standard else one_at_a_time(llm, random_ids)
+    out.update(at_once(llm, standard))
+    llm.shutdown()
+    return out
+
+
+def one_at_a_time(llm, random_ids) -> dict:
+    from folio import SamplingParams
     out = {}
     # copying, one at a time
     c0, t0, tokens = _counters(llm), time.perf_counter(), 0
@@ -106,6 +113,13 @@ def run_config(spec, standard, random_ids, **engine) -> dict:
     seconds = time.perf_counter() - t0
     out["random ids"] = {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                          **_acceptance(c0, _counters(llm))}
+    return out
+
+
+def at_once(llm, standard) -> dict:
+    from folio import SamplingParams
+    from folio.bench.throughput import run_engine
+    out = {}
     # standard: 32 at once
     c0 = _counters(llm)
     produced, seconds = run_engine(llm.engine, standard, True, "continuous", 0)
@@ -122,7 +136,6 @@ def run_config(spec, standard, random_ids, **engine) -> dict:
     seconds = time.perf_counter() - t0
     out["standard, T=1"] = {"output_tokens": tokens, "seconds": seconds,
                             "tok_s": tokens / seconds, **_acceptance(c0, _counters(llm))}
-    llm.shutdown()
     return out
 
 
@@ -267,15 +280,17 @@ def batch_sweep(configs: dict, pairs: list, standard, sizes, rounds: int) -> dic
     return results
 
 
-def _table(results: dict, off: str, on: str, rounds: int) -> None:
-    same = [sum(x == y for x, y in zip(a["copying"]["tokens"], b["copying"]["tokens"]))
-            for a, b in zip(results[off], results[on])]
-    print(f"\n{on} against {off}: greedy copying outputs identical, per round: "
-          f"{same} of {len(COPYING)}\n")
+def _table(results: dict, off: str, on: str, rounds: int, workloads: list[str]) -> None:
+    if "copying" in workloads:
+        same = [sum(x == y for x, y in zip(a["copying"]["tokens"], b["copying"]["tokens"]))
+                for a, b in zip(results[off], results[on])]
+        print(f"\n{on} against {off}: greedy copying outputs identical, per round: "
+              f"{same} of {len(COPYING)}")
+    print()
     print(f"| workload | round | {off}, tok/s | {on}, tok/s | ratio | acceptance | "
           "mean accepted length |")
     print("|---|---|---|---|---|---|---|")
-    for w in ("copying", "copying, T=0.7", "random ids", "standard", "standard, T=1"):
+    for w in workloads:
         for r in range(rounds):
             a, b = results[off][r][w], results[on][r][w]
             rate = "-" if b["acceptance_rate"] is None else f"{100 * b['acceptance_rate']:.0f}%"
@@ -298,6 +313,8 @@ def main() -> None:
     p.add_argument("--llama-cpp", action="store_true",
                    help="only: Folio and llama-server beside each other, each with and "
                         "without a draft model")
+    p.add_argument("--only-standard", action="store_true",
+                   help="only the two 32-request workloads, each configuration in turn")
     p.add_argument("--sweep", default=None, metavar="N,N,..",
                    help="only: the first N standard requests at once, for each N")
     p.add_argument("--served", action="store_true",
@@ -342,12 +359,12 @@ def main() -> None:
     results: dict = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, (engine, spec) in configs.items():
-            res = run_config(spec, standard, random_ids, **engine)
+            res = run_config(spec, standard, random_ids, args.only_standard, **engine)
             results[name].append(res)
             print(f"round {r + 1} {name}: " + ", ".join(
                 f"{w} {v['tok_s']:.1f} tok/s" for w, v in res.items()), flush=True)
     for off, on in pairs:
-        _table(results, off, on, args.rounds)
+        _table(results, off, on, args.rounds, list(results[off][0]))
     on = ngram
     if args.served:
         serve_runs = {name: served(configs[name][1], args.rounds) for name in ("off", ngram)}

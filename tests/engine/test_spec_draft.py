@@ -60,7 +60,6 @@ def test_the_config_needs_a_draft_that_fits_the_target(tiny, tmp_path):
     for spec, more, message in [
         (_draft(str(tmp_path / "nowhere")), {}, "the draft model .*nowhere"),
         (_draft(other, quantization="q9"), {}, "the draft model .*unknown quantization"),
-        (_draft(other), {"tensor_parallel_size": 2}, "tensor parallelism is not supported"),
     ]:
         with pytest.raises(ValueError, match=message):
             build_config(target, speculative_config=spec, **kw, **more)
@@ -288,3 +287,29 @@ def test_a_request_arriving_to_more_load_than_the_limit_takes_no_draft():
     spec = {s.seq_id: s.spec_token_ids for s in so.seqs}
     assert spec[late.seqs[0].seq_id] == [0, 0] and spec[reqs[2].seqs[0].seq_id] is None
     sched.abort_requests(["r2", "late"])
+
+
+def test_tensor_parallel_2_drafts_alike_on_every_rank(tiny):
+    """Two ranks, each running the draft (sharded as the target is) and
+    reading what the target kept from the next schedule, not from the
+    driver: the greedy tokens are transformers' and every proposal of the
+    target's own weights stands; an unseeded sampled request runs through
+    rejection sampling on the draft's greedy picks."""
+    target, copy, _ = tiny
+    llm = LLM(target, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+              speculative_config=_draft(copy))
+    try:
+        greedy = _run(llm, PROMPTS, max_tokens=24)
+        counts = llm.engine.scheduler.spec_counts
+        sampled = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(
+            temperature=0.8, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        after = llm.engine.scheduler.spec_counts.since(counts)
+    finally:
+        llm.shutdown()
+    assert counts.draft_tokens > 0 and counts.accepted_tokens == counts.draft_tokens
+    assert len(sampled[0].outputs[0].token_ids) == 24 and after.draft_tokens > 0
+    ref_model = load_reference_model(target)
+    for ids, out in zip(PROMPTS, greedy):
+        ref, gaps = reference_greedy(ref_model, ids, 24, ())
+        assert_greedy_parity(out, ref, gaps, label=f"tp2 draft {len(ids)}")
+

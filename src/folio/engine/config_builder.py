@@ -86,14 +86,10 @@ VOCAB_PADDING = 1024     # ids a checkpoint's embedding may have beyond its toke
 
 
 def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int,
-                     tensor_parallel_size: int, weight_dtype: Optional[str]
-                     ) -> SpeculativeConfig:
+                     weight_dtype: Optional[str]) -> SpeculativeConfig:
     """The draft model's checkpoint read and checked against the target's:
     it must reach max_model_len, and its proposals must be tokens of the
     target (a draft whose vocabulary is wider has its extra ids masked)."""
-    if tensor_parallel_size > 1:
-        raise ValueError("speculative_config: a draft model under tensor parallelism is not "
-                         "supported yet; use method ngram, or tensor_parallel_size 1")
     if not spec.model:
         raise ValueError('speculative_config: method draft_model needs "model", the '
                          "draft's checkpoint (a folder or a .gguf file)")
@@ -195,7 +191,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     speculative = parse_speculative_config(speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         speculative = with_draft_model(speculative, model_config, max_model_len,
-                                       tensor_parallel_size, weight_dtype)
+                                       weight_dtype)
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
     return FolioConfig(
         model=model_config,

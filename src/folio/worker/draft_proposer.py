@@ -51,7 +51,7 @@ class _DraftSeq:
     fed: int                        # positions below have the draft's keys and values
     table: list[int]                # the runner's block table of the sequence
     tokens: list[int] = field(default_factory=list)    # from `base` on, as the step gave them
-    drafted: list[int] = field(default_factory=list)   # last proposals fed (d1..dk-1)
+    drafted: list[int] = field(default_factory=list)   # last step's proposals (d1..dk)
 
     @property
     def end(self) -> int:
@@ -101,6 +101,8 @@ class DraftProposer:
         for b in s.new_block_ids or ():
             self.written.discard(b)
         d = self.seqs.get(s.seq_id)
+        if d is not None and d.drafted:
+            self._kept(d, s.start_pos - d.end)
         if d is None or s.start_pos != d.end:
             cached = s.start_pos // self.block_size
             for b in table[cached:]:
@@ -138,17 +140,16 @@ class DraftProposer:
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
 
-    def accepted(self, seq_id: int, tokens: list[int]) -> None:
-        """The proposals the target kept: the sequence's tokens now, and the
-        draft's keys and values of those it was fed stay valid."""
-        d = self.seqs.get(seq_id)
-        if d is None:
-            return
-        d.tokens.extend(tokens)
-        n = 0
-        while n < min(len(tokens), len(d.drafted)) and tokens[n] == d.drafted[n]:
-            n += 1
-        self._advance(d, d.fed + n)
+    def _kept(self, d: _DraftSeq, j: int) -> None:
+        """After a step with proposals, the sequence's next position says how
+        many the target kept (the next token goes where the first one it did
+        not keep was): those are its tokens now, and the draft's keys and
+        values of the ones it was fed (d1..dk-1) stay. Read from the schedule,
+        so that every tensor-parallel rank's draft keeps the same record
+        without the driver's verdict."""
+        if 0 < j <= len(d.drafted):
+            d.tokens.extend(d.drafted[:j])
+            self._advance(d, d.fed + min(j, len(d.drafted) - 1))
         d.drafted = []
 
     @torch.inference_mode()
@@ -186,7 +187,7 @@ class DraftProposer:
         for s in order:
             d, mine = self.seqs[s.seq_id], drafts[s.seq_id]
             self._advance(d, s.start_pos + 1)
-            d.drafted = mine[:-1]
+            d.drafted = mine
             s.spec_token_ids = mine
             s.token_ids = s.token_ids[:len(s.token_ids) - len(mine)] + mine
         return {seq_id: torch.stack(rows) for seq_id, rows in qs.items()}

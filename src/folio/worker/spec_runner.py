@@ -35,20 +35,22 @@ class SpecRunner:
             state = self.states[seq_id]
             if state.history is not None and n > 1:
                 state.history.extend(proposals[seq_id][:n - 1])
-            if self.drafter:
-                self.drafter.accepted(seq_id, proposals[seq_id][:n - 1])
 
     def _draft(self, ordered: list[ScheduledSeq]) -> dict[int, torch.Tensor]:
         """The draft model's proposals over the scheduler's placeholders (and
         the q a sampled sequence's were drawn from). Should the draft fail, the
         placeholders stay: proposals like any others, which the target rejects
         (its rows wasted, its tokens right)."""
+        # Under tensor parallelism every rank runs the draft and must propose
+        # alike, and only the driver's generators move with its sampling: there
+        # a sampled request's proposals are the draft's greedy picks (q all on d)
+        sampled = {} if self.config.parallel.tensor_parallel_size > 1 else {
+            s.seq_id: self.states[s.seq_id].generator for s in ordered
+            if s.spec_token_ids and self.states[s.seq_id].generator is not None}
         try:
             return self.drafter.propose(
                 ordered, {s.seq_id: self.states[s.seq_id].block_table for s in ordered},
-                {s.seq_id: self.states[s.seq_id].generator for s in ordered
-                 if s.spec_token_ids and self.states[s.seq_id].generator is not None},
-                self._draft_distribution)
+                sampled, self._draft_distribution)
         except Exception:               # noqa: BLE001 - the draft's, not the target's
             logger.exception("the draft model failed; this step's proposals are placeholders")
             return {}
