@@ -1,12 +1,13 @@
 """Folio: a self-hosted LLM inference and serving engine."""
 
 from folio.core.beam import BeamSearchParams
+from folio.lora_request import LoRARequest
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name):

@@ -126,6 +126,14 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora: adapters on the base model, several in one step."""
+    max_loras: int = 1              # adapters resident in one step
+    max_lora_rank: int = 64
+    max_cpu_loras: Optional[int] = None     # adapters kept loaded (None: max_loras)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
@@ -135,6 +143,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"          # fcfs | priority (lower priority value first)
     priority_aging_steps: int = 64           # waiting this many steps gains one priority level
     speculative: Optional[SpeculativeConfig] = None   # --speculative-config
+    max_loras: Optional[int] = None     # distinct adapters a step may run (None: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,7 @@ class FolioConfig:
     # activations quantized to int8 at decode batch sizes (native/qlinear.c);
     # "none" keeps fp32 arithmetic (int16 activations for bf16)
     activation_quantization: str = "int8"
+    lora: Optional[LoRAConfig] = None       # --enable-lora
 
     @property
     def kv_dtype(self) -> str:

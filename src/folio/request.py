@@ -99,6 +99,7 @@ class Request:
         self.spec_wait = 0
         # a draft model proposes for it (decided when it is first scheduled)
         self.draft_eligible = True
+        self.lora = None        # a LoRARequest: the adapter it runs with (None: the base)
 
     @property
     def live_seqs(self) -> list[Sequence]:

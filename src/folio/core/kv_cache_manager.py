@@ -69,6 +69,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.tables: dict[int, list[KVBlock]] = {}   # seq_id -> its blocks, in order
         self._hashes: dict[int, list[int]] = {}      # seq_id -> hashes of its full blocks
+        # seq_id -> what its first block's hash chains from (a LoRA adapter's
+        # id: the same prompt under two adapters never shares KV)
+        self._salts: dict[int, object] = {}
         self._published: dict[int, int] = {}         # seq_id -> leading blocks published
 
     # ---- allocation ------------------------------------------------------------
@@ -125,12 +128,19 @@ class KVCacheManager:
         if parent_id in self._hashes:
             self._hashes[child_id] = list(self._hashes[parent_id])
             self._published[child_id] = self._published.get(parent_id, 0)
+        if parent_id in self._salts:
+            self._salts[child_id] = self._salts[parent_id]
+
+    def set_salt(self, seq_id: int, salt: object) -> None:
+        """Key the sequence's blocks by `salt` too (before its blocks are hashed)."""
+        self._salts[seq_id] = salt
 
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks; the last block first so that the free
         queue's LRU order keeps a prompt's leading blocks longest."""
         blocks = self.tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
         self._published.pop(seq_id, None)
         if blocks:
             self.pool.release(reversed(blocks))
@@ -154,7 +164,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self._salts.get(seq_id)
             hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
         return hashes[:num_full]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class SamplingInfo:
     seed: int = 0                              # this sequence's generator seed
     num_prompt_tokens: int = 0                 # where the sequence's output starts
     min_tokens_banned: tuple[int, ...] = ()    # EOS and stop ids, masked before min_tokens
+    lora: Optional[LoRARequest] = None         # the adapter it runs with
 
     @property
     def temperature(self) -> float:

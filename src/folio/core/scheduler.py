@@ -151,6 +151,8 @@ class Scheduler(SpecScheduling):
         while (self.waiting and budget > 0 and not pressure
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
+            if not self._lora_fits(req):
+                break
             grants = self._admit(req, budget)
             if grants is None:
                 break
@@ -200,10 +202,23 @@ class Scheduler(SpecScheduling):
             self._preempt(victim)
             out.num_preempted += 1
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether the running requests and `req` use at most max_loras
+        distinct adapters (every step may then run them all). A request that
+        would exceed it waits, and those behind it too (first come, first
+        served)."""
+        if req.lora is None or self.config.max_loras is None:
+            return True
+        running = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return req.lora.lora_int_id in running or len(running) < self.config.max_loras
+
     def _admit(self, req: Request, budget: int):
         """Blocks for a waiting request's next chunk, after taking what the prefix
         cache has for it; None (the cache left as it was) when they do not fit."""
         seqs = req.kv_seqs
+        if req.lora is not None:
+            for seq in seqs:
+                self.kv.set_salt(seq.seq_id, ("lora", req.lora.lora_int_id))
         cached = 0
         if len(seqs) == 1 and req.params.prompt_logprobs is None:
             seq = seqs[0]

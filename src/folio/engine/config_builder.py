@@ -12,8 +12,8 @@ import logging
 from typing import Optional, Union
 
 from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
-                          ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                          parse_size)
+                          LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                          SpeculativeConfig, parse_size)
 from folio.core.spec_decode import parse_speculative_config
 from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
@@ -82,6 +82,24 @@ def _say_requantized(path: str, name: str) -> None:
                 name, "/".join(kinds), name)
 
 
+def lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu_loras: Optional[int],
+                tensor_parallel_size: int, speculative) -> Optional[LoRAConfig]:
+    """--enable-lora and its sizes, checked; None when off."""
+    if not enable:
+        return None
+    for name, value in (("max_loras", max_loras), ("max_lora_rank", max_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
+                         f"({max_loras})")
+    if tensor_parallel_size > 1:
+        raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
+    if speculative is not None:
+        raise ValueError("LoRA adapters with speculative decoding are not supported yet")
+    return LoRAConfig(max_loras, max_rank, max_cpu_loras)
+
+
 VOCAB_PADDING = 1024     # ids a checkpoint's embedding may have beyond its tokenizer's
 
 
@@ -128,8 +146,9 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  enforce_eager: bool = False,
                  activation_quantization: str = "int8",
                  kv_cache_dtype: str = "auto",
-                 speculative_config: Union[None, str, dict, SpeculativeConfig] = None
-                 ) -> FolioConfig:
+                 speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
+                 max_cpu_loras: Optional[int] = None) -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -192,6 +211,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if speculative is not None and speculative.method == "draft_model":
         speculative = with_draft_model(speculative, model_config, max_model_len,
                                        weight_dtype)
+    lora = lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras,
+                       tensor_parallel_size, speculative)
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
     return FolioConfig(
         model=model_config,
@@ -205,9 +226,11 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            scheduling_policy=scheduling_policy, speculative=speculative),
+            scheduling_policy=scheduling_policy, speculative=speculative,
+            max_loras=lora.max_loras if lora else None),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend),
         dtype=run_dtype, weight_dtype=weight_dtype, device=device, seed=seed,
         max_logprobs=max_logprobs, attention_backend=attention_backend,
-        enforce_eager=enforce_eager, activation_quantization=activation_quantization)
+        enforce_eager=enforce_eager, activation_quantization=activation_quantization,
+        lora=lora)

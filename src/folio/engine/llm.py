@@ -16,6 +16,7 @@ from folio.engine.llm_engine import LLMEngine
 from folio.logger import configure_logging
 from folio.outputs import RequestOutput
 from folio.core.beam import BeamSearchParams
+from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -34,7 +35,9 @@ class LLM:
                  quantization: Optional[str] = None, attention_backend: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  activation_quantization: str = "int8", kv_cache_dtype: str = "auto",
-                 speculative_config: Union[None, str, dict] = None):
+                 speculative_config: Union[None, str, dict] = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
+                 max_cpu_loras: Optional[int] = None):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -50,7 +53,8 @@ class LLM:
             quantization=quantization, attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             activation_quantization=activation_quantization, kv_cache_dtype=kv_cache_dtype,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -68,13 +72,16 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True,
-                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
+                 ) -> list[RequestOutput]:
         """`priority`: one value per prompt (lower runs first) under the priority
-        scheduling policy."""
+        scheduling policy. `lora_request`: the adapter of every prompt, or one
+        per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, use_tqdm, priority)
+        return self._run(tokenized, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
                     params: "BeamSearchParams", use_tqdm: bool = True) -> list[RequestOutput]:
@@ -112,7 +119,8 @@ class LLM:
         return self._run(tokenized, sampling_params, use_tqdm)
 
     def _run(self, tokenized, sampling_params, use_tqdm: bool,
-             priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+             priority: Optional[Sequence[int]] = None, lora_request=None
+             ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -125,13 +133,19 @@ class LLM:
             self.engine.input_processor.validate(ids, params)
         if priority is not None and len(priority) != len(tokenized):
             raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(tokenized))
+        if len(loras) != len(tokenized):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(tokenized)} prompts")
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.check_lora(lora)
         order = []
         try:
             for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
                 rid = str(next(self._ids))
                 self.engine.add_tokenized_request(rid, text, ids, params,
                                                   priority=priority[i] if priority else 0,
-                                                  validated=True)
+                                                  validated=True, lora_request=loras[i])
                 order.append(rid)
         except ValueError:          # e.g. a request larger than the whole cache
             self.engine.abort_request(order)

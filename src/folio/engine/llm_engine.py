@@ -18,6 +18,7 @@ from folio.engine.output_processor import OutputProcessor
 from folio.engine.stats import StepStats
 from folio.outputs import RequestOutput
 from folio.request import Request
+from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import get_tokenizer
 from folio.worker.executor import make_executor
@@ -59,10 +60,15 @@ class LLMEngine:
     def add_tokenized_request(self, request_id: str, prompt_text: Optional[str],
                               prompt_ids: list[int], params: SamplingParams,
                               arrival_time: Optional[float] = None, priority: int = 0,
-                              validated: bool = False) -> Request:
-        """`validated`: the input processor already checked these ids and params."""
+                              validated: bool = False,
+                              lora_request: Optional[LoRARequest] = None) -> Request:
+        """`validated`: the input processor already checked these ids and params.
+        `lora_request`: the adapter it runs with (loaded and checked here)."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
         request = self.input_processor.make_request(request_id, prompt_ids, params,
                                                     arrival_time, priority, validated)
+        request.lora = lora_request
         self.scheduler.add_request(request)
         self.output_processor.add_request(request, prompt_text)
         return request
@@ -112,6 +118,13 @@ class LLMEngine:
                          prefix_cache_hits=sched.prefix_cache_hits,
                          **dict(zip(("spec_num_drafts", "spec_num_draft_tokens",
                                      "spec_num_accepted_tokens"), sched.spec_counts)))
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter loaded and checked against the model (ValueError)."""
+        if self.config.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled "
+                             "(LLM(enable_lora=True), folio serve --enable-lora)")
+        self.executor.runner.loras.adapter(lora_request)
 
     def check_kv_cache(self) -> None:
         """The KV cache must hold one sequence of max_model_len tokens: a smaller one

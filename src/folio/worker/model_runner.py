@@ -25,6 +25,7 @@ from folio.model.registry import build_model
 from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
 from folio.worker.draft_proposer import build_drafter
+from folio.worker.lora_manager import LoRAManager
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
@@ -58,7 +59,12 @@ class ModelRunner(SpecRunner):
                                  self.attn_backend)
         self.model.load_weights(iter_weights(config.model))
         set_activation_quantization(self.model, config.activation_quantization)
-        self.model.build_native_decoder()
+        # LoRA: slots on the linear layers; the one-call native decoder, which
+        # runs the layers' packed weights without them, stays off
+        self.loras = LoRAManager(self.model, config, self.dtype, self.device) \
+            if config.lora else None
+        if self.loras is None:
+            self.model.build_native_decoder()
         # speculative decoding with a draft model: its weights and, below, its cache
         self.drafter = build_drafter(config, self.dtype, self.attn_backend,
                                      self.model.config.vocab_size)
@@ -91,7 +97,7 @@ class ModelRunner(SpecRunner):
         """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
         decode plan, unless --enforce-eager (worker/cuda_graphs.py)."""
         if (self.device.type != "cuda" or self.config.enforce_eager
-                or not self.attn_backend.supports_graphs):
+                or not self.attn_backend.supports_graphs or self.loras is not None):
             return None
         sched = self.config.scheduler
         graphs = DecodeGraphs(self.model, self.kv_caches, self.attn_backend,
@@ -151,8 +157,14 @@ class ModelRunner(SpecRunner):
             hidden = self.graphs.run(step, ids)
         else:
             meta = self.attn_backend.build_metadata(step)
-            hidden = self.model(self._tensor(ids), self._tensor(step.positions),
-                                self.kv_caches, meta)
+            if self.loras is not None:
+                self.loras.prepare_step(self._lora_rows(ordered))
+            try:
+                hidden = self.model(self._tensor(ids), self._tensor(step.positions),
+                                    self.kv_caches, meta)
+            finally:
+                if self.loras is not None:
+                    self.loras.end_step()
         self.num_computed_tokens_total += len(ids)
         out = ModelRunnerOutput()
         self._score_prompts(hidden, ordered, last_rows, out)
@@ -348,6 +360,18 @@ class ModelRunner(SpecRunner):
             self.attn_backend.copy_blocks(cache, src, dst)
         if self.drafter:
             self.drafter.copied(pairs)
+
+    def _lora_rows(self, ordered: list[ScheduledSeq]) -> dict:
+        """The step's rows of each adapter, in the order `_describe` lays them."""
+        rows: dict = {}
+        row = 0
+        for s in ordered:
+            n = len(s.token_ids)
+            lora = self.states[s.seq_id].sampling.lora
+            if lora is not None:
+                rows.setdefault(lora, []).extend(range(row, row + n))
+            row += n
+        return rows
 
     def _describe(self, ordered: list[ScheduledSeq]
                   ) -> tuple[np.ndarray, StepDescription, list[int]]:

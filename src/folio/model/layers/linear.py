@@ -111,6 +111,7 @@ class LinearBase(nn.Module):
             weight_param(self, "bias", (out_features,), dtype, output_dim=0, input_dim=None)
         else:
             self.bias: Optional[nn.Parameter] = None
+        self.lora = None        # model/lora/layers.py's LoRASlots, where adapters run
 
     @property
     def packed(self) -> Optional[PackedLinear]:
@@ -125,7 +126,8 @@ class LinearBase(nn.Module):
         self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -231,5 +233,8 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, _rank_slice(param, loaded, param.input_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.quant_method.apply(self, x), self.tp)
+        y = self.quant_method.apply(self, x)
+        if self.lora is not None:
+            y = self.lora(x, y)
+        y = all_reduce(y, self.tp)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,162 @@
+"""LoRA adapters in the engine (issue 31), offline: adapters made by the real
+`peft` package on a tiny random model; Folio's greedy tokens and prompt
+logprobs with each adapter are transformers' on peft's merged weights,
+alone and in a batch that mixes three adapters and the base; the grouped
+LoRA product against its per-token reference; the prefix cache keyed by
+adapter; max_loras and max_cpu_loras; what is refused."""
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.lora_request import LoRARequest
+from folio.model.lora.layers import add_lora, reference_lora
+from tests.parity import assert_greedy_parity, reference_greedy, reference_prompt_logprobs
+from tests.utils import load_reference_model, make_tiny_model
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(base folder, {name: (LoRARequest, peft's merged model)}): three adapters
+    saved by peft: every projection at rank 8, q/v only at rank 4, and the
+    MLP at rank 16 with rsLoRA. peft's B starts at zero (or tiny, with
+    init_lora_weights=False); it is scaled up here so that each adapter
+    changes the greedy tokens, as a trained one would."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(root / "base")
+    adapters = {}
+    specs = {"all": dict(r=8, lora_alpha=16, target_modules=ATTENTION + MLP),
+             "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+             "mlp": dict(r=16, lora_alpha=8, target_modules=MLP, use_rslora=True)}
+    for i, (name, spec) in enumerate(specs.items()):
+        torch.manual_seed(i)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                               LoraConfig(init_lora_weights=False, **spec))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.data *= 20
+        model.save_pretrained(str(root / name))
+        adapters[name] = (LoRARequest(name, i + 1, str(root / name)),
+                          model.merge_and_unload().eval())
+    return base, adapters
+
+
+PROMPTS = [list(range(5, 40)), list(range(300, 250, -2))]
+
+
+def _greedy(llm, prompts, loras):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                        lora_request=loras, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_tokens_and_prompt_logprobs_are_peft_s_alone_and_mixed(tiny):
+    base, adapters = tiny
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=3)
+    cases = [(None, load_reference_model(base))] + list(adapters.values())
+    # a batch of every adapter and the base, each on both prompts
+    batch = [(lora, ref, p) for lora, ref in cases for p in PROMPTS]
+    mixed = _greedy(llm, [p for _, _, p in batch], [lora for lora, _, _ in batch])
+    refs = []
+    for (lora, ref, p), got in zip(batch, mixed):
+        want, gaps = reference_greedy(ref, p, NEW, ())
+        assert_greedy_parity(got, want, gaps, label=f"{lora and lora.lora_name} {len(p)}")
+        refs.append(want)
+    # the adapters do change the tokens, and each alone gives what it gave mixed
+    assert len({tuple(t) for t in refs[::2]}) == len(cases)
+    for lora, ref in cases:
+        assert _greedy(llm, PROMPTS[:1], [lora]) == [refs[cases.index((lora, ref)) * 2]]
+        out = llm.generate({"prompt_token_ids": PROMPTS[1]},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           lora_request=lora, use_tqdm=False)[0]
+        got = torch.tensor([e[t] for e, t in zip(out.prompt_logprobs[1:], PROMPTS[1][1:])])
+        assert torch.allclose(got, reference_prompt_logprobs(ref, PROMPTS[1]), atol=1e-4)
+    assert llm.engine.scheduler.kv.num_free_blocks == 64
+
+
+def test_the_grouped_product_is_the_per_token_one():
+    """Random slots of different ranks (zero-padded), rows of each adapter and
+    of none interleaved in any order."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(5):
+        slots, width, inp, out, rows = 4, 24, 40, 56, 37
+        a = torch.randn(slots, width, inp, generator=g)
+        b = torch.randn(slots, out, width, generator=g)
+        b[1, :, 8:] = 0                       # a lower rank in slot 1
+        which = [None if v == slots else v
+                 for v in torch.randint(0, slots + 1, (rows,), generator=g).tolist()]
+        x = torch.randn(rows, inp, generator=g)
+        y = torch.randn(rows, out, generator=g)
+        groups = [(s, torch.tensor([i for i, w in enumerate(which) if w == s]))
+                  for s in range(slots) if s in which]
+        got = add_lora(x, y.clone(), a, b, groups)
+        assert torch.allclose(got, y + reference_lora(x, a, b, which), atol=1e-4), trial
+
+
+def test_the_prefix_cache_is_keyed_by_adapter(tiny):
+    """The same prompt under another adapter (or none) never takes the blocks
+    computed under the first; under the same adapter it does."""
+    base, adapters = tiny
+    a, b = adapters["all"][0], adapters["qv"][0]
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    prompt = {"prompt_token_ids": list(range(10, 60))}
+
+    def cached(lora):
+        return llm.generate(prompt, params, lora_request=lora,
+                            use_tqdm=False)[0].num_cached_tokens
+    assert cached(a) == 0
+    assert cached(b) == 0 and cached(None) == 0
+    assert cached(a) == 48 and cached(b) == 48 and cached(None) == 48
+
+
+def test_max_loras_and_eviction_keep_every_request_s_adapter(tiny):
+    """One slot and one adapter kept in memory, three adapters in one call:
+    requests of a second adapter wait until the first's are done, adapters
+    are reloaded after eviction, and every request gets its own adapter's
+    tokens; nothing leaks."""
+    base, adapters = tiny
+    loras = [adapters[n][0] for n in ("all", "qv", "mlp", "all")]
+    want = [_greedy(LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True,
+                        max_loras=3), PROMPTS[:1], [lora])[0] for lora in loras]
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=1,
+              max_cpu_loras=1)
+    got = _greedy(llm, PROMPTS[:1] * 4, loras)
+    assert got == want
+    assert len(llm.engine.executor.runner.loras.adapters) == 1
+    assert llm.engine.scheduler.kv.num_free_blocks == 64
+
+
+def test_what_is_refused(tiny, tmp_path):
+    base, adapters = tiny
+    lora = adapters["all"][0]
+    plain = LLM(base, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.generate({"prompt_token_ids": [1, 2]}, lora_request=lora, use_tqdm=False)
+    llm = LLM(base, dtype="float32", num_kv_blocks=16, enable_lora=True)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate({"prompt_token_ids": [1, 2]}, use_tqdm=False,
+                     lora_request=LoRARequest("x", 9, str(tmp_path)))
+    llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1),
+                 lora_request=lora, use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'all'"):
+        llm.generate({"prompt_token_ids": [1, 2]}, use_tqdm=False,
+                     lora_request=LoRARequest("other", 1, adapters["qv"][0].lora_path))
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("x", 0, "p")
+    assert llm.engine.scheduler.kv.num_free_blocks == 16
+    for kw, message in [({"tensor_parallel_size": 2}, "under tensor parallelism are not supported"),
+                        ({"speculative_config": {"method": "ngram"}},
+                         "speculative decoding are not supported"),
+                        ({"max_loras": 0}, "max_loras must be a positive integer"),
+                        ({"max_loras": 2, "max_cpu_loras": 1}, "max_cpu_loras .1. must be at "
+                                                               "least max_loras")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(base, dtype="float32", num_kv_blocks=16, enable_lora=True, **kw)
