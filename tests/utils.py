@@ -443,3 +443,22 @@ def _add_gguf_tokenizer(writer, folder: Path) -> None:
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+
+def make_lora_adapter(base: str | os.PathLike, out: str | os.PathLike, seed: int = 0,
+                      scale: float = 20.0, **lora):
+    """A LoRA adapter saved by the real `peft` package on the model in folder
+    `base` (`lora`: LoraConfig's fields); its B random and multiplied by
+    `scale`, so that it changes the greedy tokens as a trained one would.
+    Returns (its folder, peft's merged model: the reference)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)),
+                           LoraConfig(init_lora_weights=False, **lora))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data *= scale
+    model.save_pretrained(str(out))
+    return str(out), model.merge_and_unload().eval()

@@ -20,7 +20,7 @@ from typing import Optional
 from folio.cli_admin import add_env, add_plan, add_usage
 from folio.cli_bench import add_bench
 from folio.cli_chat import CHAT_USAGE, Chat, print_stream, read_message, stream_outputs
-from folio.cli_engine import add_engine_args, engine_kwargs
+from folio.cli_engine import add_engine_args, add_lora_flags, engine_kwargs
 from folio.cli_types import (AppendCommaSeparated, FolioArgumentParser, add_command, fraction,
                              non_negative_float, non_negative_int, port, positive_float,
                              positive_int, probability, seed, top_k)
@@ -115,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage_db=args.usage_db, cost_per_hour=args.cost_per_hour,
         prompt_token_weight=args.prompt_token_weight,
         max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
-        request_timeout=args.request_timeout)
+        request_timeout=args.request_timeout, lora_modules=args.lora_modules)
     from folio.engine.config_builder import build_config
     # checked before the server starts: a bad value is one line, and no port is bound
     engine_config = build_config(model, **engine_kwargs(args), max_logprobs=args.max_logprobs)
@@ -268,6 +268,12 @@ def _add_serve(sub) -> None:
                        help="the most tokens one request may generate (per choice): a request "
                             "that asks for more is a 400, one that asks for none gets at most "
                             "this (default: no limit but the context)")
+    add_lora_flags(serve)
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       type=_lora_module,
+                       help="LoRA adapters served under their own names (needs --enable-lora): "
+                            "name=path, or JSON {\"name\": ..., \"path\": ...}; a request "
+                            "names one in its model field")
     serve.add_argument("--request-timeout", type=positive_float, metavar="SECONDS", default=None,
                        help="seconds a request may generate for, from its start: past them it "
                             "is aborted and its client gets a 504 (default: no limit)")
@@ -311,5 +317,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    from folio.server.lora_routes import parse_lora_module
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -103,6 +103,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "rejection sampling)")
 
 
+def add_lora_flags(g) -> None:
+    """`folio serve`'s: the commands without a way to name an adapter lack them."""
+    g.add_argument("--enable-lora", action="store_true",
+                   help="LoRA adapters on the base model, requests of several adapters in "
+                        "one step")
+    g.add_argument("--max-loras", type=positive_int, default=1, metavar="N",
+                   help="distinct adapters running at once (a request of another waits)")
+    g.add_argument("--max-lora-rank", type=positive_int, default=64, metavar="N",
+                   help="the highest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=positive_int, default=None, metavar="N",
+                   help="adapters kept loaded, least recently used evicted (default: "
+                        "--max-loras)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -119,4 +133,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager,
                 activation_quantization=args.activation_quantization,
                 kv_cache_dtype=args.kv_cache_dtype,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config,
+                enable_lora=getattr(args, "enable_lora", False),
+                max_loras=getattr(args, "max_loras", 1),
+                max_lora_rank=getattr(args, "max_lora_rank", 64),
+                max_cpu_loras=getattr(args, "max_cpu_loras", None))

@@ -12,7 +12,7 @@ from folio import LLM, SamplingParams
 from folio.lora_request import LoRARequest
 from folio.model.lora.layers import add_lora, reference_lora
 from tests.parity import assert_greedy_parity, reference_greedy, reference_prompt_logprobs
-from tests.utils import load_reference_model, make_tiny_model
+from tests.utils import load_reference_model, make_lora_adapter, make_tiny_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -22,12 +22,8 @@ NEW = 16
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(base folder, {name: (LoRARequest, peft's merged model)}): three adapters
-    saved by peft: every projection at rank 8, q/v only at rank 4, and the
-    MLP at rank 16 with rsLoRA. peft's B starts at zero (or tiny, with
-    init_lora_weights=False); it is scaled up here so that each adapter
-    changes the greedy tokens, as a trained one would."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    saved by peft (tests/utils.make_lora_adapter): every projection at rank
+    8, q/v only at rank 4, and the MLP at rank 16 with rsLoRA."""
     root = tmp_path_factory.mktemp("lora")
     base = make_tiny_model(root / "base")
     adapters = {}
@@ -35,15 +31,8 @@ def tiny(tmp_path_factory):
              "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
              "mlp": dict(r=16, lora_alpha=8, target_modules=MLP, use_rslora=True)}
     for i, (name, spec) in enumerate(specs.items()):
-        torch.manual_seed(i)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                               LoraConfig(init_lora_weights=False, **spec))
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.data *= 20
-        model.save_pretrained(str(root / name))
-        adapters[name] = (LoRARequest(name, i + 1, str(root / name)),
-                          model.merge_and_unload().eval())
+        path, merged = make_lora_adapter(base, root / name, seed=i, **spec)
+        adapters[name] = (LoRARequest(name, i + 1, path), merged)
     return base, adapters
 
 

@@ -14,7 +14,7 @@ class StubEngine:
     def __init__(self):
         self.cancelled, self.finished = [], []
 
-    async def generate(self, request_id, prompt, ids, params, priority):
+    async def generate(self, request_id, prompt, ids, params, priority, lora_request=None):
         try:
             for step in range(200):
                 await asyncio.sleep(0.01)

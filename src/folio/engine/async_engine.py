@@ -24,6 +24,7 @@ from folio.core.beam import BeamSearchParams
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.protocol import (EngineClient, EngineDeadError, Params, RequestFailedError,
                                    StepCallback, ValidatedPrompt)
+from folio.lora_request import LoRARequest
 from folio.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class _Add:
     params: Params
     arrival_time: float
     priority: int
+    lora: Optional[LoRARequest] = None
 
 
 class AsyncLLMEngine(EngineClient):
@@ -88,6 +90,11 @@ class AsyncLLMEngine(EngineClient):
     def check_kv_cache(self) -> None:
         self.engine.check_kv_cache()
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter loaded and checked (ValueError), on the caller's thread
+        (the runner's adapter cache is locked against the engine's steps)."""
+        self.engine.check_lora(lora_request)
+
     def validate(self, prompt_ids: list[int], params: Params) -> ValidatedPrompt:
         """The input processor's checks, on the caller's thread (it reads only the
         frozen config), so a bad request fails before anything is queued."""
@@ -103,7 +110,9 @@ class AsyncLLMEngine(EngineClient):
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int],
-                       params: Params, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: Params, priority: int = 0,
+                       lora_request: Optional[LoRARequest] = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs until the finished one. Leaving the iteration
         early (client gone, task cancelled) aborts the request. Prompts that
         `validate` returned for these params are not checked again; the engine
@@ -117,7 +126,7 @@ class AsyncLLMEngine(EngineClient):
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, outputs)
         self._send(_Add(request_id, prompt, list(prompt_ids), params, time.monotonic(),
-                        priority))
+                        priority, lora_request))
         finished = False
         try:
             while True:
@@ -199,7 +208,7 @@ class AsyncLLMEngine(EngineClient):
                else self.engine.add_tokenized_request)
         try:         # generate() validated it; what can fail here is the cache and the id
             add(c.request_id, c.prompt, c.prompt_ids, c.params, c.arrival_time, c.priority,
-                validated=True)
+                validated=True, lora_request=c.lora)
         except ValueError as e:
             self._deliver(c.request_id, e)
 

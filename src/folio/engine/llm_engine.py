@@ -76,13 +76,17 @@ class LLMEngine:
     def add_beam_request(self, request_id: str, prompt_text: Optional[str],
                          prompt_ids: list[int], params: BeamSearchParams,
                          arrival_time: Optional[float] = None, priority: int = 0,
-                         validated: bool = False) -> Request:
+                         validated: bool = False,
+                         lora_request: Optional[LoRARequest] = None) -> Request:
         """A beam search: greedy steps that report each beam's top 2W logprobs."""
         if not validated:
             self.input_processor.validate_beam(prompt_ids, params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         sampling = self.input_processor.beam_sampling(params)
         request = self.input_processor.make_request(request_id, prompt_ids, sampling,
                                                     arrival_time, priority, validated=True)
+        request.lora = lora_request
         max_len = min(len(prompt_ids) + params.max_tokens, self.config.max_model_len)
         request.beam = BeamState(params, len(prompt_ids), max_len)
         self.scheduler.add_request(request)

@@ -21,6 +21,7 @@ from typing import (TYPE_CHECKING, AsyncIterator, Callable, Optional, Protocol, 
 from folio.config import ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.stats import StepStats
+from folio.lora_request import LoRARequest
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -68,8 +69,10 @@ class ValidatedPrompt(list):
 @runtime_checkable
 class EngineClient(Protocol):
     def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int],
-                 params: Params, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Cumulative RequestOutputs until the finished one; leaving the iteration
+                 params: Params, priority: int = 0,
+                 lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative RequestOutputs until the finished one (under the LoRA
+        adapter `lora_request`, if given); leaving the iteration
         early aborts the request. Raises ValueError for a bad request (checked
         here unless `prompt_ids` is `validate`'s answer for these params),
         EngineDeadError once the engine has stopped, RequestFailedError when the
@@ -78,6 +81,11 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed. An unknown id is ignored."""
+        ...
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """A LoRA adapter loaded and checked against the model; ValueError naming
+        what does not fit, or that LoRA is not enabled."""
         ...
 
     def validate(self, prompt_ids: list[int], params: Params) -> ValidatedPrompt:

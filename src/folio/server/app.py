@@ -45,6 +45,7 @@ from folio.server.responses import (ChatCompletionResponse, ChatCompletionStream
                                     CompletionResponse, CompletionStreamResponse,
                                     DetokenizeResponse, ModelList, TokenizeResponse,
                                     UsageReport, VersionResponse)
+from folio.server.lora_routes import add_lora_routes, model_cards, register
 from folio.server.serving import HTTPError, ServedModel
 from folio.server.tenants import KeyBook
 from folio.server.tools import HermesParser
@@ -69,6 +70,7 @@ class ServerConfig:
     max_tokens_default: Optional[int] = None     # a request's max_tokens when it gives none
     max_tokens_limit: Optional[int] = None       # the most a request may generate
     request_timeout: Optional[float] = None      # seconds a request may generate for
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)   # (name, path)
 
     def __post_init__(self) -> None:
         if self.max_tokens_default is not None and self.max_tokens_limit is not None and \
@@ -114,6 +116,9 @@ class ServerState:
                                       max_tokens_default=self.config.max_tokens_default,
                                       max_tokens_limit=self.config.max_tokens_limit,
                                       request_timeout=self.config.request_timeout)
+            for name, path in self.config.lora_modules:
+                register(self.served, name, path)
+                logger.info("serving LoRA adapter %s (%s)", name, path)
             logger.info("serving %s", self.config.served_model_name)
         except BaseException as e:       # noqa: BLE001 - every failure ends the process
             self.load_error = e
@@ -251,6 +256,7 @@ def _http_exception_message(request: Request, exc: HTTPException) -> str:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
+    add_lora_routes(app, state)
     _add_token_routes(app, state)
 
 
@@ -294,7 +300,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         root = served.engine.model_config.path
         return JSONResponse({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": now(), "owned_by": "folio",
-            "root": root, "parent": None, "max_model_len": served.max_model_len}]})
+            "root": root, "parent": None, "max_model_len": served.max_model_len},
+            *model_cards(served, now())]})
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:

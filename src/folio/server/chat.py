@@ -61,14 +61,15 @@ async def chat_prompt_ids(served: ServedModel, req) -> list[int]:
                                    kwargs)
 
 
-def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int]) -> EngineCall:
+def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int],
+          lora=None) -> EngineCall:
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = served.max_tokens_for(len(ids), asked, req.min_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(max_tokens, logprobs)
     if req.auto_tools:      # a model's call markers may be special tokens: keep them
         params.skip_special_tokens = False
-    return EngineCall(random_id("chatcmpl"), None, ids, params, req.priority)
+    return EngineCall(random_id("chatcmpl"), None, ids, params, req.priority, lora)
 
 
 def _entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -122,7 +123,7 @@ def _final(served: ServedModel, req: ChatCompletionRequest, out: RequestOutput,
                                      if req.logprobs else None),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": out.request_id, "object": "chat.completion", "created": now(),
-            "model": served.name, "choices": choices, "usage": usage([out])}
+            "model": served.model_name(req.model), "choices": choices, "usage": usage([out])}
 
 
 # A streamed choice's next chunk: (delta, logprobs, finish_reason, characters of
@@ -184,7 +185,7 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
 
     def chunk(index: int, delta: dict, logprobs, finish: Optional[str], so_far: dict) -> str:
         body = {"id": call.request_id, "object": "chat.completion.chunk",
-                "created": created, "model": served.name,
+                "created": created, "model": served.model_name(req.model),
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                              "finish_reason": finish}]}
         if req.continuous_usage:
@@ -219,7 +220,7 @@ async def _stream(served: ServedModel, req: ChatCompletionRequest, call: EngineC
             await ticket.complete([last])
         if req.include_usage and last is not None:
             yield sse({"id": call.request_id, "object": "chat.completion.chunk",
-                       "created": created, "model": served.name, "choices": [],
+                       "created": created, "model": served.model_name(req.model), "choices": [],
                        "usage": usage([last])})
     except Exception as e:          # noqa: BLE001 - an error after the stream began
         ticket.abandon()
@@ -241,7 +242,7 @@ def _thinking(served: ServedModel, req: ChatCompletionRequest,
 
 
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
-    served.check_model(req.model)
+    lora = served.check_model(req.model)
     served.check_priority(req.priority)
     if req.auto_tools and served.tool_parser is None:
         raise InvalidRequest("tool_choice 'auto' (the default with tools) needs the server "
@@ -250,7 +251,7 @@ async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest
     ids = await chat_prompt_ids(served, req)
     thinking = _thinking(served, req, ids)
     # validating compiles a constraint's grammar: off the event loop too
-    [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids)])
+    [call] = await asyncio.to_thread(served.validated, [_call(served, req, ids, lora)])
     ticket = served.accounting.admit(raw.state.tenant, [call], call.request_id)
     if req.stream:
         return TicketedStream(_stream(served, req, call, now(), ticket, thinking), ticket)

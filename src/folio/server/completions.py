@@ -52,7 +52,8 @@ def _beam_params(req: CompletionRequest, max_tokens: int) -> BeamSearchParams:
                             early_stopping=req.early_stopping)
 
 
-def _calls(served: ServedModel, req: CompletionRequest, prompts) -> list[EngineCall]:
+def _calls(served: ServedModel, req: CompletionRequest, prompts, lora=None
+           ) -> list[EngineCall]:
     base = random_id("cmpl")
     calls = []
     asked = 1 if req.scores_prompt_only else req.max_tokens
@@ -60,11 +61,11 @@ def _calls(served: ServedModel, req: CompletionRequest, prompts) -> list[EngineC
         max_tokens = served.max_tokens_for(len(ids), asked, req.min_tokens)
         if req.use_beam_search:
             calls.append(EngineCall(f"{base}-{i}", text, ids, _beam_params(req, max_tokens),
-                                    req.priority))
+                                    req.priority, lora))
             continue
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
-        calls.append(EngineCall(f"{base}-{i}", text, ids, params, req.priority))
+        calls.append(EngineCall(f"{base}-{i}", text, ids, params, req.priority, lora))
     return calls
 
 
@@ -135,7 +136,7 @@ def _final(served: ServedModel, req: CompletionRequest, outputs: list[RequestOut
                              if req.logprobs is not None else None),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": outputs[0].request_id.rsplit("-", 1)[0], "object": "text_completion",
-            "created": now(), "model": served.name, "choices": choices,
+            "created": now(), "model": served.model_name(req.model), "choices": choices,
             "usage": usage(outputs)}
 
 
@@ -148,7 +149,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 
     def chunk(index: int, text: str, logprobs, finish: Optional[str], so_far: dict) -> str:
         body = {"id": rid, "object": "text_completion", "created": created,
-                "model": served.name, "choices": [{"index": index, "text": text,
+                "model": served.model_name(req.model), "choices": [{"index": index, "text": text,
                                                    "logprobs": logprobs,
                                                    "finish_reason": finish}]}
         if req.continuous_usage:
@@ -190,7 +191,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
         await ticket.complete([finals[i] for i in sorted(finals)])
         if req.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": served.name, "choices": [],
+                       "model": served.model_name(req.model), "choices": [],
                        "usage": usage([finals[i] for i in sorted(finals)])})
     except Exception as e:          # noqa: BLE001 - an error after the stream began
         ticket.abandon()
@@ -201,11 +202,11 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 
 
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
-    served.check_model(req.model)
+    lora = served.check_model(req.model)
     served.check_priority(req.priority)
     prompts = await _prompts(served, req.prompt)
     # validating compiles a constraint's grammar: off the event loop
-    calls = await asyncio.to_thread(served.validated, _calls(served, req, prompts))
+    calls = await asyncio.to_thread(served.validated, _calls(served, req, prompts, lora))
     ticket = served.accounting.admit(raw.state.tenant, calls,
                                      calls[0].request_id.rsplit("-", 1)[0])
     if req.stream:

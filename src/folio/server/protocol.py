@@ -384,3 +384,16 @@ def random_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's fields)."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's fields; the id is not needed)."""
+    lora_name: str
+    lora_int_id: Optional[int] = None
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from folio.engine.protocol import EngineClient, EngineDeadError, Params
+from folio.lora_request import LoRARequest
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.server.error_shape import error_body
@@ -54,6 +56,9 @@ class ServedModel:
     max_tokens_default: Optional[int] = None
     max_tokens_limit: Optional[int] = None
     request_timeout: Optional[float] = None
+    # LoRA adapters served under their own names (--lora-modules, load/unload)
+    loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
+    lora_ids: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
 
     @property
     def tokenizer(self):
@@ -63,9 +68,20 @@ class ServedModel:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_model(self, requested: Optional[str]) -> None:
-        if requested is not None and requested != self.name:
+    def check_model(self, requested: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter a request's `model` names (None: the base model); 404
+        for a name that is neither."""
+        if requested is None or requested == self.name:
+            return None
+        lora = self.loras.get(requested)
+        if lora is None:
             raise HTTPError(404, f"The model `{requested}` does not exist.", "model")
+        return lora
+
+    def model_name(self, requested: Optional[str]) -> str:
+        """A response's `model`: the adapter or model the request named (checked
+        when it started), else the served model's name."""
+        return requested or self.name
 
     def check_priority(self, priority: int) -> None:
         """Under fcfs the scheduler never reads a priority: refuse one rather than ignore it."""
@@ -115,6 +131,7 @@ class EngineCall:
     prompt_ids: list[int]
     params: Params
     priority: int = 0
+    lora: Optional[LoRARequest] = None
 
 
 async def collect(served: ServedModel, calls: list[EngineCall], raw: Request,
@@ -128,7 +145,7 @@ async def collect(served: ServedModel, calls: list[EngineCall], raw: Request,
     async def one(i: int, call: EngineCall) -> RequestOutput:
         last = None
         async for last in served.engine.generate(call.request_id, call.prompt, call.prompt_ids,
-                                                 call.params, call.priority):
+                                                 call.params, call.priority, call.lora):
             seen[i] = last
         return last
 
@@ -161,7 +178,8 @@ async def merged(served: ServedModel, calls: list[EngineCall]
     async def pump(i: int, call: EngineCall) -> None:
         try:
             async for out in served.engine.generate(call.request_id, call.prompt,
-                                                    call.prompt_ids, call.params, call.priority):
+                                                    call.prompt_ids, call.params, call.priority,
+                                                    call.lora):
                 await queue.put((i, out))
         except Exception as e:          # noqa: BLE001 - re-raised in the consumer
             await queue.put((i, e))

@@ -7,6 +7,7 @@ slot first; and the step's token groups set for the layers
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Optional
 
@@ -30,10 +31,16 @@ class LoRAManager:
         self.holder: list[Optional[int]] = [None] * lc.max_loras      # lora id in each slot
         self.used: list[int] = [0] * lc.max_loras                     # step it last ran
         self.step = 0
+        # a server checks adapters on its own thread while the engine steps
+        self._lock = threading.Lock()
 
     def adapter(self, req: LoRARequest) -> LoRAAdapter:
         """The adapter of `req`, loaded and checked on first use (a ValueError
         naming what does not fit)."""
+        with self._lock:
+            return self._adapter(req)
+
+    def _adapter(self, req: LoRARequest) -> LoRAAdapter:
         got = self.adapters.get(req.lora_int_id)
         if got is not None and (got.name, got.path) != (req.lora_name, req.lora_path):
             raise ValueError(f"lora_int_id {req.lora_int_id} is adapter {got.name!r} "

@@ -1,0 +1,85 @@
+"""LoRA adapters served (issue 31), through the official `openai` client:
+`--lora-modules` at start-up, `/v1/models` listing adapters under the base,
+a request picking one by `model` (its text the offline engine's with that
+adapter, itself held to transformers + peft in tests/engine/test_lora.py),
+and the load, generate, unload flow; what is refused."""
+
+import pytest
+
+from folio import LLM, LoRARequest, SamplingParams
+from tests.server.conftest import ServerProcess, http, tiny_server_args
+from tests.utils import make_lora_adapter, make_tiny_model
+
+PROMPT = "the cat sat on"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served_lora")
+    base = make_tiny_model(root / "base", max_position_embeddings=256)
+    a, _ = make_lora_adapter(base, root / "a", seed=1, r=8, lora_alpha=16,
+                             target_modules=["q_proj", "v_proj", "down_proj"])
+    b, _ = make_lora_adapter(base, root / "b", seed=2, r=4, lora_alpha=8,
+                             target_modules=["o_proj", "gate_proj"])
+    srv = ServerProcess(tiny_server_args(base) + ["--enable-lora", "--max-loras", "2",
+                                                  "--lora-modules", f"a={a}"])
+    yield base, a, b, srv
+    srv.stop()
+
+
+def _offline(base, lora):
+    llm = LLM(base, dtype="float32", num_kv_blocks=32, enable_lora=True)
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        lora_request=lora, use_tqdm=False)[0].outputs[0].text
+
+
+def test_load_list_generate_unload_with_the_openai_client(setup):
+    from openai import BadRequestError, NotFoundError, OpenAI
+    base, a, b, srv = setup
+    client = OpenAI(base_url=srv.url + "/v1", api_key="none")
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "a"}
+    assert models["a"].parent == "tiny" and models["a"].root == a
+
+    def complete(model):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True}
+                                         ).choices[0].text
+    texts = {name: complete(name) for name in ("tiny", "a")}
+    assert texts["a"] == _offline(base, LoRARequest("a", 1, a)) != texts["tiny"]
+    chat = client.chat.completions.create(model="a", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.model == "a" and chat.choices[0].message.content is not None
+    # load b while serving, use it, unload it
+    status, _, body = http("POST", srv.url + "/v1/load_lora_adapter",
+                           {"lora_name": "b", "lora_path": b})
+    assert status == 200 and "added successfully" in body
+    assert {m.id for m in client.models.list().data} == {"tiny", "a", "b"}
+    assert complete("b") == _offline(base, LoRARequest("b", 1, b))
+    status, _, body = http("POST", srv.url + "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert status == 200 and "removed successfully" in body
+    with pytest.raises(NotFoundError, match="The model `b` does not exist"):
+        complete("b")
+    # refused: an unknown adapter, one loaded twice, a path without one
+    status, _, _ = http("POST", srv.url + "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert status == 404
+    for body, message in [({"lora_name": "a", "lora_path": a}, "already served"),
+                          ({"lora_name": "c", "lora_path": base}, "no adapter_config.json"),
+                          ({"lora_name": "c"}, "lora_path")]:
+        status, _, got = http("POST", srv.url + "/v1/load_lora_adapter", body)
+        assert status == 400 and message in got["error"]["message"], got
+    with pytest.raises(BadRequestError):
+        client.completions.create(model="a", prompt=PROMPT, max_tokens=-1)
+    assert "a" in {m.id for m in client.models.list().data}
+
+
+def test_a_server_without_lora_refuses_adapters(tiny_model, tmp_path):
+    a, _ = make_lora_adapter(tiny_model, tmp_path / "a", r=4, lora_alpha=8,
+                             target_modules=["q_proj"])
+    srv = ServerProcess(tiny_server_args(tiny_model))
+    try:
+        status, _, got = http("POST", srv.url + "/v1/load_lora_adapter",
+                              {"lora_name": "a", "lora_path": a})
+        assert status == 400 and "LoRA is not enabled" in got["error"]["message"]
+    finally:
+        srv.stop()
