@@ -10,7 +10,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.lora_request import LoRARequest
-from folio.model.lora.layers import add_lora, reference_lora
+from folio.model.lora.layers import add_lora, batch_runs, reference_lora
 from tests.parity import assert_greedy_parity, reference_greedy, reference_prompt_logprobs
 from tests.utils import load_reference_model, make_lora_adapter, make_tiny_model
 
@@ -72,7 +72,8 @@ def test_greedy_tokens_and_prompt_logprobs_are_peft_s_alone_and_mixed(tiny):
 
 def test_the_grouped_product_is_the_per_token_one():
     """Random slots of different ranks (zero-padded), rows of each adapter and
-    of none interleaved in any order."""
+    of none interleaved in any order: runs of one adapter's consecutive rows,
+    several runs of the same adapter among them."""
     g = torch.Generator().manual_seed(0)
     for trial in range(5):
         slots, width, inp, out, rows = 4, 24, 40, 56, 37
@@ -81,12 +82,33 @@ def test_the_grouped_product_is_the_per_token_one():
         b[1, :, 8:] = 0                       # a lower rank in slot 1
         which = [None if v == slots else v
                  for v in torch.randint(0, slots + 1, (rows,), generator=g).tolist()]
+        runs, start = [], 0
+        for i in range(1, rows + 1):
+            if i == rows or which[i] != which[start]:
+                if which[start] is not None:
+                    runs.append((which[start], start, i))
+                start = i
+        assert len(runs) > slots            # some adapter has several runs
         x = torch.randn(rows, inp, generator=g)
         y = torch.randn(rows, out, generator=g)
-        groups = [(s, torch.tensor([i for i, w in enumerate(which) if w == s]))
-                  for s in range(slots) if s in which]
-        got = add_lora(x, y.clone(), a, b, groups)
+        got = add_lora(x, y.clone(), a, b, runs)
         assert torch.allclose(got, y + reference_lora(x, a, b, which), atol=1e-4), trial
+        # one run per slot (a step of decodes): the batched product over all slots
+        firsts = {}
+        for slot, start, end in runs:
+            firsts.setdefault(slot, (slot, start, end))
+        one_each = sorted(firsts.values(), key=lambda r: r[1])
+        only = [w if any(s <= i < e for _, s, e in one_each) else None
+                for i, w in enumerate(which)]
+        batched = batch_runs(one_each, slots, "cpu")
+        assert batched is not None and batch_runs(runs, slots, "cpu") is None
+        got = add_lora(x, y.clone(), a, b, one_each, batched=batched)
+        assert torch.allclose(got, y + reference_lora(x, a, b, only), atol=1e-4), trial
+        # bf16 rows and outputs, fp32 slots: the delta in fp32, then rounded once
+        yb = y.bfloat16()
+        got = add_lora(x.bfloat16(), yb.clone(), a, b, runs)
+        want = yb + reference_lora(x.bfloat16(), a, b, which).bfloat16()
+        assert torch.allclose(got.float(), want.float(), atol=0.1, rtol=0.02), trial
 
 
 def test_the_prefix_cache_is_keyed_by_adapter(tiny):

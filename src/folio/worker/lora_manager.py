@@ -59,19 +59,19 @@ class LoRAManager:
         self.adapters.move_to_end(req.lora_int_id)
         return got
 
-    def prepare_step(self, rows: dict[LoRARequest, list[int]]) -> None:
-        """The step's rows of each adapter: their slots and token groups."""
+    def prepare_step(self, runs: list[tuple[LoRARequest, int, int]]) -> None:
+        """The step's runs of rows of each adapter (adapter, first row, end):
+        their slots, for the layers."""
         self.step += 1
-        groups = []
-        for req, rs in rows.items():
-            groups.append((self._slot(req), torch.tensor(rs, device=self.device)))
-        self.context.groups = groups
+        with self._lock:
+            self.context.set([(self._slot(req), start, end) for req, start, end in runs],
+                             len(self.holder), self.device)
 
     def end_step(self) -> None:
-        self.context.groups = []
+        self.context.set([], len(self.holder), self.device)
 
     def _slot(self, req: LoRARequest) -> int:
-        adapter = self.adapter(req)
+        adapter = self._adapter(req)
         slot = self.slot_of.get(req.lora_int_id)
         if slot is None:
             free = [i for i in range(len(self.holder)) if self.used[i] < self.step]

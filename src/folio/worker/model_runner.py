@@ -151,6 +151,8 @@ class ModelRunner(SpecRunner):
         # Decodes (one query token) first, batched; then prefill chunks.
         ordered = [s for s in so.seqs if len(s.token_ids) == 1] + \
                   [s for s in so.seqs if len(s.token_ids) > 1]
+        if self.loras is not None:      # each adapter's rows together: few runs
+            ordered.sort(key=lambda s: (len(s.token_ids) > 1, self._lora_key(s)))
         draft_q = self._draft(ordered) if self.drafter else {}
         ids, step, last_rows = self._describe(ordered)
         if self.graphs is not None and self.graphs.fits(step):
@@ -158,7 +160,7 @@ class ModelRunner(SpecRunner):
         else:
             meta = self.attn_backend.build_metadata(step)
             if self.loras is not None:
-                self.loras.prepare_step(self._lora_rows(ordered))
+                self.loras.prepare_step(self._lora_runs(ordered))
             try:
                 hidden = self.model(self._tensor(ids), self._tensor(step.positions),
                                     self.kv_caches, meta)
@@ -361,17 +363,25 @@ class ModelRunner(SpecRunner):
         if self.drafter:
             self.drafter.copied(pairs)
 
-    def _lora_rows(self, ordered: list[ScheduledSeq]) -> dict:
-        """The step's rows of each adapter, in the order `_describe` lays them."""
-        rows: dict = {}
+    def _lora_key(self, s: ScheduledSeq) -> int:
+        lora = self.states[s.seq_id].sampling.lora if s.seq_id in self.states else None
+        return 0 if lora is None else lora.lora_int_id
+
+    def _lora_runs(self, ordered: list[ScheduledSeq]) -> list:
+        """The step's runs of consecutive rows of one adapter, (adapter, first
+        row, end), in the order `_describe` lays the rows."""
+        runs: list = []
         row = 0
         for s in ordered:
             n = len(s.token_ids)
             lora = self.states[s.seq_id].sampling.lora
             if lora is not None:
-                rows.setdefault(lora, []).extend(range(row, row + n))
+                if runs and runs[-1][0] == lora and runs[-1][2] == row:
+                    runs[-1] = (lora, runs[-1][1], row + n)
+                else:
+                    runs.append((lora, row, row + n))
             row += n
-        return rows
+        return runs
 
     def _describe(self, ordered: list[ScheduledSeq]
                   ) -> tuple[np.ndarray, StepDescription, list[int]]:

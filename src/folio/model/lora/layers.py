@@ -7,12 +7,15 @@ Each adapted layer holds `max_loras` slots of stacked weights:
                                  part's output rows and its rank's columns
 
 where a fused layer's parts are its checkpoint projections (qkv: q, k, v;
-gate_up: gate, up) and R is --max-lora-rank. A step's tokens are grouped by
-the slot of their sequence's adapter (`LoRAContext.groups`, set by the
-runner before the forward); each group adds (x A^T) B^T to the layer's
-output, shrink then expand, each slot's weights read once per step
-(`add_lora`); tokens of no adapter add nothing. `reference_lora` is the
-per-token loop the tests hold it to.
+gate_up: gate, up) and R is --max-lora-rank. The runner lays a step's
+sequences out by adapter, so each adapter's tokens are a few runs of
+consecutive rows (`LoRAContext.groups`: slot, first row, end); each run adds
+(x A^T) B^T to the layer's output, shrink then expand, on views of the rows
+(`add_lora`); tokens of no adapter add nothing. On the CPU the slots are
+fp32 and the runs are multiplied in fp32 (oneDNN's bf16 products of a few
+rows cost several times their fp32 ones, as the MoE router found), then
+rounded into the layer's output. `reference_lora` is the per-token loop the
+tests hold it to.
 """
 
 from __future__ import annotations
@@ -27,27 +30,81 @@ from folio.model.lora.checkpoint import LoRAAdapter, LoRAWeights
 
 @dataclass
 class LoRAContext:
-    """The step's token groups: (slot, row indices) for each adapter that has
-    tokens in it; shared by every adapted layer of the model."""
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """The step's runs of rows: (slot, first row, end) for each run of
+    consecutive rows of one adapter; shared by every adapted layer. When
+    every run is another slot's (a step of decodes), `batched` lays them out
+    for one batched product over all slots (`batch_runs`)."""
+    groups: list[tuple[int, int, int]] = field(default_factory=list)
+    batched: Optional["BatchedRuns"] = None
+
+    def set(self, groups: list[tuple[int, int, int]], num_slots: int, device) -> None:
+        self.groups = groups
+        self.batched = batch_runs(groups, num_slots, device)
+
+
+@dataclass
+class BatchedRuns:
+    """Each slot's run of rows padded to the longest: `index` [slots, M] into
+    the rows (a padding entry points at an extra zero row, number T);
+    `rows` the real rows in the flattened [slots * M] order, `keep` their
+    positions there."""
+    index: torch.Tensor
+    rows: torch.Tensor
+    keep: torch.Tensor
+    pad: int
+
+
+def batch_runs(groups: list[tuple[int, int, int]], num_slots: int,
+               device) -> Optional[BatchedRuns]:
+    """The batched layout of `groups`, if there are several and no slot has
+    two runs; else None (the runs then go one at a time)."""
+    slots = [g[0] for g in groups]
+    if len(groups) < 2 or len(set(slots)) != len(slots):
+        return None
+    pad = max(end for _, _, end in groups)         # the zero row's number
+    longest = max(end - start for _, start, end in groups)
+    index = torch.full((num_slots, longest), pad, dtype=torch.long)
+    for slot, start, end in groups:
+        index[slot, :end - start] = torch.arange(start, end)
+    flat = index.reshape(-1)
+    keep = (flat != pad).nonzero().reshape(-1)
+    return BatchedRuns(index.to(device), flat[keep].to(device), keep.to(device), pad)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """y [T, out] plus, for each group's rows, (x A_slot^T) B_slot^T."""
-    for slot, rows in groups:
-        xs = x.index_select(0, rows)
-        y.index_add_(0, rows, (xs @ a[slot].t().to(xs.dtype)) @ b[slot].t().to(xs.dtype))
+             groups: list[tuple[int, int, int]], wide: Optional[tuple] = None,
+             batched: Optional[BatchedRuns] = None) -> torch.Tensor:
+    """y [T, out] plus, for each run's rows, (x A_slot^T) B_slot^T, computed in
+    the slots' dtype; `wide`: (rows, a, b) in the run dtype, for runs of at
+    least that many rows (a prompt chunk's, where the run dtype's own products
+    are the fast ones)."""
+    if batched is not None:
+        return _add_batched(x, y, a, b, batched)
+    for slot, start, end in groups:
+        sa, sb = (wide[1], wide[2]) if wide is not None and end - start >= wide[0] else (a, b)
+        delta = (x[start:end].to(sa.dtype) @ sa[slot].t()) @ sb[slot].t()
+        y[start:end] += delta.to(y.dtype)
     return y
+
+
+def _add_batched(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 batched: BatchedRuns) -> torch.Tensor:
+    """Every slot's run at once: two batched products over [slots, M] rows
+    (a few small products cost their dispatch, not their arithmetic)."""
+    rows = x[:batched.pad].to(a.dtype)
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[batched.index]
+    delta = torch.bmm(torch.bmm(padded, a.transpose(1, 2)), b.transpose(1, 2))
+    picked = delta.reshape(-1, delta.shape[-1]).index_select(0, batched.keep)
+    return y.index_add_(0, batched.rows, picked.to(y.dtype))
 
 
 def reference_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    slots: list[Optional[int]]) -> torch.Tensor:
     """The per-token delta: row i gets B_s (A_s x_i), s its slot (None: 0)."""
-    out = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype)
+    out = torch.zeros(x.shape[0], b.shape[1], dtype=a.dtype)
     for i, s in enumerate(slots):
         if s is not None:
-            out[i] = b[s].to(x.dtype) @ (a[s].to(x.dtype) @ x[i])
+            out[i] = b[s] @ (a[s] @ x[i].to(a.dtype))
     return out
 
 
@@ -60,8 +117,12 @@ class LoRASlots:
                  context: LoRAContext):
         self.parts, self.max_rank, self.context = parts, max_rank, context
         width = len(parts) * max_rank
-        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
+        # on the CPU: fp32 slots for few rows, and the run dtype's for many
+        narrow = torch.float32 if torch.device(device).type == "cpu" else dtype
+        self.a = torch.zeros(max_loras, width, in_features, dtype=narrow, device=device)
+        self.b = torch.zeros(max_loras, out_features, width, dtype=narrow, device=device)
+        self.wide = None if narrow == dtype else (
+            WIDE_ROWS, torch.zeros_like(self.a, dtype=dtype), torch.zeros_like(self.b, dtype=dtype))
 
     def set_slot(self, slot: int, modules: dict[str, LoRAWeights], scaling: float) -> None:
         """The slot holds this layer's part of an adapter (`modules`: leaf ->
@@ -76,11 +137,17 @@ class LoRASlots:
             self.a[slot, col:col + r] = w.a.to(self.a.dtype)
             self.b[slot, first:first + rows, col:col + r] = (w.b.float() * scaling).to(
                 self.b.dtype)
+        if self.wide is not None:
+            self.wide[1][slot] = self.a[slot].to(self.wide[1].dtype)
+            self.wide[2][slot] = self.b[slot].to(self.wide[2].dtype)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        groups = self.context.groups
-        return add_lora(x, y, self.a, self.b, groups) if groups else y
+        ctx = self.context
+        return add_lora(x, y, self.a, self.b, ctx.groups, self.wide, ctx.batched) \
+            if ctx.groups else y
 
+
+WIDE_ROWS = 64      # a run of this many rows multiplies in the run dtype (CPU)
 
 # each Llama-style layer's adapted linear layers: (path in the decoder layer,
 # its parts' checkpoint leaves)
