@@ -53,7 +53,7 @@ def fail_prompts_with(served, word: str, error: BaseException) -> None:
     """Requests whose prompt holds `word` fail in the engine; the others run."""
     real = served.engine.generate
 
-    async def generate(request_id, prompt, prompt_ids, params, priority=0):
+    async def generate(request_id, prompt, prompt_ids, params, priority=0, lora_request=None):
         if prompt is not None and word in prompt:
             raise error
         async for out in real(request_id, prompt, prompt_ids, params, priority):
