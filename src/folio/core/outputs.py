@@ -116,3 +116,9 @@ class EngineCoreOutput:
     prompt_logprobs: Optional[list[tuple[float, TopLogprobs]]] = None
     beams: Optional[list] = None      # beam search, when it ends: core.beam.Hypothesis, best first
     error: Optional[str] = None       # the request failed in the step (finish_reason "error")
+
+
+def describe_fault(e: BaseException) -> str:
+    """A sequence's fault as ModelRunnerOutput.failed and its request's error say it."""
+    return f"{type(e).__name__}: {e}"
+

@@ -53,6 +53,7 @@ class Scheduler(SpecScheduling):
         self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
                          if spec is not None and spec.method == "ngram" else None)
 
+    # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -17,7 +17,6 @@ class SpecScheduling:
         return SpecDecodeCounts(self.spec_num_drafts, self.spec_num_draft_tokens,
                                 self.spec_num_accepted_tokens)
 
-    # ---- requests in and out -------------------------------------------------
     def _attach_proposals(self, out: SchedulerOutput, budget: int) -> None:
         """Speculative decoding, once every decode, prompt chunk and admission
         of the step has its tokens and slots: proposals ride on decodes with

@@ -129,11 +129,8 @@ class DraftProposer:
         d.fed = fed
 
     def copied(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write of blocks: the draft's part is copied too."""
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
-            self.attn_backend.copy_blocks(cache, src, dst)
+        """Copy-on-write of blocks (the runner copied the draft's caches too): a
+        copy is written where its source was."""
         for a, b in pairs:
             (self.written.add if a in self.written else self.written.discard)(b)
 
@@ -153,8 +150,7 @@ class DraftProposer:
         d.drafted = []
 
     @torch.inference_mode()
-    def propose(self, seqs: list[ScheduledSeq], tables: dict[int, list[int]],
-                generators: dict[int, torch.Generator],
+    def propose(self, seqs: list[ScheduledSeq], generators: dict[int, torch.Generator],
                 distribution: Callable[[list[int], torch.Tensor], torch.Tensor]
                 ) -> dict[int, torch.Tensor]:
         """Write the draft's proposals over the placeholders of every sequence
@@ -164,13 +160,14 @@ class DraftProposer:
         proposing = [s for s in seqs if s.spec_token_ids]
         if not proposing:
             return {}
-        arrays = {s.seq_id: np.asarray(tables[s.seq_id], dtype=np.int64) for s in proposing}
+        arrays = {s.seq_id: np.asarray(self.seqs[s.seq_id].table, dtype=np.int64)
+                  for s in proposing}
         # first: every sequence from the first position the draft lacks to its
         # decode token (one-token spans first, as the backends want them)
         feeds = []
         for s in proposing:
             d = self.seqs[s.seq_id]
-            first = min(max(d.fed, d.base), s.start_pos)
+            first = min(d.fed, s.start_pos)
             feeds.append((s, first, d.tokens[first - d.base:s.start_pos + 1 - d.base]))
         feeds.sort(key=lambda f: len(f[2]) > 1)
         order = [s for s, _, _ in feeds]

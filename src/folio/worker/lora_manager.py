@@ -23,8 +23,9 @@ class LoRAManager:
     def __init__(self, model, config: FolioConfig, dtype: torch.dtype, device):
         lc = config.lora
         self.base, self.max_rank, self.device = config.model, lc.max_lora_rank, device
-        self.context, self.slots = attach_lora(model, lc.max_loras, lc.max_lora_rank, dtype,
-                                               device)
+        self.context, self.layers = attach_lora(model, lc.max_loras, lc.max_lora_rank, dtype,
+                                                device)
+        self.modules = {m for layer in self.layers for m in layer.modules.values()}
         self.cpu_limit = max(lc.max_cpu_loras or lc.max_loras, lc.max_loras)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()   # by lora_int_id, LRU
         self.slot_of: dict[int, int] = {}
@@ -47,7 +48,7 @@ class LoRAManager:
                              f"({got.path}); {req.lora_name!r} needs an id of its own")
         if got is None:
             got = load_peft_adapter(req.lora_name, req.lora_path, self.base, self.max_rank)
-            missing = sorted(m for m in got.modules if m not in self.slots)
+            missing = sorted(m for m in got.modules if m not in self.modules)
             if missing:
                 raise ValueError(f"LoRA adapter {req.lora_name!r}: {missing[0]} is not an "
                                  "adapted layer of this model")
@@ -80,7 +81,28 @@ class LoRAManager:
             slot = min(free, key=lambda i: (self.holder[i] is not None, self.used[i]))
             if self.holder[slot] is not None:
                 del self.slot_of[self.holder[slot]]
-            load_into_slot(self.slots, slot, adapter)
+            load_into_slot(self.layers, slot, adapter)
             self.holder[slot], self.slot_of[req.lora_int_id] = req.lora_int_id, slot
         self.used[slot] = self.step
         return slot
+
+
+def lora_key(lora: Optional[LoRARequest]) -> int:
+    """Where a sequence's rows go in a step laid out by adapter (0: none)."""
+    return 0 if lora is None else lora.lora_int_id
+
+
+def lora_runs(seqs: list[tuple[Optional[LoRARequest], int]]) -> list:
+    """The step's runs of consecutive rows of one adapter, (adapter, first row,
+    end), from each sequence's (adapter, rows) in the order the rows are laid."""
+    runs: list = []
+    row = 0
+    for lora, n in seqs:
+        if lora is not None:
+            if runs and runs[-1][0] == lora and runs[-1][2] == row:
+                runs[-1] = (lora, runs[-1][1], row + n)
+            else:
+                runs.append((lora, row, row + n))
+        row += n
+    return runs
+

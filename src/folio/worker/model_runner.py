@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from folio.config import FolioConfig
-from folio.core.outputs import ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput
+from folio.core.outputs import (ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput,
+                                describe_fault as _describe)
 from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization.int_groups import set_activation_quantization
@@ -25,11 +26,11 @@ from folio.model.registry import build_model
 from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
 from folio.worker.draft_proposer import build_drafter
-from folio.worker.lora_manager import LoRAManager
+from folio.worker.lora_manager import LoRAManager, lora_key, lora_runs
 from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
-from folio.worker.spec_runner import SpecRunner, describe_fault as _describe
+from folio.worker.spec_runner import SpecRunner
 from folio.worker.spec_verify import verify_greedy
 
 logger = logging.getLogger("folio")
@@ -69,9 +70,10 @@ class ModelRunner(SpecRunner):
         self.drafter = build_drafter(config, self.dtype, self.attn_backend,
                                      self.model.config.vocab_size)
         num_kv_heads = self.model.num_kv_heads_per_rank
+        draft_bytes = self.drafter.bytes_per_block if self.drafter else 0
         self.bytes_per_block = bytes_per_block(config, num_kv_heads, self.attn_backend) + \
-            (self.drafter.bytes_per_block if self.drafter else 0)
-        self.num_blocks = self._size_kv_cache(num_kv_heads)
+            draft_bytes
+        self.num_blocks = self._size_kv_cache(num_kv_heads, draft_bytes)
         self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads,
                                             self.attn_backend)
         if self.drafter:
@@ -81,7 +83,7 @@ class ModelRunner(SpecRunner):
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
 
-    def _size_kv_cache(self, num_kv_heads: int) -> int:
+    def _size_kv_cache(self, num_kv_heads: int, draft_bytes: int) -> int:
         """Blocks: as asked, or on CUDA by --gpu-memory-utilization after a
         profiling forward (worker/gpu_memory.py)."""
         cache = self.config.cache
@@ -89,9 +91,7 @@ class ModelRunner(SpecRunner):
                 and cache.kv_cache_memory_bytes is None):
             from folio.worker.gpu_memory import measure
             return measure(self, self.bytes_per_block, cache.gpu_memory_utilization).num_blocks
-        return num_kv_blocks(self.config, num_kv_heads, self.attn_backend,
-                             self.bytes_per_block - bytes_per_block(
-                                 self.config, num_kv_heads, self.attn_backend))
+        return num_kv_blocks(self.config, num_kv_heads, self.attn_backend, draft_bytes)
 
     def _capture_graphs(self) -> Optional[DecodeGraphs]:
         """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
@@ -152,7 +152,8 @@ class ModelRunner(SpecRunner):
         ordered = [s for s in so.seqs if len(s.token_ids) == 1] + \
                   [s for s in so.seqs if len(s.token_ids) > 1]
         if self.loras is not None:      # each adapter's rows together: few runs
-            ordered.sort(key=lambda s: (len(s.token_ids) > 1, self._lora_key(s)))
+            ordered.sort(key=lambda s: (len(s.token_ids) > 1,
+                                        lora_key(self.states[s.seq_id].sampling.lora)))
         draft_q = self._draft(ordered) if self.drafter else {}
         ids, step, last_rows = self._describe(ordered)
         if self.graphs is not None and self.graphs.fits(step):
@@ -160,7 +161,8 @@ class ModelRunner(SpecRunner):
         else:
             meta = self.attn_backend.build_metadata(step)
             if self.loras is not None:
-                self.loras.prepare_step(self._lora_runs(ordered))
+                self.loras.prepare_step(lora_runs(
+                    [(self.states[s.seq_id].sampling.lora, len(s.token_ids)) for s in ordered]))
             try:
                 hidden = self.model(self._tensor(ids), self._tensor(step.positions),
                                     self.kv_caches, meta)
@@ -358,30 +360,10 @@ class ModelRunner(SpecRunner):
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_caches + (self.drafter.kv_caches if self.drafter else []):
             self.attn_backend.copy_blocks(cache, src, dst)
         if self.drafter:
             self.drafter.copied(pairs)
-
-    def _lora_key(self, s: ScheduledSeq) -> int:
-        lora = self.states[s.seq_id].sampling.lora if s.seq_id in self.states else None
-        return 0 if lora is None else lora.lora_int_id
-
-    def _lora_runs(self, ordered: list[ScheduledSeq]) -> list:
-        """The step's runs of consecutive rows of one adapter, (adapter, first
-        row, end), in the order `_describe` lays the rows."""
-        runs: list = []
-        row = 0
-        for s in ordered:
-            n = len(s.token_ids)
-            lora = self.states[s.seq_id].sampling.lora
-            if lora is not None:
-                if runs and runs[-1][0] == lora and runs[-1][2] == row:
-                    runs[-1] = (lora, runs[-1][1], row + n)
-                else:
-                    runs.append((lora, row, row + n))
-            row += n
-        return runs
 
     def _describe(self, ordered: list[ScheduledSeq]
                   ) -> tuple[np.ndarray, StepDescription, list[int]]:

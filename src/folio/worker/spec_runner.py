@@ -11,16 +11,11 @@ from typing import Optional
 
 import torch
 
-from folio.core.outputs import ModelRunnerOutput, ScheduledSeq
+from folio.core.outputs import ModelRunnerOutput, ScheduledSeq, describe_fault
 from folio.model.layers.sampler import sampling_distribution
 from folio.worker.spec_verify import rejection_sample
 
 logger = logging.getLogger("folio")
-
-
-def describe_fault(e: BaseException) -> str:
-    """A sequence's fault as its request's error says it."""
-    return f"{type(e).__name__}: {e}"
 
 
 class SpecRunner:
@@ -48,9 +43,7 @@ class SpecRunner:
             s.seq_id: self.states[s.seq_id].generator for s in ordered
             if s.spec_token_ids and self.states[s.seq_id].generator is not None}
         try:
-            return self.drafter.propose(
-                ordered, {s.seq_id: self.states[s.seq_id].block_table for s in ordered},
-                sampled, self._draft_distribution)
+            return self.drafter.propose(ordered, sampled, self._draft_distribution)
         except Exception:               # noqa: BLE001 - the draft's, not the target's
             logger.exception("the draft model failed; this step's proposals are placeholders")
             return {}

@@ -110,12 +110,15 @@ def reference_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 class LoRASlots:
     """One layer's slots. `parts`: (checkpoint leaf, first output row, rows)
-    of each projection fused in the layer, in output order."""
+    of each projection fused in the layer, in output order; `prefix`: the
+    checkpoint module that holds them (model.layers.{i}.self_attn)."""
 
     def __init__(self, parts: list[tuple[str, int, int]], in_features: int, out_features: int,
                  max_loras: int, max_rank: int, dtype: torch.dtype, device,
-                 context: LoRAContext):
+                 context: LoRAContext, prefix: str):
         self.parts, self.max_rank, self.context = parts, max_rank, context
+        # each part's checkpoint module: model.layers.{i}.self_attn.q_proj, ...
+        self.modules = {leaf: f"{prefix}.{leaf}" for leaf, _, _ in parts}
         width = len(parts) * max_rank
         # on the CPU: fp32 slots for few rows, and the run dtype's for many
         narrow = torch.float32 if torch.device(device).type == "cpu" else dtype
@@ -157,38 +160,29 @@ ADAPTED = (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
            ("mlp.down_proj", ("down_proj",)))
 
 
-def _module(layer, path: str):
-    for name in path.split("."):
-        layer = getattr(layer, name, None)
-        if layer is None:
-            return None
-    return layer
-
-
 def attach_lora(model, max_loras: int, max_rank: int, dtype: torch.dtype,
-                device) -> tuple[LoRAContext, dict[str, LoRASlots]]:
+                device) -> tuple[LoRAContext, list[LoRASlots]]:
     """Slots on every adapted linear layer of the model's decoder layers (a
-    layer without a dense MLP, a mixture of experts', keeps its attention's).
-    Returns the shared context and the slots by checkpoint module prefix
-    (`model.layers.{i}.self_attn`, with the part's leaf added at load)."""
+    layer without a dense MLP, a mixture of experts', keeps its attention's),
+    each knowing its checkpoint modules (`LoRASlots.modules`); and the
+    context they share."""
     context = LoRAContext()
-    slots: dict[str, LoRASlots] = {}
+    layers: list[LoRASlots] = []
     for i, layer in enumerate(model.model.layers):
         for path, leaves in ADAPTED:
-            linear = _module(layer, path)
-            if linear is None:
+            try:
+                linear = layer.get_submodule(path)
+            except AttributeError:
                 continue
-            sizes = _part_rows(linear, leaves)
             parts, first = [], 0
-            for leaf, rows in zip(leaves, sizes):
+            for leaf, rows in zip(leaves, _part_rows(linear, leaves)):
                 parts.append((leaf, first, rows))
                 first += rows
             linear.lora = LoRASlots(parts, linear.in_features, linear.out_features, max_loras,
-                                    max_rank, dtype, device, context)
-            block = path.split(".")[0]
-            for leaf in leaves:
-                slots[f"model.layers.{i}.{block}.{leaf}"] = linear.lora
-    return context, slots
+                                    max_rank, dtype, device, context,
+                                    f"model.layers.{i}.{path.split('.')[0]}")
+            layers.append(linear.lora)
+    return context, layers
 
 
 def _part_rows(linear, leaves) -> list[int]:
@@ -201,14 +195,9 @@ def _part_rows(linear, leaves) -> list[int]:
     return [linear.out_features // 2] * 2
 
 
-def load_into_slot(slots: dict[str, LoRASlots], slot: int, adapter: LoRAAdapter) -> None:
+def load_into_slot(layers: list[LoRASlots], slot: int, adapter: LoRAAdapter) -> None:
     """An adapter into `slot` of every adapted layer (the layers it does not
-    adapt get zeros there)."""
-    by_layer: dict[int, dict[str, LoRAWeights]] = {}
-    for module, w in adapter.modules.items():
-        if module not in slots:
-            raise ValueError(f"LoRA adapter {adapter.name!r}: module {module} is not an adapted "
-                             "layer of this model (a mixture of experts' MLP?)")
-        by_layer.setdefault(id(slots[module]), {})[module.rsplit(".", 1)[-1]] = w
-    for layer_slots in {id(s): s for s in slots.values()}.values():
-        layer_slots.set_slot(slot, by_layer.get(id(layer_slots), {}), adapter.scaling)
+    adapt get zeros there); its modules were checked against `modules`."""
+    for layer in layers:
+        layer.set_slot(slot, {leaf: adapter.modules[m] for leaf, m in layer.modules.items()
+                              if m in adapter.modules}, adapter.scaling)
