@@ -23,7 +23,7 @@ def add_usage(sub) -> None:
     usage.add_argument("--since", default=None, metavar="DATE",
                        help="only requests finished since DATE (2026-12-01, 00:00 UTC, or an "
                             "ISO date-time)")
-    usage.add_argument("--by", choices=["tenant", "day", "model"], default="tenant",
+    usage.add_argument("--by", choices=["tenant", "day", "model", "adapter"], default="tenant",
                        help="what a row sums over")
     usage.add_argument("--json", action="store_true",
                        help="print a JSON list of rows instead of the table")

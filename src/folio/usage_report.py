@@ -1,4 +1,5 @@
-"""`folio usage` and GET /v1/usage: the usage ledger summed by tenant, day or model.
+"""`folio usage` and GET /v1/usage: the usage ledger summed by tenant, day,
+model or LoRA adapter ('' for requests of the base model).
 
 Plain Python and sqlite3 only: the command runs without torch and without a
 server, on the ledger file a server writes (`--usage-db`), even while that
@@ -14,7 +15,8 @@ import sqlite3
 from typing import Optional
 
 GROUPS = {"tenant": "tenant", "model": "model",
-          "day": "strftime('%Y-%m-%d', time, 'unixepoch')"}
+          "day": "strftime('%Y-%m-%d', time, 'unixepoch')",
+          "adapter": "COALESCE(adapter, '')"}
 
 
 def since_timestamp(text: Optional[str]) -> Optional[float]:
@@ -42,8 +44,12 @@ def usage_rows(path: str, since: Optional[str] = None, by: str = "tenant") -> li
     except sqlite3.Error as e:
         raise ValueError(f"{path}: {e}") from None
     try:
+        group = GROUPS[by]
+        if by == "adapter" and "adapter" not in {
+                row[1] for row in db.execute("PRAGMA table_info(usage)")}:
+            group = "''"           # a ledger from before adapters, not opened since
         rows = db.execute(
-            f"SELECT {GROUPS[by]} AS key, COUNT(*), SUM(prompt_tokens), "
+            f"SELECT {group} AS key, COUNT(*), SUM(prompt_tokens), "
             f"SUM(cached_prompt_tokens), SUM(completion_tokens), SUM(aborted), SUM(cost) "
             f"FROM usage WHERE time >= ? GROUP BY key ORDER BY key",
             (start if start is not None else float("-inf"),)).fetchall()

@@ -83,3 +83,60 @@ def test_a_server_without_lora_refuses_adapters(tiny_model, tmp_path):
         assert status == 400 and "LoRA is not enabled" in got["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_a_key_limited_to_adapters_sees_only_those_and_its_usage_names_them(setup, tmp_path):
+    """`"adapters"` in the keys file: a tenant's key lists and uses only its
+    adapters (another is 404, as if it were not there; the base model stays
+    open); the ledger, GET /v1/usage?by=adapter and the per-tenant metrics
+    record the adapter each request named; loading needs an admin key."""
+    import json
+    import sqlite3
+
+    from openai import NotFoundError, OpenAI
+    base, a, b, _ = setup
+    keys = {"keys": [{"key": "sk-a", "tenant": "team-a", "adapters": ["a"]},
+                     {"key": "sk-none", "tenant": "team-n", "adapters": []},
+                     {"key": "sk-ops", "tenant": "ops", "admin": True}]}
+    (tmp_path / "keys.json").write_text(json.dumps(keys))
+    db = str(tmp_path / "usage.db")
+    srv = ServerProcess(tiny_server_args(base) + [
+        "--enable-lora", "--lora-modules", f"a={a}", f"b={b}",
+        "--api-keys-file", str(tmp_path / "keys.json"), "--usage-db", db])
+    try:
+        def client(key):
+            return OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+
+        def complete(key, model):
+            return client(key).completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                                  temperature=0)
+        assert {m.id for m in client("sk-a").models.list().data} == {"tiny", "a"}
+        assert {m.id for m in client("sk-none").models.list().data} == {"tiny"}
+        assert {m.id for m in client("sk-ops").models.list().data} == {"tiny", "a", "b"}
+        complete("sk-a", "a")
+        complete("sk-a", "tiny")
+        complete("sk-ops", "b")
+        for key, model in (("sk-a", "b"), ("sk-none", "a")):
+            with pytest.raises(NotFoundError, match=f"The model `{model}` does not exist"):
+                complete(key, model)
+        status, _, _ = http("POST", srv.url + "/tokenize", {"model": "b", "prompt": "x"},
+                            headers={"Authorization": "Bearer sk-a"})
+        assert status == 404
+        status, _, got = http("POST", srv.url + "/v1/load_lora_adapter",
+                              {"lora_name": "c", "lora_path": b},
+                              headers={"Authorization": "Bearer sk-a"})
+        assert status == 403 and "admin key" in got["error"]["message"]
+        rows = sqlite3.connect(db).execute(
+            "SELECT tenant, model, adapter FROM usage ORDER BY time").fetchall()
+        assert rows == [("team-a", "tiny", "a"), ("team-a", "tiny", None), ("ops", "tiny", "b")]
+        status, _, got = http("GET", srv.url + "/v1/usage?by=adapter",
+                              headers={"Authorization": "Bearer sk-ops"})
+        assert status == 200
+        assert {r["adapter"]: r["requests"] for r in got["data"]} == {"": 1, "a": 1, "b": 1}
+        _, _, text = http("GET", srv.url + "/metrics")
+        assert 'folio:tenant_requests_total{adapter="a",finished_reason="length",' \
+               'model_name="tiny",tenant="team-a"} 1.0' in text
+        assert 'adapter="",finished_reason="length",model_name="tiny",tenant="team-a"} 1.0' \
+            in text
+    finally:
+        srv.stop()

@@ -3,6 +3,7 @@ the keys file and its errors, the limiter's windows on a fake clock (a refused
 request charges nothing), the cost arithmetic by hand, and the SQLite ledger
 (batches, at most once per request id, read back by `folio usage`)."""
 
+import dataclasses
 import json
 import math
 import sqlite3
@@ -36,8 +37,12 @@ def test_a_keys_file_maps_keys_and_their_digests_to_tenants(tmp_path):
     path = keys_file(tmp_path, [
         {"key": "sk-a1", "tenant": "team-a", "requests_per_minute": 60},
         {"key_sha256": digest("sk-b1").upper(), "tenant": "team-b", "tokens_per_day": 1000},
-        {"key": "sk-admin", "tenant": "ops", "admin": True}])
+        {"key": "sk-admin", "tenant": "ops", "admin": True},
+        {"key": "sk-c1", "tenant": "team-c", "adapters": ["sql"]}])
     book = KeyBook.from_config("sk-plain", path)
+    c = book.tenant_for("Bearer sk-c1")
+    assert c.adapters == {"sql"} and c.may_use("sql") and not c.may_use("chat")
+    assert book.tenant_for("Bearer sk-a1").may_use("chat")     # no "adapters": every one
     assert book.tenant_for("Bearer sk-a1") == Tenant("team-a", requests_per_minute=60)
     assert book.tenant_for("Bearer sk-b1") == Tenant("team-b", tokens_per_day=1000)
     assert book.tenant_for("Bearer sk-admin").admin is True
@@ -65,6 +70,10 @@ def test_yaml_keys_files_are_read_too(tmp_path):
     ([{"key": "k", "tenant": "a"}, {"key": "k", "tenant": "b"}], "listed twice"),
     ([{"key": "k1", "tenant": "a", "tokens_per_minute": 5},
       {"key": "k2", "tenant": "a", "tokens_per_minute": 6}], "different limits"),
+    ([{"key": "k", "tenant": "a", "adapters": "sql"}], "'adapters' must be a list"),
+    ([{"key": "k", "tenant": "a", "adapters": ["sql", 3]}], "'adapters' must be a list"),
+    ([{"key": "k1", "tenant": "a", "adapters": ["sql"]},
+      {"key": "k2", "tenant": "a"}], "different adapters"),
     ([], "expected"),
 ])
 def test_a_bad_keys_file_is_one_clear_error(tmp_path, entries, message):
@@ -180,6 +189,29 @@ def test_the_ledger_commits_in_batches_once_per_request_and_sums_by_group(tmp_pa
     assert main(["usage", "--db", path]) == 0
     out = capsys.readouterr().out
     assert "| a | 51 | 510 |" in out and "| all | 101 | 1010 |" in out
+
+
+def test_a_ledger_from_before_adapters_gains_their_column(tmp_path):
+    """A ledger written before LoRA adapters has no `adapter` column: `folio
+    usage --by adapter` reads it as the base model's, and a server opening it
+    adds the column and writes adapters there."""
+    path = str(tmp_path / "old.db")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE usage (request_id TEXT PRIMARY KEY, time REAL NOT NULL, "
+               "tenant TEXT NOT NULL, model TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, "
+               "cached_prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+               "latency_s REAL NOT NULL, finish_reason TEXT, aborted INTEGER NOT NULL, "
+               "cost REAL)")
+    db.execute("INSERT INTO usage VALUES ('r0', 1.0, 'a', 'm', 10, 0, 5, 0.1, 'stop', 0, NULL)")
+    db.commit()
+    db.close()
+    assert [(r["adapter"], r["requests"]) for r in usage_rows(path, by="adapter")] == [("", 1)]
+    ledger = UsageLedger(path)
+    ledger.submit(row("r1", "a", 2.0)).result(10)
+    ledger.submit(dataclasses.replace(row("r2", "a", 3.0), adapter="sql")).result(10)
+    ledger.close()
+    assert [(r["adapter"], r["requests"]) for r in usage_rows(path, by="adapter")] == [
+        ("", 2), ("sql", 1)]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -50,7 +50,9 @@ class Accounting:
             admission = self.limiter.admit(tenant, estimate, prompt)
         except RateLimited as e:
             raise HTTPError(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
-        return Ticket(self, tenant, response_id, admission)
+        lora = calls[0].lora if calls else None
+        return Ticket(self, tenant, response_id, admission,
+                      lora.lora_name if lora is not None else None)
 
     def _charge(self, ticket: "Ticket", outputs: list[RequestOutput], aborted: bool
                 ) -> UsageRow:
@@ -58,17 +60,20 @@ class Accounting:
         prompt, completion = u["prompt_tokens"], u["completion_tokens"]
         ticket.admission.settle(prompt + completion)
         reason = _finish_reason(outputs) if not aborted else "abort"
-        self.metrics.on_tenant_usage(ticket.tenant.name, prompt, completion, reason)
+        self.metrics.on_tenant_usage(ticket.tenant.name, prompt, completion, reason,
+                                     ticket.adapter)
         cost = self.cost.cost_of(prompt, completion) if self.cost is not None else None
         end = self._clock()
         return UsageRow(ticket.request_id, end, ticket.tenant.name, self.model, prompt,
                         u["prompt_tokens_details"]["cached_tokens"], completion,
-                        end - ticket.start, reason, aborted, cost)
+                        end - ticket.start, reason, aborted, cost, ticket.adapter)
 
 
 class Ticket:
-    def __init__(self, accounting: Accounting, tenant: Tenant, request_id: str, admission):
+    def __init__(self, accounting: Accounting, tenant: Tenant, request_id: str, admission,
+                 adapter: Optional[str] = None):
         self.accounting, self.tenant, self.request_id = accounting, tenant, request_id
+        self.adapter = adapter          # the LoRA adapter the request named
         self.admission = admission
         self.start = accounting._clock()
         self.seen: dict[int, RequestOutput] = {}     # each call's latest output

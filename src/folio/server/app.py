@@ -295,13 +295,13 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"object": "list", "by": by, "data": rows})
 
     @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401, 503))
-    async def models():
+    async def models(raw: Request):
         served = state.ready()
         root = served.engine.model_config.path
         return JSONResponse({"object": "list", "data": [{
             "id": served.name, "object": "model", "created": now(), "owned_by": "folio",
             "root": root, "parent": None, "max_model_len": served.max_model_len},
-            *model_cards(served, now())]})
+            *model_cards(served, now(), raw.state.tenant)]})
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -322,9 +322,9 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
     errors = openapi.errors(400, 401, 404, 503)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
-    async def tokenize(req: TokenizeRequest):
+    async def tokenize(req: TokenizeRequest, raw: Request):
         served = state.ready()
-        served.check_model(req.model)
+        served.check_model(req.model, raw.state.tenant)
         if req.messages is not None:       # rendered as /v1/chat/completions renders them
             ids = await chat_prompt_ids(served, req)
         elif req.prompt is not None:
@@ -336,9 +336,9 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
                              "tokens": ids})
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
-    async def detokenize(req: DetokenizeRequest):
+    async def detokenize(req: DetokenizeRequest, raw: Request):
         served = state.ready()
-        served.check_model(req.model)
+        served.check_model(req.model, raw.state.tenant)
         vocab = served.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:

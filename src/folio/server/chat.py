@@ -242,7 +242,7 @@ def _thinking(served: ServedModel, req: ChatCompletionRequest,
 
 
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
-    lora = served.check_model(req.model)
+    lora = served.check_model(req.model, raw.state.tenant)
     served.check_priority(req.priority)
     if req.auto_tools and served.tool_parser is None:
         raise InvalidRequest("tool_choice 'auto' (the default with tools) needs the server "

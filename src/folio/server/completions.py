@@ -202,7 +202,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 
 
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
-    lora = served.check_model(req.model)
+    lora = served.check_model(req.model, raw.state.tenant)
     served.check_priority(req.priority)
     prompts = await _prompts(served, req.prompt)
     # validating compiles a constraint's grammar: off the event loop

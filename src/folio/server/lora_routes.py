@@ -47,10 +47,12 @@ def register(served: ServedModel, name: str, path: str) -> LoRARequest:
     return lora
 
 
-def model_cards(served: ServedModel, created: int) -> list[dict]:
+def model_cards(served: ServedModel, created: int, tenant) -> list[dict]:
+    """The adapters the caller's tenant may use (its key's "adapters")."""
     return [{"id": name, "object": "model", "created": created, "owned_by": "folio",
              "root": lora.lora_path, "parent": served.name,
-             "max_model_len": served.max_model_len} for name, lora in served.loras.items()]
+             "max_model_len": served.max_model_len} for name, lora in served.loras.items()
+            if tenant.may_use(name)]
 
 
 def add_lora_routes(app: FastAPI, state) -> None:

@@ -78,7 +78,7 @@ class ServerMetrics:
                              _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first scheduling.", _REQUEST_BUCKETS)
-        tenant = ["model_name", "tenant"]
+        tenant = ["model_name", "tenant", "adapter"]     # adapter: '' for the base model
         self.tenant_prompt = Counter("folio:tenant_prompt_tokens", "Prompt tokens by tenant.",
                                      tenant, registry=r)
         self.tenant_generation = Counter("folio:tenant_generation_tokens",
@@ -182,10 +182,11 @@ class ServerMetrics:
                 self.e2e.observe(m.finished_time - m.arrival_time)
 
     def on_tenant_usage(self, tenant: str, prompt: int, completion: int,
-                        reason: Optional[str]) -> None:
-        self.tenant_prompt.labels(self.model_name, tenant).inc(prompt)
-        self.tenant_generation.labels(self.model_name, tenant).inc(completion)
-        self.tenant_requests.labels(self.model_name, tenant, reason or "abort").inc()
+                        reason: Optional[str], adapter: Optional[str] = None) -> None:
+        labels = (self.model_name, tenant, adapter or "")
+        self.tenant_prompt.labels(*labels).inc(prompt)
+        self.tenant_generation.labels(*labels).inc(completion)
+        self.tenant_requests.labels(*labels, reason or "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

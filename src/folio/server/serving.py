@@ -68,13 +68,14 @@ class ServedModel:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_model(self, requested: Optional[str]) -> Optional[LoRARequest]:
+    def check_model(self, requested: Optional[str], tenant=None) -> Optional[LoRARequest]:
         """The adapter a request's `model` names (None: the base model); 404
-        for a name that is neither."""
+        for a name that is neither, or an adapter the caller's tenant may not
+        use (its key's "adapters"), as if it were not there."""
         if requested is None or requested == self.name:
             return None
         lora = self.loras.get(requested)
-        if lora is None:
+        if lora is None or (tenant is not None and not tenant.may_use(requested)):
             raise HTTPError(404, f"The model `{requested}` does not exist.", "model")
         return lora
 

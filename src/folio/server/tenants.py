@@ -3,7 +3,9 @@
 `--api-keys-file FILE` (JSON, or YAML when PyYAML is there) holds
 `{"keys": [{"key": "sk-..." | "key_sha256": "<hex>", "tenant": "team-a",
 "requests_per_minute": 60, "tokens_per_minute": 20000, "tokens_per_day":
-1000000, "admin": false}]}`; limits are optional. Keys are kept only as
+1000000, "admin": false, "adapters": ["sql-lora"]}]}`; limits are optional;
+`adapters` limits the key to those LoRA adapters (others are 404 as if
+absent; the base model stays open), and a tenant's keys agree on it. Keys are kept only as
 SHA-256 digests in memory. `--api-key KEY` is
 one anonymous tenant with no limits; with neither, every caller is that
 tenant and nothing is asked.
@@ -32,7 +34,7 @@ from typing import Callable, Optional
 ANONYMOUS = "anonymous"
 WINDOW_S = 60.0
 _FIELDS = {"key", "key_sha256", "tenant", "requests_per_minute", "tokens_per_minute",
-           "tokens_per_day", "admin"}
+           "tokens_per_day", "admin", "adapters"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Tenant:
     tokens_per_minute: Optional[int] = None
     tokens_per_day: Optional[int] = None
     admin: bool = False
+    adapters: Optional[frozenset] = None     # LoRA adapters it may name (None: every one)
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
 
 
 class RateLimited(Exception):
@@ -117,9 +123,17 @@ def read_keys_file(path: str) -> dict[str, Tenant]:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{where}: '{k}' must be a whole number >= 1, got {v!r}")
             limits[k] = v
+        adapters = e.get("adapters")
+        if adapters is not None:
+            if not isinstance(adapters, list) or not all(isinstance(a, str) and a
+                                                         for a in adapters):
+                raise ValueError(f"{where}: 'adapters' must be a list of adapter names, got "
+                                 f"{adapters!r}")
+            adapters = frozenset(adapters)
         if d in book:
             raise ValueError(f"{where}: the same key is listed twice")
-        book[d] = Tenant(name.strip(), admin=bool(e.get("admin", False)), **limits)
+        book[d] = Tenant(name.strip(), admin=bool(e.get("admin", False)), adapters=adapters,
+                         **limits)
     _check_consistent(path, book)
     return book
 
@@ -140,7 +154,7 @@ def _parse(path: str, text: str):
 
 
 def _check_consistent(path: str, book: dict[str, Tenant]) -> None:
-    """A tenant's keys share one set of limits: two keys must not disagree."""
+    """A tenant's keys share one set of limits and adapters: two keys must not disagree."""
     seen: dict[str, Tenant] = {}
     for tenant in book.values():
         other = seen.setdefault(tenant.name, tenant)
@@ -148,6 +162,9 @@ def _check_consistent(path: str, book: dict[str, Tenant]) -> None:
                 tenant.requests_per_minute, tenant.tokens_per_minute, tenant.tokens_per_day):
             raise ValueError(f"--api-keys-file {path}: tenant {tenant.name!r} has keys with "
                              f"different limits")
+        if other.adapters != tenant.adapters:
+            raise ValueError(f"--api-keys-file {path}: tenant {tenant.name!r} has keys with "
+                             f"different adapters")
 
 
 @dataclass

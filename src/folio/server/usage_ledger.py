@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS usage (
     latency_s REAL NOT NULL,
     finish_reason TEXT,
     aborted INTEGER NOT NULL,
-    cost REAL                           -- dollars, with --cost-per-hour; else NULL
+    cost REAL,                          -- dollars, with --cost-per-hour; else NULL
+    adapter TEXT                        -- the LoRA adapter the request named; else NULL
 );
 CREATE INDEX IF NOT EXISTS usage_time ON usage (time);
 """
@@ -55,6 +56,11 @@ class UsageRow:
     finish_reason: Optional[str]
     aborted: bool
     cost: Optional[float] = None
+    adapter: Optional[str] = None
+
+
+COLUMNS = ("request_id, time, tenant, model, prompt_tokens, cached_prompt_tokens, "
+           "completion_tokens, latency_s, finish_reason, aborted, cost, adapter")
 
 
 def connect(path: str) -> sqlite3.Connection:
@@ -63,6 +69,10 @@ def connect(path: str) -> sqlite3.Connection:
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA busy_timeout=5000")
     db.executescript(SCHEMA)
+    # a ledger written before LoRA adapters (issue 31) gains their column
+    if "adapter" not in {row[1] for row in db.execute("PRAGMA table_info(usage)")}:
+        with db:
+            db.execute("ALTER TABLE usage ADD COLUMN adapter TEXT")
     return db
 
 
@@ -130,7 +140,8 @@ class UsageLedger:
                 for verb, rows in (("INSERT OR IGNORE", [r for r, _, rep in batch if not rep]),
                                    ("INSERT OR REPLACE", [r for r, _, rep in batch if rep])):
                     if rows:
-                        db.executemany(f"{verb} INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        db.executemany(f"{verb} INTO usage ({COLUMNS}) VALUES "
+                                       f"(?,?,?,?,?,?,?,?,?,?,?,?)",
                                        [astuple(row) for row in rows])
         except Exception as e:              # noqa: BLE001 - the writer must not die
             logger.error("the usage ledger could not commit %d rows: %s", len(batch), e)
