@@ -145,6 +145,57 @@ def test_max_loras_and_eviction_keep_every_request_s_adapter(tiny):
     assert llm.engine.scheduler.kv.num_free_blocks == 64
 
 
+def test_samples_beams_constraints_and_preemption_run_as_on_the_merged_weights(
+        tiny, tmp_path):
+    """Under an adapter, `n > 1` seeded samples, a beam search, a regex
+    constraint, and greedy requests of two adapters and the base preempted
+    for want of blocks give what Folio gives on peft's merged weights saved
+    as a plain model (the merged model's own runs are held to transformers
+    elsewhere); every block comes back."""
+    import shutil
+
+    from folio import BeamSearchParams
+    base, adapters = tiny
+    merged = {}
+    for name in ("all", "mlp"):
+        shutil.copytree(base, tmp_path / name)
+        adapters[name][1].save_pretrained(tmp_path / name)
+        merged[name] = LLM(str(tmp_path / name), dtype="float32", num_kv_blocks=64)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    lora, ref = adapters["all"][0], merged["all"]
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=12,
+                                 structured_outputs={"regex": "[a-e]{3}-[0-9]{2}"})
+    for params in (sampled, constrained):
+        got = llm.generate(prompt, params, lora_request=lora, use_tqdm=False)[0]
+        want = ref.generate(prompt, params, use_tqdm=False)[0]
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+        plain = llm.generate(prompt, params, use_tqdm=False)[0]      # the adapter matters
+        assert [o.token_ids for o in plain.outputs] != [o.token_ids for o in want.outputs]
+    beams = BeamSearchParams(beam_width=3, max_tokens=10)
+    got = llm.beam_search(prompt, beams, lora_request=lora)[0]
+    want = ref.beam_search(prompt, beams)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert got.outputs[0].token_ids != llm.beam_search(prompt, beams)[0].outputs[0].token_ids
+    assert [o.score for o in got.outputs] == pytest.approx([o.score for o in want.outputs],
+                                                           abs=1e-4)
+    # preempted: block size 4, too few blocks for all six at once
+    small = LLM(base, dtype="float32", num_kv_blocks=40, block_size=4, enable_lora=True,
+                max_loras=2, max_num_batched_tokens=32, max_num_seqs=6)
+    loras = [lora, adapters["mlp"][0], None] * 2
+    prompts = [PROMPTS[i % 2][:20 + i] for i in range(6)]
+    got = _greedy(small, prompts, loras)
+    want = [_greedy(merged[x.lora_name] if x else llm, [p], [None])[0]
+            for p, x in zip(prompts, loras)]
+    assert got == want
+    plain = _greedy(llm, prompts[:2], [None, None])     # both adapters change the tokens
+    assert plain[0] != got[0] and plain[1] != got[1]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.scheduler.kv.num_free_blocks == 40
+    assert llm.engine.scheduler.kv.num_free_blocks == 64
+
+
 def test_what_is_refused(tiny, tmp_path):
     base, adapters = tiny
     lora = adapters["all"][0]

@@ -84,19 +84,24 @@ class LLM:
         return self._run(tokenized, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
-                    params: "BeamSearchParams", use_tqdm: bool = True) -> list[RequestOutput]:
+                    params: "BeamSearchParams", use_tqdm: bool = True,
+                    lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
+                    ) -> list[RequestOutput]:
         """Per prompt, its `beam_width` best beams (token ids, text, cumulative
-        logprob and length-normalised `score`), best first."""
+        logprob and length-normalised `score`), best first; `lora_request` as
+        in `generate`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
         for _, ids in tokenized:      # every prompt checked once, before any is added
             self.engine.input_processor.validate_beam(ids, params)
+        loras = self._loras(lora_request, len(tokenized))
         order = []
         try:
-            for text, ids in tokenized:
+            for (text, ids), lora in zip(tokenized, loras):
                 rid = str(next(self._ids))
-                self.engine.add_beam_request(rid, text, ids, params, validated=True)
+                self.engine.add_beam_request(rid, text, ids, params, validated=True,
+                                             lora_request=lora)
                 order.append(rid)
         except ValueError:
             self.engine.abort_request(order)
@@ -133,12 +138,7 @@ class LLM:
             self.engine.input_processor.validate(ids, params)
         if priority is not None and len(priority) != len(tokenized):
             raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(tokenized))
-        if len(loras) != len(tokenized):
-            raise ValueError(f"{len(loras)} LoRA requests for {len(tokenized)} prompts")
-        for lora in dict.fromkeys(x for x in loras if x is not None):
-            self.engine.check_lora(lora)
+        loras = self._loras(lora_request, len(tokenized))
         order = []
         try:
             for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
@@ -151,6 +151,16 @@ class LLM:
             self.engine.abort_request(order)
             raise
         return self._drain(order, use_tqdm and len(order) > 1)
+
+    def _loras(self, lora_request, n: int) -> list[Optional[LoRARequest]]:
+        """One adapter per prompt (or None), each checked before any is added."""
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * n)
+        if len(loras) != n:
+            raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.check_lora(lora)
+        return loras
 
     def _drain(self, order: list[str], progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
