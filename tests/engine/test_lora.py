@@ -196,6 +196,25 @@ def test_samples_beams_constraints_and_preemption_run_as_on_the_merged_weights(
     assert llm.engine.scheduler.kv.num_free_blocks == 64
 
 
+def test_tensor_parallel_ranks_hold_their_slices_of_each_adapter(tiny):
+    """TP 2 (one KV head per rank) and 4 (KV heads replicated): a batch that
+    mixes three adapters and the base gives the single rank's greedy tokens
+    (themselves peft's, above); A whole and B split on column-parallel
+    layers, A split and B whole on row-parallel ones."""
+    base, adapters = tiny
+    loras = [None] + [adapters[n][0] for n in ("all", "qv", "mlp")]
+    prompts = [PROMPTS[i % 2][:15 + 3 * i] for i in range(4)]
+    want = _greedy(LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=3),
+                   prompts, loras)
+    for tp in (2, 4):
+        llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=3,
+                  tensor_parallel_size=tp)
+        try:
+            assert _greedy(llm, prompts, loras) == want, tp
+        finally:
+            llm.shutdown()
+
+
 def test_what_is_refused(tiny, tmp_path):
     base, adapters = tiny
     lora = adapters["all"][0]
@@ -214,8 +233,7 @@ def test_what_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("x", 0, "p")
     assert llm.engine.scheduler.kv.num_free_blocks == 16
-    for kw, message in [({"tensor_parallel_size": 2}, "under tensor parallelism are not supported"),
-                        ({"speculative_config": {"method": "ngram"}},
+    for kw, message in [({"speculative_config": {"method": "ngram"}},
                          "speculative decoding are not supported"),
                         ({"max_loras": 0}, "max_loras must be a positive integer"),
                         ({"max_loras": 2, "max_cpu_loras": 1}, "max_cpu_loras .1. must be at "

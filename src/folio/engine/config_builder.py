@@ -83,7 +83,7 @@ def _say_requantized(path: str, name: str) -> None:
 
 
 def lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu_loras: Optional[int],
-                tensor_parallel_size: int, speculative) -> Optional[LoRAConfig]:
+                speculative) -> Optional[LoRAConfig]:
     """--enable-lora and its sizes, checked; None when off."""
     if not enable:
         return None
@@ -93,8 +93,6 @@ def lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu_loras: Opti
     if max_cpu_loras is not None and max_cpu_loras < max_loras:
         raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras "
                          f"({max_loras})")
-    if tensor_parallel_size > 1:
-        raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
     if speculative is not None:
         raise ValueError("LoRA adapters with speculative decoding are not supported yet")
     return LoRAConfig(max_loras, max_rank, max_cpu_loras)
@@ -212,7 +210,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         speculative = with_draft_model(speculative, model_config, max_model_len,
                                        weight_dtype)
     lora = lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras,
-                       tensor_parallel_size, speculative)
+                       speculative)
     mem = None if kv_cache_memory_bytes is None else parse_size(kv_cache_memory_bytes)
     return FolioConfig(
         model=model_config,

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from folio.distributed.parallel_state import tp_rank
+from folio.model.layers.linear import RowParallelLinear
 from folio.model.lora.checkpoint import LoRAAdapter, LoRAWeights
 
 
@@ -109,16 +111,26 @@ def reference_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 
 class LoRASlots:
-    """One layer's slots. `parts`: (checkpoint leaf, first output row, rows)
-    of each projection fused in the layer, in output order; `prefix`: the
-    checkpoint module that holds them (model.layers.{i}.self_attn)."""
+    """One layer's slots. `parts`: (checkpoint leaf, first output row, rows,
+    first row of the checkpoint's B) of each projection fused in the layer,
+    in output order; `prefix`: the checkpoint module that holds them
+    (model.layers.{i}.self_attn).
 
-    def __init__(self, parts: list[tuple[str, int, int]], in_features: int, out_features: int,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device,
-                 context: LoRAContext, prefix: str):
+    Under tensor parallelism each rank holds its slice, as its base layer
+    does: a column-parallel layer (input whole, output split) keeps A whole
+    and its rank's rows of each part's B (KV heads replicated as the base
+    replicates them); a row-parallel one (input split) keeps its rank's
+    columns of A (`in_first`) and B whole: its partial (x_r A_r^T) B^T is
+    added before the layer's all-reduce, which sums the ranks' partials into
+    (x A^T) B^T, so no collective of its own."""
+
+    def __init__(self, parts: list[tuple[str, int, int, int]], in_features: int,
+                 out_features: int, max_loras: int, max_rank: int, dtype: torch.dtype, device,
+                 context: LoRAContext, prefix: str, in_first: int = 0):
         self.parts, self.max_rank, self.context = parts, max_rank, context
+        self.in_first = in_first        # this rank's first input column of A (row-parallel)
         # each part's checkpoint module: model.layers.{i}.self_attn.q_proj, ...
-        self.modules = {leaf: f"{prefix}.{leaf}" for leaf, _, _ in parts}
+        self.modules = {part[0]: f"{prefix}.{part[0]}" for part in parts}
         width = len(parts) * max_rank
         # on the CPU: fp32 slots for few rows, and the run dtype's for many
         narrow = torch.float32 if torch.device(device).type == "cpu" else dtype
@@ -132,14 +144,16 @@ class LoRASlots:
         weights; a part it does not adapt stays zero)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        for i, (leaf, first, rows) in enumerate(self.parts):
+        width = self.a.shape[2]
+        for i, (leaf, first, rows, source) in enumerate(self.parts):
             w = modules.get(leaf)
             if w is None:
                 continue
             r, col = w.rank, i * self.max_rank
-            self.a[slot, col:col + r] = w.a.to(self.a.dtype)
-            self.b[slot, first:first + rows, col:col + r] = (w.b.float() * scaling).to(
-                self.b.dtype)
+            self.a[slot, col:col + r] = w.a[:, self.in_first:self.in_first + width].to(
+                self.a.dtype)
+            self.b[slot, first:first + rows, col:col + r] = (
+                w.b[source:source + rows].float() * scaling).to(self.b.dtype)
         if self.wide is not None:
             self.wide[1][slot] = self.a[slot].to(self.wide[1].dtype)
             self.wide[2][slot] = self.b[slot].to(self.wide[2].dtype)
@@ -175,18 +189,31 @@ def attach_lora(model, max_loras: int, max_rank: int, dtype: torch.dtype,
             except AttributeError:
                 continue
             parts, first = [], 0
-            for leaf, rows in zip(leaves, _part_rows(linear, leaves)):
-                parts.append((leaf, first, rows))
+            for leaf, rows, source in zip(leaves, _part_rows(linear, leaves),
+                                          _part_sources(linear, leaves)):
+                parts.append((leaf, first, rows, source * rows))
                 first += rows
+            row_parallel = isinstance(linear, RowParallelLinear)
             linear.lora = LoRASlots(parts, linear.in_features, linear.out_features, max_loras,
                                     max_rank, dtype, device, context,
-                                    f"model.layers.{i}.{path.split('.')[0]}")
+                                    f"model.layers.{i}.{path.split('.')[0]}",
+                                    tp_rank() * linear.in_features if row_parallel else 0)
             layers.append(linear.lora)
     return context, layers
 
 
+def _part_sources(linear, leaves) -> list[int]:
+    """Which slice of each part's checkpoint rows this rank holds (its rank;
+    for k and v, the KV head group it replicates); 0 for a row-parallel layer."""
+    if isinstance(linear, RowParallelLinear):
+        return [0] * len(leaves)
+    if len(leaves) == 3:
+        return [tp_rank()] + [tp_rank() // linear.kv_replicas] * 2
+    return [tp_rank()] * len(leaves)
+
+
 def _part_rows(linear, leaves) -> list[int]:
-    """Output rows of each part of a (single-rank) fused layer."""
+    """Output rows of each part of a fused layer, on this rank."""
     if len(leaves) == 1:
         return [linear.out_features]
     if len(leaves) == 3:            # q, k, v
