@@ -256,3 +256,49 @@ def test_weights_off_the_cpu_never_build_the_cpu_kernels(monkeypatch):
     from folio.model.native.decoder import NativeDecoder
     monkeypatch.setattr(native, "load", lambda: pytest.fail("built the CPU kernels"))
     assert NativeDecoder.build([torch.nn.Linear(4, 4, device="meta")]) is None
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("bf16", marks=needs_bf16_kernel),
+    pytest.param("Q4_1 bf16", marks=needs_quantized_kernel),
+    pytest.param("Q4_1 fp32", marks=needs_quantized_kernel)])
+def test_lora_adapters_run_in_the_one_call_as_in_the_modules(tmp_path, monkeypatch, kind):
+    """LoRA slots on every projection, two adapters and the base mixed in
+    each step: the one call runs the grouped kernel after each projection
+    as the modules' layers do (bit for bit in bf16, to fp32 rounding in
+    fp32), and the adapters change the answers."""
+    from folio import LoRARequest
+    from tests.utils import make_lora_adapter
+    if kind == "Q4_1 bf16" and not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("no bf16 element-wise kernels here")
+    folder = make_tiny_model(tmp_path / "hf", intermediate_size=128)
+    loras = []
+    for i, modules in enumerate((["q_proj", "v_proj", "o_proj", "down_proj"],
+                                 ["k_proj", "gate_proj", "up_proj"])):
+        path, _ = make_lora_adapter(folder, tmp_path / f"a{i}", seed=i, r=8, lora_alpha=16,
+                                    target_modules=modules)
+        loras.append(LoRARequest(f"a{i}", i + 1, path))
+    model, dtype = str(folder), "bfloat16"
+    extra = {}
+    if kind.startswith("Q4_1"):
+        model = write_tiny_gguf(folder, tmp_path / "m.gguf", "Q4_1")
+        dtype = kind.split()[1].replace("bf16", "bfloat16").replace("fp32", "float32")
+        fp32 = device.split_cpu_bf16(dtype, "cpu")[0] == "float32"
+        extra = dict(activation_quantization="none" if fp32 else "int8",
+                     kv_cache_dtype="float32" if fp32 else "auto")
+    llm = LLM(model, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48,
+              enable_lora=True, max_loras=2, **extra)
+    assert llm.engine.executor.runner.model.model.native_decoder is not None
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33, 12, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    records = _record_both_paths(monkeypatch)
+    got = llm.generate(prompts, params, lora_request=[loras[0], loras[1], None] * 2,
+                       use_tqdm=False)
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    if llm.engine.config.dtype == "bfloat16":
+        assert all(r[2] and r[3] for r in records), records
+    else:
+        assert all(hidden < 1e-4 and cache < 1e-4 for *_, hidden, cache in records), records
+    changed = [a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(plain, got)]
+    assert changed[0] and changed[1] and not changed[2]

@@ -60,12 +60,11 @@ class ModelRunner(SpecRunner):
                                  self.attn_backend)
         self.model.load_weights(iter_weights(config.model))
         set_activation_quantization(self.model, config.activation_quantization)
-        # LoRA: slots on the linear layers; the one-call native decoder, which
-        # runs the layers' packed weights without them, stays off
+        # LoRA: slots on the linear layers (before the one-call native
+        # decoder, which runs them after each projection)
         self.loras = LoRAManager(self.model, config, self.dtype, self.device) \
             if config.lora else None
-        if self.loras is None:
-            self.model.build_native_decoder()
+        self.model.build_native_decoder()
         # speculative decoding with a draft model: its weights and, below, its cache
         self.drafter = build_drafter(config, self.dtype, self.attn_backend,
                                      self.model.config.vocab_size)

@@ -27,6 +27,7 @@ import torch
 
 from folio.distributed.parallel_state import tp_rank
 from folio.model.layers.linear import RowParallelLinear
+from folio.model.native import lora as native_lora
 from folio.model.lora.checkpoint import LoRAAdapter, LoRAWeights
 
 
@@ -38,10 +39,12 @@ class LoRAContext:
     for one batched product over all slots (`batch_runs`)."""
     groups: list[tuple[int, int, int]] = field(default_factory=list)
     batched: Optional["BatchedRuns"] = None
+    runs: Optional[torch.Tensor] = None         # the groups as the native kernel reads them
 
     def set(self, groups: list[tuple[int, int, int]], num_slots: int, device) -> None:
         self.groups = groups
         self.batched = batch_runs(groups, num_slots, device)
+        self.runs = native_lora.runs_tensor(groups)
 
 
 @dataclass
@@ -132,7 +135,14 @@ class LoRASlots:
         # each part's checkpoint module: model.layers.{i}.self_attn.q_proj, ...
         self.modules = {part[0]: f"{prefix}.{part[0]}" for part in parts}
         width = len(parts) * max_rank
-        # on the CPU: fp32 slots for few rows, and the run dtype's for many
+        self.native = native_lora.serves(device, dtype)
+        if self.native:
+            # the native kernel's transposed slots, in the run dtype, width padded
+            width = -(-width // native_lora.WIDTH_MULTIPLE) * native_lora.WIDTH_MULTIPLE
+            self.at = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
+            self.bt = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+            return
+        # torch on the CPU: fp32 slots for few rows, and the run dtype's for many
         narrow = torch.float32 if torch.device(device).type == "cpu" else dtype
         self.a = torch.zeros(max_loras, width, in_features, dtype=narrow, device=device)
         self.b = torch.zeros(max_loras, out_features, width, dtype=narrow, device=device)
@@ -142,26 +152,36 @@ class LoRASlots:
     def set_slot(self, slot: int, modules: dict[str, LoRAWeights], scaling: float) -> None:
         """The slot holds this layer's part of an adapter (`modules`: leaf ->
         weights; a part it does not adapt stays zero)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        width = self.a.shape[2]
+        if self.native:
+            in_features, width, out = self.at.shape[1], self.at.shape[2], self.bt.shape[2]
+        else:
+            width, in_features, out = self.a.shape[1], self.a.shape[2], self.b.shape[1]
+        a = torch.zeros(width, in_features)
+        b = torch.zeros(out, width)
         for i, (leaf, first, rows, source) in enumerate(self.parts):
             w = modules.get(leaf)
             if w is None:
                 continue
             r, col = w.rank, i * self.max_rank
-            self.a[slot, col:col + r] = w.a[:, self.in_first:self.in_first + width].to(
-                self.a.dtype)
-            self.b[slot, first:first + rows, col:col + r] = (
-                w.b[source:source + rows].float() * scaling).to(self.b.dtype)
+            a[col:col + r] = w.a[:, self.in_first:self.in_first + in_features]
+            b[first:first + rows, col:col + r] = w.b[source:source + rows].float() * scaling
+        if self.native:
+            self.at[slot] = a.t()
+            self.bt[slot] = b.t()
+            return
+        self.a[slot] = a
+        self.b[slot] = b
         if self.wide is not None:
-            self.wide[1][slot] = self.a[slot].to(self.wide[1].dtype)
-            self.wide[2][slot] = self.b[slot].to(self.wide[2].dtype)
+            self.wide[1][slot] = a
+            self.wide[2][slot] = b
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = self.context
-        return add_lora(x, y, self.a, self.b, ctx.groups, self.wide, ctx.batched) \
-            if ctx.groups else y
+        if not ctx.groups:
+            return y
+        if self.native:
+            return native_lora.add_lora(x, y, self.at, self.bt, ctx.runs)
+        return add_lora(x, y, self.a, self.b, ctx.groups, self.wide, ctx.batched)
 
 
 WIDE_ROWS = 64      # a run of this many rows multiplies in the run dtype (CPU)

@@ -11,6 +11,8 @@
   with AVX2 and FMA or AVX-512.
 - `decoder.c`: every decoder layer of a step in one call, from the kernels
   above (wrapped in `decoder.py`).
+- `lora.c`: LoRA of several adapters in one step, grouped by adapter
+  (wrapped in `lora.py`).
 
 The C sources ship with the package; they are compiled once per machine (the
 cache key includes the sources and the CPU's flags, since they are built with
@@ -40,7 +42,7 @@ logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c",
-            _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c"]
+            _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -135,6 +137,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_qlinear_available": (ctypes.c_int, []),
         "folio_qlinear_int8_rows": (ctypes.c_int, [i32]),
         "folio_attention_vector_width": (ctypes.c_int, []),
+        "folio_lora": (ctypes.c_int, [p, i64, p, i64, i32, p, p, i32, p, i64, i64, i64, i64,
+                                      i32]),
         "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
                                          i64, i64, i32, i32]),
     }

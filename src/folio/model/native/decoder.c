@@ -18,6 +18,8 @@
  *   bf16 or fp32 activations, in the mode the modules' layers take
  *   (quantize_x: int8 at decode batch sizes, else int16 for bf16 and float for
  *   fp32); the element-wise kernels as for the dtype.
+ * LoRA adapters (lora.c) run after each projection that has slots, over the
+ * step's runs of rows of one adapter, as the modules' layers run them.
  * The final norm and the LM head stay in torch.
  */
 #include <stdint.h>
@@ -45,6 +47,9 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                   const uint16_t *offsets, int zeros, const int32_t *bounds, int64_t groups,
                   const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
                   int quantize_x, int num_threads);
+int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int dtype,
+               const void *at, const void *bt, int w_dtype, const int64_t *runs, int64_t nruns,
+               int64_t in, int64_t out, int64_t width, int num_threads);
 int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
@@ -67,12 +72,15 @@ typedef struct {
  * projections); projections packed for the step's linear kernel (quantized:
  * each a folio_qweight); its KV cache [2][num_blocks][block_size][kv_heads]
  * [head_dim], in the step's kv_dtype; Qwen3's per-head norms of q and k
- * [head_dim] in the activations' dtype, or NULL. */
+ * [head_dim] in the activations' dtype, or NULL; each projection's LoRA
+ * slots (qkv, o, gate_up, down: lora.c's at and bt, and their width), or NULL. */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
     void *kv_cache;
     const void *q_norm, *k_norm;
+    const void *lora_at[4], *lora_bt[4];
+    int64_t lora_width[4];
 } folio_layer;
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
@@ -95,6 +103,9 @@ typedef struct {
     int quantized;                            /* 1: folio_qweight projections */
     int quantize_x;                           /* their folio_qlinear mode */
     int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16 */
+    const int64_t *lora_runs;                 /* [lora_nruns][3]: slot, first row, end */
+    int64_t lora_nruns;
+    int lora_dtype;                           /* the LoRA slots': 0 fp32, 1 bf16 */
 } folio_step;
 
 /* n elements of a key or value row from the activations (dtype) into the
@@ -126,6 +137,16 @@ static int linear(const folio_step *s, const void *x, int64_t x_stride, const vo
     return 0;
 }
 
+/* y += the step's LoRA of projection j of layer w (x [m][in] its input, y
+ * [m][out] its output); nonzero if scratch memory could not be had. */
+static int lora(const folio_step *s, const folio_layer *w, int j, const void *x,
+                int64_t x_stride, void *y, int64_t y_stride, int64_t in, int64_t out) {
+    if (s->lora_nruns == 0 || w->lora_at[j] == NULL) return 0;
+    return folio_lora(x, x_stride, y, y_stride, s->dtype, w->lora_at[j], w->lora_bt[j],
+                      s->lora_dtype, s->lora_runs, s->lora_nruns, in, out, w->lora_width[j],
+                      s->num_threads) != 0;
+}
+
 int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_step *s) {
     const int64_t t = s->tokens, h = s->hidden, inter = s->intermediate;
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
@@ -142,6 +163,7 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
         if (i == 0)                 /* the first layer: its input is the residual */
             memcpy(s->residual, x, elt * (size_t)(t * h));
         if (linear(s, s->normed, h, w->qkv, w->qkv_bias, qkv, t, qkv_width, h)) return 1;
+        if (lora(s, w, 0, s->normed, h, qkv, qkv_width, h, qkv_width)) return 1;
         if (w->q_norm) {            /* Qwen3: each head of q and of k normed before rotary */
             folio_head_rmsnorm(qkv, t, qkv_width, s->heads, s->head_dim, w->q_norm, s->eps,
                                dtype, threads);
@@ -164,11 +186,14 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
                                   s->scale, dtype, s->kv_dtype, threads))
             return 1;
         if (linear(s, s->attn, q_size, w->o, 0, x, t, h, q_size)) return 1;
+        if (lora(s, w, 1, s->attn, q_size, x, h, q_size, h)) return 1;
         folio_add_rmsnorm(x, s->residual, w->post_norm, s->normed, t, h, s->eps, dtype, 1,
                           threads);
         if (linear(s, s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h)) return 1;
+        if (lora(s, w, 2, s->normed, h, s->gate_up, 2 * inter, h, 2 * inter)) return 1;
         folio_silu_mul(s->gate_up, s->act, t, inter, dtype, threads);
         if (linear(s, s->act, inter, w->down, 0, x, t, h, inter)) return 1;
+        if (lora(s, w, 3, s->act, inter, x, h, inter, h)) return 1;
     }
     return 0;
 }

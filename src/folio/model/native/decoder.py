@@ -3,7 +3,8 @@
 `NativeDecoder.build(layers)` says whether the decoder layers of a loaded
 Llama-family model (Qwen3's per-head q/k norms included) can take this path:
 every projection packed for one of the native linear kernels, one
-tensor-parallel rank, no bias but on qkv. Three kinds:
+tensor-parallel rank, no bias but on qkv, LoRA slots (if any) the native
+grouped kernel's, run after each projection. Three kinds:
 
 - bf16 (weights packed for the AVX512-BF16 kernel): the modules call the same
   kernels in the same order, so the two give bit-identical hidden states
@@ -35,7 +36,8 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
-                                        "gate_up", "down", "kv_cache", "q_norm", "k_norm")]
+                                        "gate_up", "down", "kv_cache", "q_norm", "k_norm")] + [
+        ("lora_at", _p * 4), ("lora_bt", _p * 4), ("lora_width", _i64 * 4)]
 
 
 class _Step(ctypes.Structure):
@@ -47,7 +49,8 @@ class _Step(ctypes.Structure):
                 ("hidden_states", _p), ("residual", _p),
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
                 ("num_threads", _i32), ("dtype", _i32), ("quantized", _i32),
-                ("quantize_x", _i32), ("kv_dtype", _i32)]
+                ("quantize_x", _i32), ("kv_dtype", _i32),
+                ("lora_runs", _p), ("lora_nruns", _i64), ("lora_dtype", _i32)]
 
 
 class _QWeight(ctypes.Structure):
@@ -89,6 +92,11 @@ class NativeDecoder:
         self.quantize_x = (attn.qkv_proj.quant_method.quantize_x(self.dtype)
                            if self.quantized else 0)
         self._tables: dict[tuple[int, ...], ctypes.Array] = {}
+        # LoRA (model/lora/layers.py): the step's runs of rows by adapter
+        slots = [p.lora for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                 if p.lora is not None]
+        self.lora_context = slots[0].context if slots else None
+        self.lora_dtype = native.dtype_code(slots[0].at.dtype) if slots else 0
 
     @classmethod
     def build(cls, layers) -> Optional["NativeDecoder"]:
@@ -118,6 +126,9 @@ class NativeDecoder:
             if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
                 return None
             if any(p.bias is not None for p in projections[2:]):
+                return None
+            # LoRA slots: the one call runs the native grouped kernel's
+            if any(p.lora is not None and not p.lora.native for p in projections):
                 return None
         if len(kinds) != 1 or None in kinds:
             return None
@@ -167,6 +178,12 @@ class NativeDecoder:
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
                 entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
+                for j, p in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                       mlp.down_proj)):
+                    if p.lora is not None:
+                        entry.lora_at[j], entry.lora_bt[j] = (p.lora.at.data_ptr(),
+                                                              p.lora.bt.data_ptr())
+                        entry.lora_width[j] = p.lora.at.shape[2]
             self._tables = {key: table}          # one cache set at a time
             self._keep = keep
         return table
@@ -198,6 +215,10 @@ class NativeDecoder:
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
             dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized),
             quantize_x=self.quantize_x, kv_dtype=native.dtype_code(cache.dtype))
+        ctx = self.lora_context
+        if ctx is not None and ctx.groups:
+            step.lora_runs, step.lora_nruns = ctx.runs.data_ptr(), ctx.runs.shape[0]
+            step.lora_dtype = self.lora_dtype
         table = self._layer_table(kv_caches)
         if native.load().folio_decoder_layers(table, len(self.layers), ctypes.byref(step)):
             raise MemoryError("a native CPU kernel could not allocate its scratch memory")
