@@ -67,8 +67,9 @@ static block *blocks_of(const int64_t *runs, int64_t nruns, int64_t *n) {
 /* t[block rows][v0 .. v0 + nv vectors] = x[block rows] A^T; mr and nv are
  * constants where it is inlined (shrink's cases), so the loops unroll. */
 static inline __attribute__((always_inline)) void shrink_k(
-    const void *x, int64_t x_stride, int dtype, const void *at, int w_dtype, const block *bl,
-    int64_t in, int64_t width, int64_t v0, float *t, const int mr, const int nv) {
+    const float *x, int64_t x_stride, int64_t x_row, const void *at, int w_dtype,
+    const block *bl, int64_t in, int64_t width, int64_t v0, float *t, const int mr,
+    const int nv) {
     const int64_t base = bl->slot * in * width + v0 * FOLIO_VW;
     fvec acc[MR][NV];
 #pragma GCC unroll 8
@@ -81,7 +82,7 @@ static inline __attribute__((always_inline)) void shrink_k(
         for (int j = 0; j < nv; j++) w[j] = fv_load(at, base + i * width + j * FOLIO_VW, w_dtype);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
-            const fvec xv = fv_set1(scalar(x, (bl->row + r) * x_stride + i, dtype));
+            const fvec xv = fv_set1(x[(x_row + r) * x_stride + i]);
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++) acc[r][j] = fv_fma(xv, w[j], acc[r][j]);
         }
@@ -140,9 +141,12 @@ static inline __attribute__((always_inline)) void expand_k(
                         default: NV_CASES(call, 4) }
 #endif
 
-static void shrink(const void *x, int64_t x_stride, int dtype, const void *at, int w_dtype,
-                   const block *bl, int64_t in, int64_t width, int64_t v0, int nv, float *t) {
-#define SHRINK(mr, n) shrink_k(x, x_stride, dtype, at, w_dtype, bl, in, width, v0, t, mr, n)
+/* x: fp32 rows, x_stride apart, the block's first at x_row. */
+static void shrink(const float *x, int64_t x_stride, int64_t x_row, const void *at,
+                   int w_dtype, const block *bl, int64_t in, int64_t width, int64_t v0, int nv,
+                   float *t) {
+#define SHRINK(mr, n) \
+    shrink_k(x, x_stride, x_row, at, w_dtype, bl, in, width, v0, t, mr, n)
     MR_CASES(SHRINK)
 #undef SHRINK
 }
@@ -191,13 +195,33 @@ int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int d
 #ifdef FOLIO_HAVE_VEC
     const int64_t wv = width / FOLIO_VW, wgroups = (wv + NV - 1) / NV;
     const int64_t ov = out / FOLIO_VW, ogroups = (ov + NV - 1) / NV;
+    /* bf16 rows widened once into fp32 ones, in t's row order: the shrink's
+     * broadcasts then load floats (one instruction, not a widening each) */
+    float *xf = NULL;
+    if (dtype) {
+        xf = malloc((size_t)(rows ? rows : 1) * in * sizeof *xf);
+        if (xf == NULL) {
+            free(t);
+            free(bl);
+            return -1;
+        }
+    }
 #pragma omp parallel num_threads(num_threads)
     {
+        if (xf) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < nblocks; i++)
+                for (int64_t r = 0; r < bl[i].rows; r++)
+                    for (int64_t j = 0; j < in; j++)
+                        xf[(bl[i].t_row + r) * in + j] =
+                            bf16_to_float(((const uint16_t *)x)[(bl[i].row + r) * x_stride + j]);
+        }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nblocks * wgroups; i++) {
             const int64_t g = i % wgroups, v0 = g * NV;
-            shrink(x, x_stride, dtype, at, w_dtype, &bl[i / wgroups], in, width, v0,
-                   (int)(wv - v0 < NV ? wv - v0 : NV), t);
+            const block *b = &bl[i / wgroups];
+            shrink(xf ? xf : x, xf ? in : x_stride, xf ? b->t_row : b->row, at, w_dtype, b,
+                   in, width, v0, (int)(wv - v0 < NV ? wv - v0 : NV), t);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nblocks * (ogroups + 1); i++) {
@@ -213,6 +237,7 @@ int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int d
             }
         }
     }
+    free(xf);
 #else
     for (int64_t i = 0; i < nblocks; i++) {
         for (int64_t r = 0; r < bl[i].rows; r++)
