@@ -1,9 +1,9 @@
 """The native grouped LoRA kernel (native/lora.c) against the per-token torch
 reference (model/lora/layers.reference_lora), in every build this machine
-runs (its own, AVX2, portable C): random ranks and slots, runs of 1 to 9 rows
-in any order (an adapter's rows in two runs, rows of no adapter between
-them), fp32 and bf16 activations and slots, an output width that is not a
-whole number of vectors, strided input rows."""
+runs (its own, AVX2, portable C): random ranks and slots, runs of 1 to 9
+rows and of a prompt's many, in any order (an adapter's rows in two runs,
+rows of no adapter between them), fp32 and bf16 activations and slots, an
+output width that is not a whole number of vectors, strided input rows."""
 
 import pytest
 import torch
@@ -13,7 +13,9 @@ from folio.model.native import lora as native_lora
 from tests.model.native_builds import builds, library
 
 
-def _case(seed: int, rows: int, in_features: int, out: int, width: int, slots: int):
+def _case(seed: int, rows: int, in_features: int, out: int, width: int, slots: int,
+          cuts: int = 0):
+    """`cuts`: how many places the rows are cut into runs (0: a third of them)."""
     g = torch.Generator().manual_seed(seed)
     at = torch.randn(slots, in_features, width, generator=g) / in_features ** 0.5
     bt = torch.randn(slots, width, out, generator=g)
@@ -21,7 +23,8 @@ def _case(seed: int, rows: int, in_features: int, out: int, width: int, slots: i
         rank = int(torch.randint(1, width + 1, (1,), generator=g))
         at[s, :, rank:] = 0
     # runs cut from the rows in a random order of pieces, some left to the base
-    inner = torch.randint(1, rows, (rows // 3,), generator=g).tolist() if rows > 1 else []
+    inner = torch.randint(1, rows, (cuts or rows // 3,), generator=g).tolist() if rows > 1 \
+        else []
     cuts = sorted(set(inner) | {0, rows})
     pieces = [(a, b) for a, b in zip(cuts, cuts[1:])]
     order = torch.randperm(len(pieces), generator=g).tolist()
@@ -45,9 +48,11 @@ def _case(seed: int, rows: int, in_features: int, out: int, width: int, slots: i
                                             (torch.float32, torch.bfloat16)])
 def test_the_kernel_is_the_per_token_reference(flags, dtype, w_dtype):
     lib = library(flags)
-    for seed, (rows, in_features, out, width, slots) in enumerate(
-            [(23, 72, 100, 48, 5), (9, 64, 128, 16, 2), (40, 96, 72, 32, 8), (1, 16, 20, 16, 1)]):
-        x, y, at, bt, runs, which = _case(seed, rows, in_features, out, width, slots)
+    for seed, shape in enumerate(
+            [(23, 72, 100, 48, 5), (9, 64, 128, 16, 2), (40, 96, 72, 32, 8), (1, 16, 20, 16, 1),
+             (70, 64, 80, 32, 3, 2)]):          # the last: runs of many rows (prompts)
+        x, y, at, bt, runs, which = _case(seed, *shape)
+        rows = shape[0]
         x, y, at, bt = x.to(dtype), y.to(dtype), at.to(w_dtype), bt.to(w_dtype)
         want = y.double() + reference_lora(x.double(), at.transpose(1, 2).double(),
                                            bt.transpose(1, 2).double(), which)

@@ -1,21 +1,22 @@
 """LoRA on the model's linear layers, several adapters in one step (issue 31).
 
-Each adapted layer holds `max_loras` slots of stacked weights:
+Each adapted layer holds `max_loras` slots of stacked weights, every part's
+A and B (B times the scaling) side by side, each rank zero-padded to R:
 
-    a  [slots, parts * R, in]    every part's A, rank zero-padded to R
-    b  [slots, out, parts * R]   every part's B times the scaling, in its
-                                 part's output rows and its rank's columns
+    at [slots, in, width]    A^T   (width = parts * R, padded to 16)
+    bt [slots, width, out]   B^T, each part's B in its output rows
 
 where a fused layer's parts are its checkpoint projections (qkv: q, k, v;
 gate_up: gate, up) and R is --max-lora-rank. The runner lays a step's
 sequences out by adapter, so each adapter's tokens are a few runs of
 consecutive rows (`LoRAContext.groups`: slot, first row, end); each run adds
-(x A^T) B^T to the layer's output, shrink then expand, on views of the rows
-(`add_lora`); tokens of no adapter add nothing. On the CPU the slots are
-fp32 and the runs are multiplied in fp32 (oneDNN's bf16 products of a few
-rows cost several times their fp32 ones, as the MoE router found), then
-rounded into the layer's output. `reference_lora` is the per-token loop the
-tests hold it to.
+(x A^T) B^T to the layer's output, shrink then expand, in a grouped kernel:
+native/lora.c on the CPU (fp32 sums, the output rounded once; the one-call
+decoder runs it too), triton_lora.py on CUDA. Tokens of no adapter add
+nothing. Where neither kernel serves, torch multiplies each run on views of
+its rows (`add_lora`, slots `a` [slots, width, in] and `b` [slots, out,
+width]; on the CPU in fp32, with bf16 copies for prompt chunks).
+`reference_lora` is the per-token loop the tests hold them to.
 """
 
 from __future__ import annotations
@@ -39,12 +40,17 @@ class LoRAContext:
     for one batched product over all slots (`batch_runs`)."""
     groups: list[tuple[int, int, int]] = field(default_factory=list)
     batched: Optional["BatchedRuns"] = None
-    runs: Optional[torch.Tensor] = None         # the groups as the native kernel reads them
+    runs: Optional[torch.Tensor] = None         # the groups as the kernels read them
+    device_runs: Optional[torch.Tensor] = None  # on a GPU: there, for Triton's
+    longest: int = 0                            # the most rows of a run
 
     def set(self, groups: list[tuple[int, int, int]], num_slots: int, device) -> None:
         self.groups = groups
         self.batched = batch_runs(groups, num_slots, device)
         self.runs = native_lora.runs_tensor(groups)
+        self.longest = max((end - start for _, start, end in groups), default=0)
+        self.device_runs = self.runs.to(device) if torch.device(device).type == "cuda" \
+            else self.runs
 
 
 @dataclass
@@ -135,9 +141,11 @@ class LoRASlots:
         # each part's checkpoint module: model.layers.{i}.self_attn.q_proj, ...
         self.modules = {part[0]: f"{prefix}.{part[0]}" for part in parts}
         width = len(parts) * max_rank
-        self.native = native_lora.serves(device, dtype)
-        if self.native:
-            # the native kernel's transposed slots, in the run dtype, width padded
+        self.kernel = _kernel(device, dtype)
+        self.transposed = self.kernel is not None
+        if self.transposed:
+            # the kernels' transposed slots (native/lora.c, triton_lora.py), in
+            # the run dtype, width padded
             width = -(-width // native_lora.WIDTH_MULTIPLE) * native_lora.WIDTH_MULTIPLE
             self.at = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
             self.bt = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
@@ -152,7 +160,7 @@ class LoRASlots:
     def set_slot(self, slot: int, modules: dict[str, LoRAWeights], scaling: float) -> None:
         """The slot holds this layer's part of an adapter (`modules`: leaf ->
         weights; a part it does not adapt stays zero)."""
-        if self.native:
+        if self.transposed:
             in_features, width, out = self.at.shape[1], self.at.shape[2], self.bt.shape[2]
         else:
             width, in_features, out = self.a.shape[1], self.a.shape[2], self.b.shape[1]
@@ -165,7 +173,7 @@ class LoRASlots:
             r, col = w.rank, i * self.max_rank
             a[col:col + r] = w.a[:, self.in_first:self.in_first + in_features]
             b[first:first + rows, col:col + r] = w.b[source:source + rows].float() * scaling
-        if self.native:
+        if self.transposed:
             self.at[slot] = a.t()
             self.bt[slot] = b.t()
             return
@@ -179,9 +187,26 @@ class LoRASlots:
         ctx = self.context
         if not ctx.groups:
             return y
-        if self.native:
+        if self.kernel == "native":
             return native_lora.add_lora(x, y, self.at, self.bt, ctx.runs)
+        if self.kernel == "triton":
+            from folio.model.lora import triton_lora
+            return triton_lora.add_lora(x, y, self.at, self.bt, ctx.device_runs, ctx.longest)
         return add_lora(x, y, self.a, self.b, ctx.groups, self.wide, ctx.batched)
+
+
+def _kernel(device, dtype: torch.dtype) -> Optional[str]:
+    """The grouped kernel adapted layers run: "native" on the CPU (where it
+    builds), "triton" on CUDA; None: torch's products."""
+    if native_lora.serves(device, dtype):
+        return "native"
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return None
+        return "triton"
+    return None
 
 
 WIDE_ROWS = 64      # a run of this many rows multiplies in the run dtype (CPU)

@@ -128,7 +128,7 @@ class NativeDecoder:
             if any(p.bias is not None for p in projections[2:]):
                 return None
             # LoRA slots: the one call runs the native grouped kernel's
-            if any(p.lora is not None and not p.lora.native for p in projections):
+            if any(p.lora is not None and p.lora.kernel != "native" for p in projections):
                 return None
         if len(kinds) != 1 or None in kinds:
             return None
