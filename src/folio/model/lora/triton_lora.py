@@ -23,15 +23,22 @@ BLOCK_M, BLOCK_W, BLOCK_K, BLOCK_N = 16, 16, 32, 64
 
 
 @triton.jit
+def _block_rows(runs_ptr, BLOCK_M: tl.constexpr):
+    """This program's run (axis 0) and block of its rows (axis 1): the run's
+    slot, the block's first row and the run's end."""
+    run = tl.program_id(0)
+    slot = tl.load(runs_ptr + run * 3)
+    first = tl.load(runs_ptr + run * 3 + 1) + tl.program_id(1) * BLOCK_M
+    return slot, first, tl.load(runs_ptr + run * 3 + 2)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, at_ptr, runs_ptr, t_ptr, x_stride, in_features, width,
                    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    run = tl.program_id(0)
-    slot = tl.load(runs_ptr + run * 3)
-    start = tl.load(runs_ptr + run * 3 + 1)
-    end = tl.load(runs_ptr + run * 3 + 2)
-    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if start + tl.program_id(1) * BLOCK_M < end:
+    slot, first, end = _block_rows(runs_ptr, BLOCK_M)
+    m = first + tl.arange(0, BLOCK_M)
+    if first < end:
         w = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
         k = tl.arange(0, BLOCK_K)
         mm = m < end
@@ -54,12 +61,9 @@ def _shrink_kernel(x_ptr, at_ptr, runs_ptr, t_ptr, x_stride, in_features, width,
 def _expand_kernel(t_ptr, bt_ptr, runs_ptr, y_ptr, y_stride, width, out_features,
                    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-    run = tl.program_id(0)
-    slot = tl.load(runs_ptr + run * 3)
-    start = tl.load(runs_ptr + run * 3 + 1)
-    end = tl.load(runs_ptr + run * 3 + 2)
-    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if start + tl.program_id(1) * BLOCK_M < end:
+    slot, first, end = _block_rows(runs_ptr, BLOCK_M)
+    m = first + tl.arange(0, BLOCK_M)
+    if first < end:
         n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         w = tl.arange(0, BLOCK_W)
         mm, nm = m < end, n < out_features
