@@ -27,9 +27,10 @@ def setup(tmp_path_factory):
     srv.stop()
 
 
-def _offline(base, lora):
+def _offline(base, lora, max_tokens=8):
     llm = LLM(base, dtype="float32", num_kv_blocks=32, enable_lora=True)
-    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True),
                         lora_request=lora, use_tqdm=False)[0].outputs[0].text
 
 
@@ -138,5 +139,58 @@ def test_a_key_limited_to_adapters_sees_only_those_and_its_usage_names_them(setu
                'model_name="tiny",tenant="team-a"} 1.0' in text
         assert 'adapter="",finished_reason="length",model_name="tiny",tenant="team-a"} 1.0' \
             in text
+    finally:
+        srv.stop()
+
+
+def test_unload_and_eviction_under_traffic_keep_each_request_s_adapter(setup):
+    """One slot and one adapter kept in memory, requests of two adapters and
+    the base streaming at once: the adapters take turns (reloaded after
+    eviction), unloading one while its requests stream lets them finish with
+    it; every text is the offline engine's, later requests for it are 404,
+    and nothing is left running or holding blocks."""
+    import threading
+
+    from openai import NotFoundError, OpenAI
+    base, a, b, _ = setup
+    srv = ServerProcess(tiny_server_args(base) + [
+        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
+        "--lora-modules", f"a={a}", f"b={b}"])
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        texts, errors, started = {}, [], threading.Event()
+
+        def stream(key, model):
+            try:
+                parts = []
+                for chunk in client.completions.create(
+                        model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True}):
+                    parts.append(chunk.choices[0].text)
+                    if model == "b":
+                        started.set()
+                texts[key] = "".join(parts)
+            except Exception as e:      # noqa: BLE001 - reported below
+                errors.append((key, e))
+        threads = [threading.Thread(target=stream, args=(f"{m}{i}", m))
+                   for i in range(2) for m in ("a", "b", "tiny")]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        status, _, _ = http("POST", srv.url + "/v1/unload_lora_adapter", {"lora_name": "b"})
+        assert status == 200
+        assert "b0" not in texts or "b1" not in texts     # b's requests were streaming
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        offline = {"a": _offline(base, LoRARequest("a", 1, a), 24),
+                   "b": _offline(base, LoRARequest("b", 2, b), 24),
+                   "tiny": _offline(base, None, 24)}
+        assert len(texts) == 6 and texts == {k: offline[k[:-1]] for k in texts}
+        with pytest.raises(NotFoundError):
+            client.completions.create(model="b", prompt=PROMPT, max_tokens=2)
+        _, _, text = http("GET", srv.url + "/metrics")
+        for name in ("folio:num_requests_running", "folio:kv_cache_usage_perc"):
+            assert f'{name}{{model_name="tiny"}} 0.0' in text, name
     finally:
         srv.stop()
