@@ -111,6 +111,22 @@ def test_the_grouped_product_is_the_per_token_one():
         assert torch.allclose(got.float(), want.float(), atol=0.1, rtol=0.02), trial
 
 
+def test_torch_s_products_where_no_kernel_serves_give_the_kernel_s_tokens(tiny, monkeypatch):
+    """Without a C compiler (or Triton on CUDA) the layers multiply each run
+    in torch (`add_lora`): a batch mixing every adapter and the base gives
+    the grouped kernel's greedy tokens."""
+    from folio.model.lora import layers
+    base, adapters = tiny
+    loras = [None] + [adapters[n][0] for n in ("all", "qv", "mlp")]
+    prompts = [PROMPTS[i % 2][:12 + 5 * i] for i in range(4)] * 2
+    want = _greedy(LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=3),
+                   prompts, loras * 2)
+    monkeypatch.setattr(layers, "_kernel", lambda device, dtype: None)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=3)
+    assert all(layer.kernel is None for layer in llm.engine.executor.runner.loras.layers)
+    assert _greedy(llm, prompts, loras * 2) == want
+
+
 def test_the_prefix_cache_is_keyed_by_adapter(tiny):
     """The same prompt under another adapter (or none) never takes the blocks
     computed under the first; under the same adapter it does."""

@@ -44,9 +44,11 @@ class LoRAContext:
     device_runs: Optional[torch.Tensor] = None  # on a GPU: there, for Triton's
     longest: int = 0                            # the most rows of a run
 
+    torch_products: bool = True     # some layer multiplies in torch (add_lora below)
+
     def set(self, groups: list[tuple[int, int, int]], num_slots: int, device) -> None:
         self.groups = groups
-        self.batched = batch_runs(groups, num_slots, device)
+        self.batched = batch_runs(groups, num_slots, device) if self.torch_products else None
         self.runs = native_lora.runs_tensor(groups)
         self.longest = max((end - start for _, start, end in groups), default=0)
         self.device_runs = self.runs.to(device) if torch.device(device).type == "cuda" \
@@ -244,6 +246,7 @@ def attach_lora(model, max_loras: int, max_rank: int, dtype: torch.dtype,
                                     f"model.layers.{i}.{path.split('.')[0]}",
                                     tp_rank() * linear.in_features if row_parallel else 0)
             layers.append(linear.lora)
+    context.torch_products = any(layer.kernel is None for layer in layers)
     return context, layers
 
 
