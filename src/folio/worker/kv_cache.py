@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from folio.config import FolioConfig, ModelConfig
+from folio.model.attention import kv_quant
 from folio.model.attention.backend import AttentionBackend
 
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
@@ -16,9 +17,10 @@ CPU_DEFAULT_KV_BYTES = 2 * 1024**3      # leaves room on a 24 GiB machine
 
 def _shape(config: FolioConfig, num_blocks: int, num_kv_heads: int,
            backend: type[AttentionBackend], model: ModelConfig) -> tuple[int, ...]:
-    """One layer's cache, in the layout of the backend that reads it."""
+    """One layer's cache, in the layout of the backend that reads it (an
+    8-bit cache's rows hold their scales too: kv_quant.py)."""
     return backend.get_kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads,
-                                      model.head_dim)
+                                      kv_quant.row_width(model.head_dim, config.kv_dtype))
 
 
 def bytes_per_block(config: FolioConfig, num_kv_heads: int,
@@ -27,7 +29,7 @@ def bytes_per_block(config: FolioConfig, num_kv_heads: int,
     """A block's bytes over every layer of `model` (default: the served one;
     a draft model's cache has blocks of the same ids beside it)."""
     model = model or config.model
-    elem = torch.empty((), dtype=getattr(torch, config.kv_dtype)).element_size()
+    elem = torch.empty((), dtype=kv_quant.storage_dtype(config.kv_dtype)).element_size()
     return model.num_hidden_layers * math.prod(
         _shape(config, 1, num_kv_heads, backend, model)) * elem
 
@@ -57,6 +59,6 @@ def allocate_kv_caches(config: FolioConfig, num_blocks: int, num_kv_heads: int,
     """One tensor per layer in the backend's layout, allocated once."""
     model = model or config.model
     shape = _shape(config, num_blocks, num_kv_heads, backend, model)
-    dtype = getattr(torch, config.kv_dtype)
+    dtype = kv_quant.storage_dtype(config.kv_dtype)
     return [torch.zeros(shape, dtype=dtype, device=config.device)
             for _ in range(model.num_hidden_layers)]

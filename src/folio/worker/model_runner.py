@@ -55,7 +55,7 @@ class ModelRunner(SpecRunner):
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(config.device, self.dtype,
-                                                  config.attention_backend)
+                                                  config.attention_backend, config.kv_dtype)
         self.model = build_model(config.model, self.dtype, config.device, config.weight_dtype,
                                  self.attn_backend)
         self.model.load_weights(iter_weights(config.model))

@@ -21,6 +21,7 @@ class CPUNativeAttentionBackend(TorchAttentionBackend):
     name = "CPU_NATIVE"
     native_kind = "paged_cpu"
     supports_sliding_window = True
+    reads_int8_kv = False           # not yet: paged_attention.c reads fp32 and bf16
 
     @classmethod
     def supports(cls, device, dtype):

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from folio.model.attention import kv_quant
 from folio.model.attention.backend import AttentionBackend
 
 # name -> "module:class", most preferred first
@@ -34,7 +35,11 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
-                          name: Optional[str] = None) -> type[AttentionBackend]:
+                          name: Optional[str] = None,
+                          kv_dtype: Optional[str] = None) -> type[AttentionBackend]:
+    """`kv_dtype`: the cache's (config.kv_dtype); an 8-bit one is read only
+    by the backends that say so (`reads_int8_kv`)."""
+    int8 = kv_dtype in kv_quant.QUANTIZED
     if name is not None:
         name = name.upper()
         if name not in _BACKENDS:
@@ -44,9 +49,13 @@ def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
         if not backend.supports(device, dtype):
             raise ValueError(f"attention backend {name} does not run on {device} in "
                              f"{str(dtype).removeprefix('torch.')}{backend.requirement}")
+        if int8 and not backend.reads_int8_kv:
+            raise ValueError(f"attention backend {name} does not read an {kv_dtype} KV cache "
+                             f"yet; these do: "
+                             f"{', '.join(n for n in _BACKENDS if _load(n).reads_int8_kv)}")
         return backend
     for candidate in _BACKENDS:
         backend = _load(candidate)
-        if backend.selectable(device, dtype):
+        if backend.selectable(device, dtype) and (backend.reads_int8_kv or not int8):
             return backend
     raise ValueError(f"no attention backend runs on {device} in {dtype}")

@@ -11,6 +11,8 @@ position - window as well. A cache narrower than the queries (fp32 run,
 `--kv-cache-dtype bfloat16`) is read widened to the queries' dtype, and a
 whole prompt's own keys and values are rounded to the cache's dtype first, so
 every token sees the keys as the cache holds them, as the native kernel does.
+An 8-bit cache (`--kv-cache-dtype int8`, kv_quant.py) is written quantized,
+each row with its scale, and read dequantized in the same places.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from folio.model.attention import kv_quant
 from folio.model.attention.backend import AttentionBackend, StepDescription, padded_tables
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 
@@ -30,6 +33,7 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     name = "TORCH_SDPA"
     supports_sliding_window = True
+    reads_int8_kv = True
 
     @classmethod
     def supports(cls, device, dtype):
@@ -58,10 +62,11 @@ class TorchAttentionBackend(AttentionBackend):
                                  prefills=prefills)
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
-        flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        width = kv_cache.shape[-1]          # head_dim, and an 8-bit row's scale
+        flat_k = kv_cache[0].view(-1, self.num_kv_heads, width)
+        flat_v = kv_cache[1].view(-1, self.num_kv_heads, width)
+        flat_k.index_copy_(0, meta.slot_mapping, _stored(k, kv_cache))
+        flat_v.index_copy_(0, meta.slot_mapping, _stored(v, kv_cache))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         self.write_kv(k, v, kv_cache, meta)
@@ -79,10 +84,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        b, hkv, dim = q.shape[0], self.num_kv_heads, self.head_dim
+        b, hkv, dim, width = q.shape[0], self.num_kv_heads, self.head_dim, k_cache.shape[-1]
         tables = meta.decode_block_tables                          # [B, MB]
-        keys = k_cache[tables].view(b, -1, hkv, dim).to(q.dtype)   # [B, L, Hkv, D]
-        values = v_cache[tables].view(b, -1, hkv, dim).to(q.dtype)
+        keys = kv_quant.read(k_cache[tables].view(b, -1, hkv, width), q.dtype)  # [B, L, Hkv, D]
+        values = kv_quant.read(v_cache[tables].view(b, -1, hkv, width), q.dtype)
         qg = q.view(b, hkv, -1, dim)                               # [B, Hkv, G, D]
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
         positions = torch.arange(keys.shape[1], device=q.device)
@@ -104,14 +109,15 @@ class TorchAttentionBackend(AttentionBackend):
         if span.start_pos == 0 and (window is None or window >= n):
             # a whole prompt, every key in the window: the plain causal triangle
             if k_cache.dtype != q.dtype:           # as the cache holds them
-                k, v = k.to(k_cache.dtype).to(q.dtype), v.to(k_cache.dtype).to(q.dtype)
+                k, v = kv_quant.as_stored(k, k_cache.dtype), kv_quant.as_stored(v, k_cache.dtype)
             out = F.scaled_dot_product_attention(
                 q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 scale=self.scale, enable_gqa=True)
             return out[0].transpose(0, 1)
         # a later chunk: earlier keys live only in the cache
-        k = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(q.dtype)
-        v = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(q.dtype)
+        k = kv_quant.read(k_cache[span.block_table].flatten(0, 1)[:ctx], q.dtype)
+        v = kv_quant.read(v_cache[span.block_table].flatten(0, 1)[:ctx], q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         query_pos = span.start_pos + torch.arange(n, device=q.device)
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         mask = key_pos <= query_pos[:, None]                                      # [n, ctx]
@@ -120,3 +126,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask[None, None],
                                              scale=self.scale, enable_gqa=True)  # [1, H, n, D]
         return out[0].transpose(0, 1)
+
+
+def _stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """Rows [T, Hkv, D] as the cache stores them."""
+    return kv_quant.quantize(x) if kv_quant.is_quantized(kv_cache) else x.to(kv_cache.dtype)
