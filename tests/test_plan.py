@@ -61,6 +61,12 @@ def test_a_small_model_by_hand(files, capsys):
     per_token = (100 * 1 + 28 * 3) / 128 / 1e6
     assert r["api_monthly_cost"] == pytest.approx(tokens_month * per_token)
     assert r["break_even_tokens_per_day"] == pytest.approx(9 * 730 / (730 / 24) / per_token)
+    # an 8-bit cache: 128 + 4 bytes a row (its scale), so more sequences fit
+    r8 = run(capsys, "--model", str(files / "config.json"), "--gpu", "round",
+             "--catalog", str(files / "catalog.json"), "--tokens-per-day", "1e6",
+             "--prompt-len", "100", "--output-len", "28", "--kv-cache-dtype", "int8")
+    assert r8["kv_cache_dtype"] == "int8" and r8["kv_bytes_per_token"] == 2 * 2 * 8 * 132
+    assert r8["max_batch"] == (900_000_000 - weights - activations) // (2 * 2 * 8 * 132 * 128)
 
 
 def test_the_figures_everyone_quotes(capsys):

@@ -177,7 +177,7 @@ def step_tokens_for(seq_len: int, gpu: dict) -> int:
 
 
 def fit(m: ModelShape, gpu: dict, quantization: str, seq_len: int, tp: int,
-        utilization: float) -> Optional[dict]:
+        utilization: float, kv_dtype: str = "bfloat16") -> Optional[dict]:
     """The memory picture of one GPU at tensor-parallel size tp, or None where tp
     does not divide the model."""
     try:
@@ -185,7 +185,7 @@ def fit(m: ModelShape, gpu: dict, quantization: str, seq_len: int, tp: int,
     except ValueError:
         return None
     weights = weights_bytes(m, rank, quantization)
-    kv = m.kv_bytes_per_token(rank.kv_heads)             # keys and values, bf16
+    kv = m.kv_bytes_per_token(rank.kv_heads, kv_dtype=kv_dtype)     # keys and values
     usable = gpu["memory_gb"] * 1e9 * utilization
     free = usable - weights - activation_bytes(m, rank, step_tokens_for(seq_len, gpu))
     return {"rank": rank, "weights": weights, "kv_per_token": kv,
@@ -218,7 +218,8 @@ def tensor_parallel(args, name: str, m: ModelShape, gpu: dict, seq: int) -> tupl
     sequence fit."""
     limit = gpu.get("max_tensor_parallel", 8)
     fits = functools.partial(fit, m, gpu, args.quantization, seq,
-                             utilization=args.gpu_memory_utilization)
+                             utilization=args.gpu_memory_utilization,
+                             kv_dtype=getattr(args, "kv_cache_dtype", "bfloat16"))
     asked = args.tensor_parallel_size
     if asked is not None:
         if asked > limit:
@@ -291,6 +292,7 @@ def plan(args) -> dict:
     monthly = gpus * gpu["hour_price"] * HOURS_PER_MONTH
     tokens_month = args.tokens_per_day * DAYS_PER_MONTH
     out = {"model": name, "quantization": args.quantization, "gpu": args.gpu,
+           "kv_cache_dtype": getattr(args, "kv_cache_dtype", "bfloat16"),
            "gpus_per_replica": tp, "replicas": replicas, "gpus": gpus,
            "weights_bytes_per_gpu": f["weights"],
            "weights_bytes_per_replica": f["weights"] * tp,        # ranks are alike

@@ -49,8 +49,17 @@ def test_bench_memory_json(tmp_path, capsys):
     # reserves each whole length from the first step
     assert waste["contiguous_prompt_plus_max_tokens"]["tokens_fraction"] < \
         waste["paged_tokens_fraction"]
+    # the same memory in each KV cache dtype: 2 layers x 2 x 8 tokens x 2 KV heads x
+    # 16 dims a block: fp32 4 bytes a value, bf16 2, int8 1 and 4 a row's scale
+    capacity = {c["kv_cache_dtype"]: c for c in result["capacity"]}
+    budget = 256 * 2 * 2 * 8 * 2 * 16 * 4
+    for kv, row_bytes in (("float32", 64), ("bfloat16", 32), ("int8", 20)):
+        per = 2 * 2 * 8 * 2 * row_bytes
+        assert capacity[kv]["bytes_per_block"] == per and capacity[kv]["blocks"] == budget // per
+        assert capacity[kv]["requests_at_max_model_len"] == budget // per * 8 // 512
     print_memory(result)
     report = capsys.readouterr().out
+    assert "int8: 1280 bytes a block, 819 blocks, 6552 tokens, 12 requests" in report
     assert "contiguous oracle, prompt + exact output length reserved" in report
     assert "oracle knows every output length before the request runs" in report
     assert "fit *" in report and "max_model_len (512)" in report

@@ -125,7 +125,8 @@ def bench_memory(args, engine) -> dict:
         if name != "warm":
             results.append(case)
     result = {"block_size": engine.config.cache.block_size, "num_blocks": engine.num_blocks,
-              "prefix_caching": engine.config.cache.enable_prefix_caching, "cases": results}
+              "prefix_caching": engine.config.cache.enable_prefix_caching, "cases": results,
+              "capacity": capacity_by_dtype(engine)}
     if args.waste_requests:
         start(f"waste workload, {args.waste_requests} requests")
         result["waste"] = waste_figures(args, engine)
@@ -170,9 +171,26 @@ def waste_figures(args, engine) -> dict:
     }
 
 
+def capacity_by_dtype(engine) -> list[dict]:
+    """This engine's cache memory held in each KV cache dtype: blocks, tokens
+    and requests of max_model_len at once."""
+    from folio.worker.kv_cache import capacity
+    runner = engine.executor.runner
+    budget = engine.num_blocks * runner.bytes_per_block
+    heads = runner.model.num_kv_heads_per_rank
+    return [capacity(engine.config, heads, runner.attn_backend, kv, budget)
+            for kv in ("float32", "bfloat16", "int8")]
+
+
 def print_memory(result: dict) -> None:
     print(f"block size {result['block_size']}, {result['num_blocks']} blocks, prefix caching "
           f"{'on' if result['prefix_caching'] else 'off'}")
+    if result.get("capacity"):
+        print("the same cache memory in each --kv-cache-dtype:")
+        for c in result["capacity"]:
+            print(f"  {c['kv_cache_dtype']:>9}: {c['bytes_per_block']} bytes a block, "
+                  f"{c['blocks']} blocks, {c['tokens']} tokens, "
+                  f"{c['requests_at_max_model_len']} requests of max_model_len at once")
     for c in result["cases"]:
         print(f"{c['name']:>20}: peak {c['peak_blocks']} blocks ({c['peak_tokens']} tokens), "
               f"{c['blocks_without_sharing']} without sharing -> {100 * c['saved']:.1f}% saved; "

@@ -36,9 +36,11 @@ class LLMEngine:
                                    config.cache.enable_prefix_caching)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens), dtype %s on %s",
-                    self.num_blocks, config.cache.block_size,
-                    self.num_blocks * config.cache.block_size, config.kv_dtype, config.device)
+        tokens = self.num_blocks * config.cache.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d requests of max_model_len "
+                    "%d at once), dtype %s on %s", self.num_blocks, config.cache.block_size,
+                    tokens, tokens // config.max_model_len, config.max_model_len,
+                    config.kv_dtype, config.device)
         drafter = getattr(self.executor.runner, "drafter", None)
         if drafter is not None:
             logger.info("each block also holds the draft model's keys and values (%d of its "

@@ -102,9 +102,17 @@ class ModelShape:
     def active_parameters(self) -> int:
         return self.active_linear_parameters() + self.embedding_parameters()
 
-    def kv_bytes_per_token(self, kv_heads: Optional[int] = None, dtype_bytes: int = 2) -> int:
-        """Keys and values of one token over all layers (`kv_heads`: one rank's)."""
-        return self.layers * 2 * (kv_heads or self.kv_heads) * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, kv_heads: Optional[int] = None, dtype_bytes: int = 2,
+                           kv_dtype: Optional[str] = None) -> int:
+        """Keys and values of one token over all layers (`kv_heads`: one rank's);
+        `kv_dtype` (a --kv-cache-dtype: bfloat16, float32, int8, whose rows
+        carry their 4-byte scales) instead of `dtype_bytes`."""
+        row = self.head_dim * dtype_bytes
+        if kv_dtype is not None:
+            from folio.model.attention import kv_quant
+            row = kv_quant.row_width(self.head_dim, kv_dtype) * \
+                kv_quant.storage_dtype(kv_dtype).itemsize
+        return self.layers * 2 * (kv_heads or self.kv_heads) * row
 
     def attended(self, tokens: int) -> int:
         """Keys the first `tokens` positions of a sequence attend to, summed over

@@ -34,6 +34,21 @@ def bytes_per_block(config: FolioConfig, num_kv_heads: int,
         _shape(config, 1, num_kv_heads, backend, model)) * elem
 
 
+def capacity(config: FolioConfig, num_kv_heads: int, backend: type[AttentionBackend],
+             kv_dtype: str, budget: int) -> dict:
+    """What `budget` bytes of cache hold with `kv_dtype` elements: blocks,
+    tokens and requests of max_model_len at once (an 8-bit row counts its
+    scale)."""
+    import dataclasses
+    cfg = dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                kv_cache_dtype=kv_dtype))
+    per_block = bytes_per_block(cfg, num_kv_heads, backend)
+    blocks = budget // per_block
+    tokens = blocks * config.cache.block_size
+    return {"kv_cache_dtype": kv_dtype, "bytes_per_block": per_block, "blocks": blocks,
+            "tokens": tokens, "requests_at_max_model_len": tokens // config.max_model_len}
+
+
 def kv_memory_budget(config: FolioConfig) -> int:
     if config.cache.kv_cache_memory_bytes is not None:
         return config.cache.kv_cache_memory_bytes
