@@ -1,11 +1,13 @@
 """The native CPU attention kernel against the torch backend's paths: decodes
 (gathered decode) and mixed steps with prefill chunks (SDPA), in every build
-this machine runs (its own, AVX2, portable C)."""
+this machine runs (its own, AVX2, portable C), over fp32, bf16 and 8-bit
+(int8 rows with their scales) caches."""
 
 import pytest
 import torch
 
 from folio.model import native
+from folio.model.attention import kv_quant
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend
 from tests.model.native_builds import builds, library
@@ -16,7 +18,15 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler her
 # (--kv-cache-dtype), read widened: the torch backend widens the same cache,
 # so only the order of fp32 sums differs
 DTYPES = [(torch.float32, torch.float32, 1e-5), (torch.float32, torch.bfloat16, 1e-5),
-          (torch.bfloat16, torch.bfloat16, 2e-2)]
+          (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.int8, 1e-5),
+          (torch.bfloat16, torch.int8, 2e-2)]
+
+
+def _cache(g, num_blocks, block_size, kv_heads, dim, kv_dtype):
+    """A random cache of keys and values in `kv_dtype` (int8: each row's steps
+    and scale, attention/kv_quant.py)."""
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
+    return kv_quant.quantize(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
 
 
 @pytest.mark.parametrize("build", builds())
@@ -48,7 +58,7 @@ def _decodes(g, dtype, kv_dtype, heads, kv_heads, block_size, dim, lens):
     the KV cache, the block tables and the torch backend's answer."""
     batch, width = len(lens), int((lens.max() + block_size - 1) // block_size)
     num_blocks = batch * width + 3
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
+    kv = _cache(g, num_blocks, block_size, kv_heads, dim, kv_dtype)
     q = torch.randn(batch, heads, dim, generator=g).to(dtype)
     tables = torch.randperm(num_blocks, generator=g)[:batch * width].view(batch, width)
     backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
@@ -97,7 +107,7 @@ def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, kv_dtype, tol,
     seqs = [(0, 1, 70), (0, 1, 5), (0, 40, 0), (1, 23, 37)]   # (kind, tokens, start)
     width = max(-(-(n + s) // block_size) for _, n, s in seqs)
     num_blocks = len(seqs) * width + 2
-    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
+    kv = _cache(g, num_blocks, block_size, kv_heads, dim, kv_dtype)
     tables = torch.randperm(num_blocks, generator=g)[:len(seqs) * width].view(len(seqs), width)
     rows, lens, spans, start = [], [], [], 0
     for i, (_, n, s) in enumerate(seqs):
@@ -112,15 +122,17 @@ def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, kv_dtype, tol,
                              decode_context_lens=torch.tensor(lens[:2]))
     expected = torch.cat([backend._decode(q[:2], kv[0], kv[1], meta)] + [
         backend._prefill(q[sp.token_start:sp.token_start + sp.num_tokens],
-                         *_span_keys(kv, sp), kv[0], kv[1], sp) for sp in spans]).float()
+                         *_span_keys(kv, sp, dtype), kv[0], kv[1], sp) for sp in spans]).float()
     got = native.paged_attention(q, kv, tables, torch.tensor(rows), torch.tensor(lens),
                                  dim ** -0.5, lib).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
 
 
-def _span_keys(kv, span):
-    """The chunk's own keys and values, as the backend receives them."""
-    flat_k = kv[0][span.block_table].flatten(0, 1)
-    flat_v = kv[1][span.block_table].flatten(0, 1)
+def _span_keys(kv, span, dtype):
+    """The chunk's own keys and values, as the backend receives them (an 8-bit
+    cache's dequantized to the queries' dtype: they round back to its steps)."""
+    read = (lambda x: kv_quant.read(x, dtype)) if kv.dtype == torch.int8 else (lambda x: x)
+    flat_k = read(kv[0][span.block_table].flatten(0, 1))
+    flat_v = read(kv[1][span.block_table].flatten(0, 1))
     rows = slice(span.start_pos, span.start_pos + span.num_tokens)
     return flat_k[rows], flat_v[rows]

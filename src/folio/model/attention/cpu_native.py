@@ -1,5 +1,6 @@
 """The native CPU kernel ("CPU_NATIVE"): every token of the step, decodes and
-prompt chunks, in one call (native/paged_attention.c), fp32 or bf16.
+prompt chunks, in one call (native/paged_attention.c), fp32 or bf16, over an
+fp32, bf16 or 8-bit cache.
 
 Its metadata is per token (a block-table row per sequence, each token's row
 and context length); it also carries the torch backend's per-kind view, which
@@ -21,7 +22,7 @@ class CPUNativeAttentionBackend(TorchAttentionBackend):
     name = "CPU_NATIVE"
     native_kind = "paged_cpu"
     supports_sliding_window = True
-    reads_int8_kv = False           # not yet: paged_attention.c reads fp32 and bf16
+    reads_int8_kv = True            # paged_attention.c widens the 8-bit rows in registers
 
     @classmethod
     def supports(cls, device, dtype):

@@ -5,7 +5,9 @@ right after them, the row's scale as the 4 bytes of an fp32:
     [2, num_blocks, block_size, num_kv_heads, head_dim + 4]   int8
 
 value = int8 * scale, scale = max |row| / 127, computed when the token is
-written. Keeping the scale in the row keeps everything that handles a block
+written (as `max * (1/127)`, and the steps as round(x * ((1 / max) * 127)),
+ties to even: the native decoder's writes, native/decoder.c, round the same
+way bit for bit). Keeping the scale in the row keeps everything that handles a block
 as it is: a block's bytes count the scales, copy-on-write and the prefix
 cache copy and share them with the values, and a cache is still one tensor
 per layer. head_dim is a multiple of 4, so each scale is 4-byte aligned.
@@ -41,8 +43,9 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] float -> [..., D + 4] int8: the rows rounded to the nearest
     step of their own scale, each followed by that scale."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(scale > 0, xf / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = amax * (1.0 / 127.0)
+    q = xf * torch.where(amax > 0, (1.0 / amax) * 127.0, 0.0)
     out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.int8,
                       device=x.device)
     out[..., :x.shape[-1]] = q.round().clamp(-127, 127).to(torch.int8)
@@ -66,9 +69,9 @@ def read(cache_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(cache_part, dtype) if is_quantized(cache_part) else cache_part.to(dtype)
 
 
-def as_stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+def as_stored(x: torch.Tensor, kv_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """x as the cache would give it back (rounded to its dtype or its 8-bit
-    steps), in x's dtype: what a whole prompt's own keys are attended as."""
+    steps), in `dtype`: what a whole prompt's own keys are attended as."""
     if kv_dtype == torch.int8:
-        return dequantize(quantize(x), x.dtype)
-    return x.to(kv_dtype).to(x.dtype) if kv_dtype != x.dtype else x
+        return dequantize(quantize(x), dtype)
+    return x.to(kv_dtype).to(dtype)

@@ -109,7 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
         if span.start_pos == 0 and (window is None or window >= n):
             # a whole prompt, every key in the window: the plain causal triangle
             if k_cache.dtype != q.dtype:           # as the cache holds them
-                k, v = kv_quant.as_stored(k, k_cache.dtype), kv_quant.as_stored(v, k_cache.dtype)
+                k = kv_quant.as_stored(k, k_cache.dtype, q.dtype)
+                v = kv_quant.as_stored(v, k_cache.dtype, q.dtype)
             out = F.scaled_dot_product_attention(
                 q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 scale=self.scale, enable_gqa=True)

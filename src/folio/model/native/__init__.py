@@ -45,6 +45,7 @@ _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c
             _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}   # int8: kv_quant.py's rows
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
@@ -168,6 +169,11 @@ def load() -> Optional[ctypes.CDLL]:
                 logger.warning("native CPU kernels unavailable (%s): using the torch layers", e)
                 _lib = None
         return _lib
+
+
+def kv_code(dtype: torch.dtype) -> int:
+    """The kernels' code for a KV cache's dtype (2: int8 rows with their scales)."""
+    return _KV_CODES[dtype]
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -311,7 +317,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     sliding_window: Optional[int] = None) -> torch.Tensor:
     """Attention of every query token of a step: q [T, H, D] (rows may be
     strided, heads and D dense), kv_cache [2, NB, BS, Hkv, D] in q's dtype or
-    (fp32 q) in bfloat16, --kv-cache-dtype's; token t reads
+    (fp32 q) in bfloat16, --kv-cache-dtype's, or int8 [.., D + 4] rows with
+    their scales; token t reads
     block_tables[token_rows[t]] up to context_lens[t] keys, the last
     `sliding_window` of them only where that is given. -> [T, H, D]."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -319,12 +326,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if kv_cache.dtype == torch.int8:
+        head_dim -= 4                       # each row's scale
     tables = block_tables.contiguous()
     lib = lib or load()
     args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
             tables.shape[1], token_rows.contiguous().data_ptr(),
             context_lens.contiguous().data_ptr(), tokens, heads, num_kv_heads, head_dim,
-            block_size, num_blocks, scale, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_cache.dtype],
+            block_size, num_blocks, scale, _DTYPE_CODES[q.dtype], kv_code(kv_cache.dtype),
             torch.get_num_threads())
     if sliding_window is None:
         failed = lib.folio_paged_attention(*args)

@@ -22,6 +22,7 @@
  * step's runs of rows of one adapter, as the modules' layers run them.
  * The final norm and the LM head stay in torch.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -102,7 +103,7 @@ typedef struct {
     int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
     int quantized;                            /* 1: folio_qweight projections */
     int quantize_x;                           /* their folio_qlinear mode */
-    int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16 */
+    int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16, 2 int8 */
     const int64_t *lora_runs;                 /* [lora_nruns][3]: slot, first row, end */
     int64_t lora_nruns;
     int lora_dtype;                           /* the LoRA slots': 0 fp32, 1 bf16 */
@@ -118,6 +119,37 @@ static void store_kv(void *dst, const void *src, int64_t n, int dtype, int kv_dt
     }
     for (int64_t i = 0; i < n; i++)
         ((uint16_t *)dst)[i] = float_to_bf16(((const float *)src)[i]);
+}
+
+/* A token's key or value rows of its kv_heads heads (activations, dtype) into
+ * the 8-bit cache: each head's head_dim values as int8 steps of its scale,
+ * then the scale (attention/kv_quant.py's layout), rounded exactly as
+ * kv_quant.quantize rounds: scale = amax * (1/127), step = round(x * ((1 /
+ * amax) * 127)), ties to even; compiled without fast-math so that the two
+ * agree bit for bit. */
+__attribute__((optimize("no-fast-math")))
+static void store_kv_int8(int8_t *dst, const void *src, int kv_heads, int64_t head_dim,
+                          int dtype) {
+    for (int h = 0; h < kv_heads; h++) {
+        float x[512], amax = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const int64_t i = h * head_dim + d;
+            x[d] = dtype ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+            amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        }
+        int8_t *row = dst + h * (head_dim + 4);
+        const float scale = amax * (1.0f / 127.0f);
+        if (amax > 0.f) {
+            const float inv = (1.0f / amax) * 127.0f;
+            for (int64_t d = 0; d < head_dim; d++) {
+                float q = nearbyintf(x[d] * inv);
+                row[d] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+            }
+        } else {
+            memset(row, 0, (size_t)head_dim);
+        }
+        memcpy(row + head_dim, &scale, sizeof scale);
+    }
 }
 
 /* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias);
@@ -151,10 +183,12 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
     const int64_t t = s->tokens, h = s->hidden, inter = s->intermediate;
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size;
-    const int64_t v_offset = s->num_blocks * s->block_size * kv_size;
+    /* a token's cached row of every KV head (int8: each head's scale too) */
+    const int64_t kv_row = s->kv_dtype == 2 ? s->kv_heads * (d + 4) : kv_size;
+    const int64_t v_offset = s->num_blocks * s->block_size * kv_row;
     const int dtype = s->dtype, threads = s->num_threads;
     const size_t elt = dtype ? sizeof(uint16_t) : sizeof(float);
-    const size_t kv_elt = s->kv_dtype ? sizeof(uint16_t) : sizeof(float);
+    const size_t kv_elt = s->kv_dtype == 2 ? 1 : s->kv_dtype ? sizeof(uint16_t) : sizeof(float);
     char *x = s->hidden_states, *qkv = s->qkv;
     for (int i = 0; i < num_layers; i++) {
         const folio_layer *w = layers + i;
@@ -175,10 +209,15 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
         char *cache = w->kv_cache;
         for (int64_t j = 0; j < t; j++) {
             const char *k = qkv + elt * (size_t)(j * qkv_width + q_size);
-            store_kv(cache + kv_elt * (size_t)(s->slots[j] * kv_size), k, kv_size, dtype,
-                     s->kv_dtype);
-            store_kv(cache + kv_elt * (size_t)(v_offset + s->slots[j] * kv_size),
-                     k + elt * (size_t)kv_size, kv_size, dtype, s->kv_dtype);
+            char *kdst = cache + kv_elt * (size_t)(s->slots[j] * kv_row);
+            char *vdst = cache + kv_elt * (size_t)(v_offset + s->slots[j] * kv_row);
+            if (s->kv_dtype == 2) {
+                store_kv_int8((int8_t *)kdst, k, s->kv_heads, d, dtype);
+                store_kv_int8((int8_t *)vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype);
+                continue;
+            }
+            store_kv(kdst, k, kv_size, dtype, s->kv_dtype);
+            store_kv(vdst, k + elt * (size_t)kv_size, kv_size, dtype, s->kv_dtype);
         }
         if (folio_paged_attention(qkv, qkv_width, cache, s->attn, s->block_tables,
                                   s->max_blocks, s->token_rows, s->context_lens, t, s->heads,

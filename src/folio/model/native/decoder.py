@@ -214,7 +214,7 @@ class NativeDecoder:
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
             dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized),
-            quantize_x=self.quantize_x, kv_dtype=native.dtype_code(cache.dtype))
+            quantize_x=self.quantize_x, kv_dtype=native.kv_code(cache.dtype))
         ctx = self.lora_context
         if ctx is not None and ctx.groups:
             step.lora_runs, step.lora_nruns = ctx.runs.data_ptr(), ctx.runs.shape[0]

@@ -9,9 +9,13 @@
  * block_tables [rows][max_blocks] int64; token_rows[t] is token t's row of the
  * tables and context_lens[t] the number of keys it sees (its position + 1).
  * Scores, softmax and the weighted sum of values are accumulated in fp32;
- * dtype (of q and out) and kv_dtype (of the cache, --kv-cache-dtype) are each
- * 0 float32 or 1 bfloat16: fp32 queries may read a bf16 cache, half the bytes
- * a decode step streams. A sliding window w > 0 (a local layer):
+ * dtype (of q and out) is 0 float32 or 1 bfloat16; kv_dtype (of the cache,
+ * --kv-cache-dtype) 0 float32, 1 bfloat16 (fp32 queries may read a bf16
+ * cache, half the bytes a decode step streams) or 2 int8: each row of a token
+ * and KV head is head_dim int8 steps followed by its fp32 scale (4 bytes;
+ * attention/kv_quant.py), so a row is head_dim + 4 elements of the cache;
+ * the steps are widened in registers, and the scales multiply a block's
+ * scores (keys) and softmax weights (values), once a row, not once a value. A sliding window w > 0 (a local layer):
  * a token of context c sees only the keys at c - w .. c - 1 (positions
  * p - w < k <= p), and the blocks wholly before them are not read.
  *
@@ -38,10 +42,27 @@
 
 #include "bf16.h"
 
-/* Load n elements of the given dtype as floats. */
+/* The scale of the int8 cache row of n steps at base[index]. */
+static inline float row_scale(const void *base, int64_t index, int n) {
+    float s;
+    memcpy(&s, (const int8_t *)base + index + n, sizeof s);
+    return s;
+}
+
+/* Elements of a cached row of one token and KV head (int8: its scale too). */
+static inline int row_elements(int head_dim, int kv_dtype) {
+    return kv_dtype == 2 ? head_dim + 4 : head_dim;
+}
+
+/* Load n elements of the given dtype as floats (int8: times its row's scale). */
 static inline void load_row(const void *base, int64_t index, int dtype, int n, float *dst) {
     if (dtype == 0) {
         memcpy(dst, (const float *)base + index, (size_t)n * sizeof(float));
+    } else if (dtype == 2) {
+        const int8_t *src = (const int8_t *)base + index;
+        const float s = row_scale(base, index, n);
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)src[i] * s;
     } else {
         const uint16_t *src = (const uint16_t *)base + index;
 #pragma omp simd
@@ -96,7 +117,8 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
                      float scale, int dtype, int kv_dtype, float *scores, float *qbuf,
                      float *acc, float *row) {
     const int group = num_heads / num_kv_heads;
-    const int64_t stride = (int64_t)num_kv_heads * head_dim;   /* between tokens of a block */
+    const int row_el = row_elements(head_dim, kv_dtype);
+    const int64_t stride = (int64_t)num_kv_heads * row_el;     /* between tokens of a block */
     const int64_t v_offset = num_blocks * block_size * stride;
     const int64_t nblk = (ctx + block_size - 1) / block_size;
     for (int g = 0; g < group; g++)
@@ -106,7 +128,7 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
     for (int64_t b = blo; b < nblk; b++) {
         int64_t p0 = b * block_size;
         int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
-        int64_t first = table[b] * block_size * stride + (int64_t)kvh * head_dim;
+        int64_t first = table[b] * block_size * stride + (int64_t)kvh * row_el;
         block_scores(kv, first, rows, stride, kv_dtype, group, head_dim, qbuf, scale, row,
                      scores, ctx, p0);
     }
@@ -122,7 +144,7 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
     for (int64_t b = blo; b < nblk; b++) {
         int64_t p0 = b * block_size;
         int64_t rows = ctx - p0 < block_size ? ctx - p0 : block_size;
-        int64_t first = v_offset + table[b] * block_size * stride + (int64_t)kvh * head_dim;
+        int64_t first = v_offset + table[b] * block_size * stride + (int64_t)kvh * row_el;
         for (int64_t r = lo > p0 ? lo - p0 : 0; r < rows; r++) {
             load_row(kv, first + r * stride, kv_dtype, head_dim, row);
             for (int g = 0; g < group; g++) {
@@ -162,6 +184,7 @@ static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, in
 #define FOLIO_TASK_VECTORS (FOLIO_TASK_FLOATS / FOLIO_VW)
 #define FOLIO_MAX_DIM 256
 #define FOLIO_MAX_NV (FOLIO_MAX_DIM / FOLIO_VW)
+#define FOLIO_MAX_BLOCK 256    /* rows of a block the vector path takes (int8 scales) */
 
 #ifdef FOLIO_HAVE_AVX512
 /* Transpose of 16 rows of 16 32-bit elements: t[e] lane r = rows[r] element e. */
@@ -404,8 +427,9 @@ static inline __attribute__((always_inline)) void task_vec(
     const int nv = head_dim / FOLIO_VW;
     const int per_head = ntok * group;             /* queries of one KV head */
     float *vbuf = scores + (int64_t)FOLIO_TASK_VECTORS * block_size;   /* [block_size][head_dim] */
-    const int elt = kv_dtype == 0 ? 4 : 2;           /* bytes of a cached element */
-    const int64_t stride = (int64_t)num_kv_heads * head_dim;
+    const int elt = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;   /* bytes of a cached element */
+    const int row_el = row_elements(head_dim, kv_dtype);
+    const int64_t stride = (int64_t)num_kv_heads * row_el;
     const int64_t v_offset = num_blocks * block_size * stride;
     const int64_t last_ctx = ctx[ntok - 1];        /* positions rise along the tile */
     const int64_t all_blocks = (last_ctx + block_size - 1) / block_size;
@@ -413,7 +437,8 @@ static inline __attribute__((always_inline)) void task_vec(
     /* the first key any token of the tile sees (the first token's: positions rise) */
     const int64_t lo0 = window > 0 && ctx[0] > window ? ctx[0] - window : 0;
     if (b0 < lo0 / block_size) b0 = lo0 / block_size;
-    const int span = (kvh1 - kvh0) * head_dim * elt;   /* the task's heads in a cached row */
+    const int span = (kvh1 - kvh0) * row_el * elt;     /* the task's heads in a cached row */
+    float kscale[FOLIO_MAX_BLOCK], vscale[FOLIO_MAX_BLOCK];   /* int8: the block's row scales */
     /* query i = (head h, token t, group member g) at (h * ntok + t) * group + g */
     fvec qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
     float m[FOLIO_TASK_VECTORS], l[FOLIO_TASK_VECTORS];
@@ -443,18 +468,23 @@ static inline __attribute__((always_inline)) void task_vec(
     for (int64_t b = b0; b < nblk; b++) {
         const int64_t p0 = b * block_size;
         const int64_t rows = last_ctx - p0 < block_size ? last_ctx - p0 : block_size;
-        const int64_t base = table[b] * block_size * stride + (int64_t)kvh0 * head_dim;
+        const int64_t base = table[b] * block_size * stride + (int64_t)kvh0 * row_el;
         /* two blocks ahead: the next one was asked for on the way to this one */
         for (int64_t ahead = b == b0 ? b + 1 : b + 2; ahead <= b + 2 && ahead < nblk; ahead++) {
-            int64_t next = table[ahead] * block_size * stride + (int64_t)kvh0 * head_dim;
+            int64_t next = table[ahead] * block_size * stride + (int64_t)kvh0 * row_el;
             int64_t left = last_ctx - ahead * block_size;
             int64_t nrows = left < block_size ? left : block_size;
             prefetch_rows(kv, next, nrows, stride, span, elt);
             prefetch_rows(kv, v_offset + next, nrows, stride, span, elt);
         }
         for (int h = 0; h < kvh1 - kvh0; h++) {
-            const int64_t kfirst = base + (int64_t)h * head_dim;
+            const int64_t kfirst = base + (int64_t)h * row_el;
             const int i0 = h * per_head;
+            if (kv_dtype == 2)
+                for (int64_t r = 0; r < rows; r++) {
+                    kscale[r] = row_scale(kv, kfirst + r * stride, head_dim);
+                    vscale[r] = row_scale(kv, v_offset + kfirst + r * stride, head_dim);
+                }
 #if defined(__AVX512BF16__)
             if (dot_bf16)
                 block_scores_bf16_t(kv, kfirst, rows, stride, nv, per_head,
@@ -464,6 +494,9 @@ static inline __attribute__((always_inline)) void task_vec(
 #endif
                 block_scores_f32(kv, kfirst, rows, stride, kv_dtype, nv, per_head, qv + i0 * nv,
                                  scores, block_size);
+            if (kv_dtype == 2)          /* each key row's scale, on its scores */
+                for (int i = 0; i < per_head; i++)
+                    for (int64_t r = 0; r < rows; r++) scores[(int64_t)i * block_size + r] *= kscale[r];
             for (int t = 0; t < ntok; t++) {
                 /* keys this token sees in the block, rows first .. valid - 1:
                  * causal within a prefill chunk, after its window's start */
@@ -485,6 +518,9 @@ static inline __attribute__((always_inline)) void task_vec(
                             acc[i * nv + j] = fv_mul(acc[i * nv + j], fv_set1(corr));
                 }
             }
+            if (kv_dtype == 2)          /* each value row's scale, on its weights */
+                for (int i = 0; i < per_head; i++)
+                    for (int64_t r = 0; r < rows; r++) scores[(int64_t)i * block_size + r] *= vscale[r];
             if (!block_values_small(kv, v_offset + kfirst, rows, stride, kv_dtype, scores,
                                     block_size, acc + i0 * nv, per_head, head_dim))
                 continue;
@@ -584,7 +620,8 @@ static int paged_attention(const void *q, int64_t q_stride, const void *kv, void
     int chunk = 1, tile = 1, vector = 0;
 #ifdef FOLIO_HAVE_VEC
     const int per_head = group * (head_dim / FOLIO_VW);      /* vectors of one token's KV head */
-    vector = head_dim % FOLIO_VW == 0 && head_dim <= FOLIO_MAX_DIM && per_head <= FOLIO_TASK_VECTORS;
+    vector = head_dim % FOLIO_VW == 0 && head_dim <= FOLIO_MAX_DIM && per_head <= FOLIO_TASK_VECTORS
+             && block_size <= FOLIO_MAX_BLOCK;
     if (vector) {
         tile = FOLIO_TASK_VECTORS / per_head;
         if (tile > FOLIO_TILE) tile = FOLIO_TILE;

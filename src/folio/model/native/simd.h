@@ -47,9 +47,13 @@ static inline int fv_first_eq(fvec a, fvec b) {
     return hit ? __builtin_ctz(hit) : -1;
 }
 
-/* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16). */
+/* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16, 2 int8:
+ * the 8-bit KV cache's steps, its row scale not applied). */
 static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
+    if (dtype == 2)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)((const int8_t *)base + index))));
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -139,6 +143,9 @@ static inline int fv_first_eq(fvec a, fvec b) {
 
 static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm256_loadu_ps((const float *)base + index);
+    if (dtype == 2)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const int8_t *)base + index))));
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
