@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
+from folio.model.attention.torch_backend import TorchAttentionBackend
 from tests.parity import assert_greedy_parity, reference_greedy
 from tests.utils import load_reference_model, make_tiny_model
 
@@ -85,13 +86,20 @@ def test_default_model_drift_on_a_real_passage(default_llm):
     assert abs(ppl / ppl_exact - 1) < 0.02, (ppl, ppl_exact)
 
 
-def test_a_backend_that_does_not_read_it_yet_is_refused_by_name(tiny, monkeypatch):
+class FloatOnly(TorchAttentionBackend):
+    """Test-only: a backend that reads float caches only."""
+    name = "TEST_FLOAT_ONLY"
+    reads_int8_kv = False
+
+
+def test_a_backend_that_does_not_read_it_is_refused_by_name(monkeypatch):
     from folio.model.attention import selector
-    from folio.model.attention.triton_backend import TritonAttentionBackend
-    monkeypatch.setattr(TritonAttentionBackend, "supports", classmethod(lambda c, d, t: True))
-    with pytest.raises(ValueError, match="TRITON does not read an int8 KV cache yet; these "
-                                         "do: CPU_NATIVE, TORCH_SDPA"):
-        selector.get_attention_backend("cpu", torch.float32, "triton", "int8")
+    monkeypatch.setitem(selector._BACKENDS, "TEST_FLOAT_ONLY",
+                        "tests.engine.test_kv_int8_engine:FloatOnly")
+    with pytest.raises(ValueError, match="TEST_FLOAT_ONLY does not read an int8 KV cache yet; "
+                                         "these do: TRITON, CPU_NATIVE, TORCH_SDPA"):
+        selector.get_attention_backend("cpu", torch.float32, "test_float_only", "int8")
+    assert selector.get_attention_backend("cpu", torch.float32, "test_float_only") is FloatOnly
 
 
 def test_tensor_parallel_ranks_and_beams_with_an_int8_cache(tiny):

@@ -27,13 +27,16 @@ def workload():
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def test_greedy_tokens_equal_the_torch_backend_under_pressure(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_greedy_tokens_equal_the_torch_backend_under_pressure(tmp_path, kv_cache_dtype):
+    """Preemption and prefix hits on a float cache and on the 8-bit one."""
     folder = make_tiny_model(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = {}
     for name in ("TRITON", "TORCH_SDPA"):
         llm = LLM(folder, dtype="float32", device=DEVICE, num_kv_blocks=24, block_size=4,
-                  max_num_batched_tokens=32, max_num_seqs=4, attention_backend=name)
+                  max_num_batched_tokens=32, max_num_seqs=4, attention_backend=name,
+                  kv_cache_dtype=kv_cache_dtype)
         assert llm.engine.executor.runner.attn_backend.name == name
         outs = llm.generate(workload(), params, use_tqdm=False)
         runs[name] = [o.outputs[0].token_ids for o in outs]

@@ -133,6 +133,33 @@ def test_float32_queries_on_a_bfloat16_cache():
     assert (wide - got).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_cache(dtype):
+    """--kv-cache-dtype int8: the store writes each row's steps and scale as
+    torch's quantization does, and decode (split) and prefill read the rows
+    widened and scaled, as the torch backend does on the same cache."""
+    from folio.model.attention import kv_quant
+    seqs = [(70, 1), (3, 1), (0, 21), (33, 18)]
+    block_size, heads, kv_heads, head_dim = 16, 4, 2, 64
+    rng = np.random.default_rng(7)
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
+    step = make_step(seqs, block_size, num_blocks, rng)
+    g = torch.Generator().manual_seed(7)
+    T = len(step.slot_mapping)
+    q, k, v = (torch.randn(T, h, head_dim, generator=g).to(dtype).to(DEVICE)
+               for h in (heads, kv_heads, kv_heads))
+    cache = kv_quant.quantize(torch.randn(2, num_blocks, block_size, kv_heads, head_dim,
+                                          generator=g)).to(DEVICE)
+    scale = head_dim ** -0.5
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, ref_cache, TorchAttentionBackend.build_metadata(step))
+    got = ForcedSplits(heads, kv_heads, head_dim, scale).forward(
+        q, k, v, got_cache, ForcedSplits.build_metadata(step))
+    assert torch.equal(got_cache, ref_cache) and not torch.equal(got_cache, cache)
+    assert_close(got, ref.float(), dtype)
+
+
 def test_any_block_size_and_odd_head_dim():
     """Block size 8 (what small tests use) and a head size that is not a power of 2."""
     got, ref, *_ = run_both([(9, 1), (0, 11), (5, 13)], block_size=8, heads=3, kv_heads=1,

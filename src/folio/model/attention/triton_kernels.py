@@ -20,6 +20,11 @@ A sliding window W > 0 (a local layer) limits a query at position p to the
 keys p - W < k <= p: a decode's splits share out only the last W keys, a
 prefill tile starts at its first token's first key.
 
+An 8-bit cache (--kv-cache-dtype int8, kv_quant.py) holds rows of D int8
+steps and their fp32 scale (ROW = D + 4 elements a row): its rows are
+quantized by torch when stored, and the kernels widen the steps and multiply
+each key and value row by its scale as they load it.
+
 Keys are taken BLOCK_N at a time, each key's block looked up from its own
 position, so any block size works. Arithmetic is fp32; the matmuls of the
 prefill take fp16/bf16 inputs as they are on a GPU (`DOT_FP32` upcasts them,
@@ -32,6 +37,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from folio.model.attention import kv_quant
 
 
 NO_WINDOW = 1 << 40     # the kernels' window of a global layer: longer than any context
@@ -67,7 +74,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """k, v [T, Hkv, D] -> k_cache, v_cache [num_blocks, block_size, Hkv, D] at slot_mapping;
     a cache of another dtype (--kv-cache-dtype) takes them rounded by torch
     (round to nearest even; triton's interpreter truncates)."""
-    if k.dtype != k_cache.dtype:
+    if k_cache.dtype == torch.int8:          # each row's steps and scale
+        k, v = kv_quant.quantize(k), kv_quant.quantize(v)
+    elif k.dtype != k_cache.dtype:
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k, v = _rows(k), _rows(v)
     row = k.shape[1] * k.shape[2]
@@ -81,7 +90,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
                    q_stride, table_stride, tokens_per_split, window,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BS: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BS: tl.constexpr, BLOCK_N: tl.constexpr, ROW: tl.constexpr,
+                   INT8: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,10 +114,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
         pos = n0 + n
         valid = pos < end
         block = tl.load(tables + s * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
-        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * D
+        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
-        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = _load_rows(k_cache, offs, d, valid, kv_mask, D, INT8)
+        v = _load_rows(v_cache, offs, d, valid, kv_mask, D, INT8)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -120,6 +130,18 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
     tl.store(m_ptr + part, m_i, mask=gm)
     tl.store(l_ptr + part, l_i, mask=gm)
     tl.store(out_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gm[:, None])
+
+
+@triton.jit
+def _load_rows(cache, offs, d, valid, kv_mask, D: tl.constexpr, INT8: tl.constexpr):
+    """BLOCK_N cached rows of one KV head as fp32: an 8-bit row's steps times
+    its scale (the fp32 in its last 4 bytes)."""
+    x = tl.load(cache + offs[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)
+    if INT8:
+        scale = tl.load((cache + offs + D).to(tl.pointer_type(tl.float32)), mask=valid,
+                        other=0.0)
+        x = x * scale[:, None]
+    return x
 
 
 @triton.jit
@@ -149,7 +171,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     each sees its last `window` keys where that is > 0 (the splits cover them)."""
     q = _rows(q)
     S, H, D = q.shape
-    _, bs, hkv, _ = k_cache.shape
+    _, bs, hkv, row = k_cache.shape
     G, d_pad = H // hkv, _pow2(D)
     part_out = torch.empty(S * H * num_splits, d_pad, dtype=torch.float32, device=q.device)
     part_m = torch.empty(S * H * num_splits, dtype=torch.float32, device=q.device)
@@ -158,7 +180,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, part_out, part_m, part_l, tables, ctx_lens, scale, q.stride(0),
         tables.stride(0), tokens_per_split, window or NO_WINDOW, NUM_HEADS=H,
         NUM_KV_HEADS=hkv, G=G, G_PAD=_pow2(G),
-        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n)
+        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, ROW=row, INT8=k_cache.dtype == torch.int8)
     _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
                             NUM_HEADS=H, D=D, D_PAD=d_pad, SPLITS_PAD=_pow2(num_splits))
 
@@ -168,7 +190,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
                     q_lens, start_positions, scale, q_stride, out_stride, table_stride, window,
                     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                    ROW: tl.constexpr, INT8: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     i = tl.load(tile_seq + tile)
@@ -198,10 +221,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
         pos = n0 + n
         valid = pos < end
         block = tl.load(tables + i * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
-        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * D
+        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
-        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if INT8:            # widened and scaled, in the queries' dtype for the matmuls
+            k = _load_rows(k_cache, offs, d, valid, kv_mask, D, True).to(q.dtype)
+            v = _load_rows(v_cache, offs, d, valid, kv_mask, D, True).to(q.dtype)
+        else:
+            k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -243,7 +270,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `window` > 0: each token sees its last `window` keys only."""
     q = _rows(q)
     H, D = q.shape[1], q.shape[2]
-    _, bs, hkv, _ = k_cache.shape
+    _, bs, hkv, row = k_cache.shape
     G = H // hkv
     g_pad = _pow2(G)
     fp32 = q.dtype == torch.float32 or dot_fp32
@@ -252,4 +279,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
         window or NO_WINDOW, NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs,
         BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), DOT_FP32=fp32)
+        BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row, INT8=k_cache.dtype == torch.int8)
