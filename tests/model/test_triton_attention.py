@@ -103,33 +103,45 @@ def test_half_precision(dtype):
     assert torch.equal(got_cache.float(), ref_cache)
 
 
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+
+
+def _on_a_cache(seed, dtype, make_cache):
+    """A step of decodes and prompt chunks over `make_cache(g, num_blocks)`:
+    (queries' inputs, the cache before, the torch backend's answer and cache,
+    TRITON's answer and cache); decodes split by ForcedSplits."""
+    seqs, block_size = [(70, 1), (3, 1), (0, 21), (33, 18)], 16
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
+    step = make_step(seqs, block_size, num_blocks, np.random.default_rng(seed))
+    g = torch.Generator().manual_seed(seed)
+    T = len(step.slot_mapping)
+    qkv = tuple(torch.randn(T, h, HEAD_DIM, generator=g).to(dtype).to(DEVICE)
+                for h in (HEADS, KV_HEADS, KV_HEADS))
+    cache = make_cache(g, num_blocks, block_size).to(DEVICE)
+    scale = HEAD_DIM ** -0.5
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
+        *qkv, ref_cache, TorchAttentionBackend.build_metadata(step))
+    got = ForcedSplits(HEADS, KV_HEADS, HEAD_DIM, scale).forward(
+        *qkv, got_cache, ForcedSplits.build_metadata(step))
+    return qkv, cache, (ref, ref_cache), (got, got_cache), step
+
+
 def test_float32_queries_on_a_bfloat16_cache():
     """--kv-cache-dtype bfloat16 under a float32 run: the store rounds the new
     keys to bf16 as torch does, decode and prefill read the cache widened, as
     the torch backend does on the same cache."""
-    seqs = [(70, 1), (3, 1), (0, 21), (33, 18)]
-    block_size, heads, kv_heads, head_dim = 16, 4, 2, 64
-    rng = np.random.default_rng(5)
-    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
-    step = make_step(seqs, block_size, num_blocks, rng)
-    g = torch.Generator().manual_seed(5)
-    T = len(step.slot_mapping)
-    q, k, v = (torch.randn(T, h, head_dim, generator=g).to(DEVICE)
-               for h in (heads, kv_heads, kv_heads))
-    shape = TorchAttentionBackend.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
-    cache = torch.randn(shape, generator=g).to(torch.bfloat16).to(DEVICE)
-    scale = head_dim ** -0.5
-    ref_cache, got_cache = cache.clone(), cache.clone()
-    ref = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
-        q, k, v, ref_cache, TorchAttentionBackend.build_metadata(step))
-    got = ForcedSplits(heads, kv_heads, head_dim, scale).forward(
-        q, k, v, got_cache, ForcedSplits.build_metadata(step))
+    shape = lambda nb, bs: TorchAttentionBackend.get_kv_cache_shape(  # noqa: E731
+        nb, bs, KV_HEADS, HEAD_DIM)
+    qkv, cache, (ref, ref_cache), (got, got_cache), step = _on_a_cache(
+        5, torch.float32, lambda g, nb, bs: torch.randn(shape(nb, bs), generator=g).to(
+            torch.bfloat16))
     assert torch.equal(got_cache, ref_cache)           # the same bf16 bits
     assert not torch.equal(got_cache, cache)
     assert_close(got, ref, torch.float32)
     # the fp32 keys themselves would answer otherwise: the cache was read as bf16
-    wide = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
-        q, k, v, cache.float(), TorchAttentionBackend.build_metadata(step))
+    wide = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5).forward(
+        *qkv, cache.float(), TorchAttentionBackend.build_metadata(step))
     assert (wide - got).abs().max() > 1e-4
 
 
@@ -139,23 +151,9 @@ def test_an_int8_cache(dtype):
     torch's quantization does, and decode (split) and prefill read the rows
     widened and scaled, as the torch backend does on the same cache."""
     from folio.model.attention import kv_quant
-    seqs = [(70, 1), (3, 1), (0, 21), (33, 18)]
-    block_size, heads, kv_heads, head_dim = 16, 4, 2, 64
-    rng = np.random.default_rng(7)
-    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
-    step = make_step(seqs, block_size, num_blocks, rng)
-    g = torch.Generator().manual_seed(7)
-    T = len(step.slot_mapping)
-    q, k, v = (torch.randn(T, h, head_dim, generator=g).to(dtype).to(DEVICE)
-               for h in (heads, kv_heads, kv_heads))
-    cache = kv_quant.quantize(torch.randn(2, num_blocks, block_size, kv_heads, head_dim,
-                                          generator=g)).to(DEVICE)
-    scale = head_dim ** -0.5
-    ref_cache, got_cache = cache.clone(), cache.clone()
-    ref = TorchAttentionBackend(heads, kv_heads, head_dim, scale).forward(
-        q, k, v, ref_cache, TorchAttentionBackend.build_metadata(step))
-    got = ForcedSplits(heads, kv_heads, head_dim, scale).forward(
-        q, k, v, got_cache, ForcedSplits.build_metadata(step))
+    _, cache, (ref, ref_cache), (got, got_cache), _ = _on_a_cache(
+        7, dtype, lambda g, nb, bs: kv_quant.quantize(
+            torch.randn(2, nb, bs, KV_HEADS, HEAD_DIM, generator=g)))
     assert torch.equal(got_cache, ref_cache) and not torch.equal(got_cache, cache)
     assert_close(got, ref.float(), dtype)
 
