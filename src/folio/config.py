@@ -100,8 +100,8 @@ class CacheConfig:
                                                   # and KV cache may take together
     # the cache's element type (--kv-cache-dtype, resolved): None is the run
     # dtype; "bfloat16" under a float32 run (asked for, or --dtype bfloat16 on a
-    # CPU without native bf16) halves the bytes a decode step reads; "int8"
-    # under any run dtype: 8-bit rows with their scales (attention/kv_quant.py)
+    # CPU without native bf16) halves the bytes a decode step reads; "int8" or
+    # "fp8" under any run dtype: 8-bit rows with their scales (attention/kv_quant.py)
     kv_cache_dtype: Optional[str] = None
 
 
@@ -156,7 +156,7 @@ class ParallelConfig:
 # --activation-quantization: what the activations of quantized layers become
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
 # --kv-cache-dtype: auto is --dtype's (build_config resolves it)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def test_bench_memory_json(tmp_path, capsys):
     # 16 dims a block: fp32 4 bytes a value, bf16 2, int8 1 and 4 a row's scale
     capacity = {c["kv_cache_dtype"]: c for c in result["capacity"]}
     budget = 256 * 2 * 2 * 8 * 2 * 16 * 4
-    for kv, row_bytes in (("float32", 64), ("bfloat16", 32), ("int8", 20)):
+    for kv, row_bytes in (("float32", 64), ("bfloat16", 32), ("int8", 20), ("fp8", 20)):
         per = 2 * 2 * 8 * 2 * row_bytes
         assert capacity[kv]["bytes_per_block"] == per and capacity[kv]["blocks"] == budget // per
         assert capacity[kv]["requests_at_max_model_len"] == budget // per * 8 // 512

@@ -96,7 +96,7 @@ def test_default_model_drifts_little_from_its_float32_cache():
 def test_refusals(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, "
-                                         "float32, int8, got 'int4'"):
+                                         "float32, int8, fp8, got 'int4'"):
         LLM(folder, kv_cache_dtype="int4")
     # a bf16 run (forced where the CPU would run bfloat16 as fp32 arithmetic)
     monkeypatch.setattr(device, "split_cpu_bf16", lambda dtype, dev: (dtype, None))

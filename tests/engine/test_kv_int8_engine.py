@@ -1,8 +1,9 @@
-"""The 8-bit KV cache in the engine (issue 32): teacher-forced prompt
-logprobs with `kv_cache_dtype="int8"` against the float cache, on a tiny
-random model and on the default model (a public-domain passage), mean and
-largest difference within stated bounds; greedy tokens equal to
-transformers' wherever its top-2 margin is wide; preemption, copy-on-write
+"""The 8-bit KV caches in the engine (issue 32): teacher-forced prompt
+logprobs with `kv_cache_dtype="int8"` and `"fp8"` against the float cache,
+on a tiny random model and on the default model (a public-domain passage),
+mean and largest difference within stated bounds (fp8's wider: e4m3 keeps 3
+mantissa bits); greedy tokens (int8) equal to transformers' wherever its
+top-2 margin is wide; preemption, copy-on-write
 samples and the prefix cache as with a float cache, every block back."""
 
 import pytest
@@ -32,14 +33,20 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("kv8"))
 
 
-def test_tiny_model_logprobs_and_greedy_tokens(tiny):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_tiny_model_logprobs_and_greedy_tokens(tiny, kind):
     ids = [(7 * i + 3) % 380 + 2 for i in range(150)]       # across many blocks
     float_llm = LLM(tiny, dtype="float32", num_kv_blocks=64, attention_backend="torch_sdpa")
-    int8 = LLM(tiny, dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8",
+    int8 = LLM(tiny, dtype="float32", num_kv_blocks=64, kv_cache_dtype=kind,
                max_num_batched_tokens=64)                   # prompt chunks read the cache
-    assert int8.engine.executor.runner.kv_caches[0].dtype == torch.int8
+    assert int8.engine.executor.runner.kv_caches[0].dtype == {"int8": torch.int8,
+                                                              "fp8": torch.uint8}[kind]
     diff = (_prompt_logprobs(int8, ids) - _prompt_logprobs(float_llm, ids)).abs()
-    assert diff.mean() < 0.05 and diff.max() < 0.3, (diff.mean(), diff.max())
+    print(f"tiny model, {kind}: mean |dlogprob| {diff.mean():.4f}, max {diff.max():.4f}")
+    bound = {"int8": (0.05, 0.3), "fp8": (0.15, 0.8)}[kind]
+    assert diff.mean() < bound[0] and diff.max() < bound[1], (diff.mean(), diff.max())
+    if kind == "fp8":       # e4m3's 3 mantissa bits move this random model's logits by
+        return              # up to 0.56: its greedy tokens part at gaps of 0.4
     ref = load_reference_model(tiny)
     for prompt in (ids[:40], ids[60:75]):
         want, gaps = reference_greedy(ref, prompt, 24, ())
@@ -49,16 +56,17 @@ def test_tiny_model_logprobs_and_greedy_tokens(tiny):
     assert int8.engine.scheduler.kv.num_free_blocks == 64
 
 
-def test_preemption_samples_and_the_prefix_cache_as_with_a_float_cache(tiny):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_preemption_samples_and_the_prefix_cache_as_with_a_float_cache(tiny, kind):
     """Block size 4 and too few blocks: preempted requests recompute their
     8-bit rows and answer as unpreempted ones; n=3 samples share their prompt
     blocks copy-on-write; a repeated prompt hits the prefix cache."""
     prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 2 for j in range(20 + 3 * i)]}
                for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    roomy = LLM(tiny, dtype="float32", num_kv_blocks=256, block_size=4, kv_cache_dtype="int8")
+    roomy = LLM(tiny, dtype="float32", num_kv_blocks=256, block_size=4, kv_cache_dtype=kind)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy, use_tqdm=False)]
-    small = LLM(tiny, dtype="float32", num_kv_blocks=40, block_size=4, kv_cache_dtype="int8",
+    small = LLM(tiny, dtype="float32", num_kv_blocks=40, block_size=4, kv_cache_dtype=kind,
                 max_num_seqs=6, max_num_batched_tokens=32)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
@@ -72,24 +80,26 @@ def test_preemption_samples_and_the_prefix_cache_as_with_a_float_cache(tiny):
         assert llm.engine.scheduler.kv.num_free_blocks == blocks
 
 
-def test_default_model_drift_on_a_real_passage(default_llm):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_default_model_drift_on_a_real_passage(default_llm, kind):
     int8 = LLM(dtype="float32", num_kv_blocks=64, max_model_len=2048,
-               activation_quantization="none", kv_cache_dtype="int8")
+               activation_quantization="none", kv_cache_dtype=kind)
     tok = int8.get_tokenizer()
     ids = tok.encode(PASSAGE)
     exact, got = _prompt_logprobs(default_llm, ids), _prompt_logprobs(int8, ids)
     diff = (got - exact).abs()
     ppl_exact, ppl = torch.exp(-exact.mean()), torch.exp(-got.mean())
-    print(f"default model, {len(ids)} tokens: mean |dlogprob| {diff.mean():.4f}, max "
+    print(f"default model, {kind}, {len(ids)} tokens: mean |dlogprob| {diff.mean():.4f}, max "
           f"{diff.max():.4f}, perplexity {ppl_exact:.3f} -> {ppl:.3f}")
-    assert diff.mean() < 0.05 and diff.max() < 0.4, (diff.mean(), diff.max())
-    assert abs(ppl / ppl_exact - 1) < 0.02, (ppl, ppl_exact)
+    bound = {"int8": (0.05, 0.4, 0.02), "fp8": (0.15, 1.0, 0.05)}[kind]
+    assert diff.mean() < bound[0] and diff.max() < bound[1], (diff.mean(), diff.max())
+    assert abs(ppl / ppl_exact - 1) < bound[2], (ppl, ppl_exact)
 
 
 class FloatOnly(TorchAttentionBackend):
     """Test-only: a backend that reads float caches only."""
     name = "TEST_FLOAT_ONLY"
-    reads_int8_kv = False
+    reads_8bit_kv = ()
 
 
 def test_a_backend_that_does_not_read_it_is_refused_by_name(monkeypatch):
@@ -100,6 +110,10 @@ def test_a_backend_that_does_not_read_it_is_refused_by_name(monkeypatch):
                                          "these do: TRITON, CPU_NATIVE, TORCH_SDPA"):
         selector.get_attention_backend("cpu", torch.float32, "test_float_only", "int8")
     assert selector.get_attention_backend("cpu", torch.float32, "test_float_only") is FloatOnly
+    monkeypatch.setenv("TRITON_INTERPRET", "1")             # Triton reads int8, not fp8 yet
+    with pytest.raises(ValueError, match="TRITON does not read an fp8 KV cache yet; these do: "
+                                         "CPU_NATIVE, TORCH_SDPA"):
+        selector.get_attention_backend("cpu", torch.float32, "triton", "fp8")
 
 
 def test_tensor_parallel_ranks_and_beams_with_an_int8_cache(tiny):

@@ -1,6 +1,7 @@
-"""The 8-bit KV cache (issue 32, attention/kv_quant.py): each row of one
-token and head stored as int8 steps of its own scale (max |row| / 127), the
-scale beside it. Rounding is held to half a step per value (a scale off by
+"""The 8-bit KV caches (issue 32, attention/kv_quant.py): each row of one
+token and head stored as int8 steps of its own scale (max |row| / 127), or
+as e4m3 values of max |row| / 448 (fp8), the scale beside it; the native
+kernel reads every fp8 byte as torch does. Rounding is held to half a step per value (a scale off by
 1% breaks that bound); the torch backend's attention over an int8 cache is
 its attention over a float cache holding the dequantized rows, decodes and
 prompt chunks across blocks, GQA, several block sizes; and the block
@@ -12,6 +13,7 @@ import torch
 from folio.model.attention import kv_quant
 from folio.model.attention.backend import StepDescription
 from folio.model.attention.torch_backend import TorchAttentionBackend
+from tests.model import native_builds
 
 
 def _rows(seed: int, *shape) -> torch.Tensor:
@@ -95,3 +97,37 @@ def test_a_block_holds_its_rows_and_their_scales(tmp_path):
     assert sizes["float32"] == ((1 << 20) // (2 * 2 * 16 * 2 * 16 * 4), torch.float32, 16)
     assert sizes["bfloat16"] == ((1 << 20) // (2 * 2 * 16 * 2 * 16 * 2), torch.bfloat16, 16)
     assert sizes["int8"] == ((1 << 20) // (2 * 2 * 16 * 2 * 20), torch.int8, 20)
+
+
+def test_fp8_rows_are_e4m3_steps_of_their_scale():
+    x = _rows(3, 40, 2, 64)
+    q = kv_quant.quantize(x, "fp8")
+    assert q.dtype == torch.uint8 and q.shape == (40, 2, 68)
+    scale = kv_quant.scales(q)
+    torch.testing.assert_close(scale, x.abs().amax(-1, keepdim=True) / 448)
+    back = kv_quant.dequantize(q, torch.float32)
+    # e4m3: 3 mantissa bits, half a step is 1/16 of the value (subnormals: 2^-10)
+    assert ((back - x).abs() <= (x.abs() / 16 + 2 ** -10 * scale) * (1 + 1e-6)).all()
+    assert (back.abs().amax(-1, keepdim=True) - x.abs().amax(-1, keepdim=True)).abs().max() \
+        < 1e-5 * x.abs().max()                       # each row's largest is exact
+
+
+@pytest.mark.parametrize("flags", native_builds.builds())
+def test_the_kernel_reads_every_fp8_byte_as_torch_does(flags):
+    """Rows holding every e4m3 byte but NaN (subnormals, zeros, both signs),
+    each the only key of a decode: the output is the row, dequantized in
+    registers exactly as torch's float8_e4m3fn gives it."""
+    from folio.model import native
+    lib = native_builds.library(flags)
+    values = [b for b in range(256) if b not in (0x7f, 0xff)]
+    values += [0] * (256 - len(values))
+    steps = torch.tensor(values, dtype=torch.uint8).view(4, 64)
+    rows = torch.cat([steps, torch.tensor([0.75], dtype=torch.float32).view(torch.uint8)
+                      .repeat(4, 1)], dim=1)                        # scale 0.75
+    cache = torch.zeros(2, 4, 1, 1, 68, dtype=torch.uint8)
+    cache[1, :, 0, 0] = rows                                        # the values
+    q = torch.zeros(4, 1, 64)
+    out = native.paged_attention(q, cache, torch.arange(4).view(4, 1), torch.arange(4),
+                                 torch.ones(4, dtype=torch.int64), 0.125, lib)
+    want = steps.view(torch.float8_e4m3fn).float() * 0.75
+    assert torch.equal(out[:, 0], want)

@@ -19,14 +19,15 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler her
 # so only the order of fp32 sums differs
 DTYPES = [(torch.float32, torch.float32, 1e-5), (torch.float32, torch.bfloat16, 1e-5),
           (torch.bfloat16, torch.bfloat16, 2e-2), (torch.float32, torch.int8, 1e-5),
-          (torch.bfloat16, torch.int8, 2e-2)]
+          (torch.bfloat16, torch.int8, 2e-2), (torch.float32, torch.uint8, 1e-5),
+          (torch.bfloat16, torch.uint8, 2e-2)]    # int8 and fp8 (uint8) rows with scales
 
 
 def _cache(g, num_blocks, block_size, kv_heads, dim, kv_dtype):
-    """A random cache of keys and values in `kv_dtype` (int8: each row's steps
-    and scale, attention/kv_quant.py)."""
+    """A random cache of keys and values in `kv_dtype` (int8, fp8 as uint8:
+    each row's steps and scale, attention/kv_quant.py)."""
     kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)
-    return kv_quant.quantize(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
+    return kv_quant.stored(kv, kv_dtype)
 
 
 @pytest.mark.parametrize("build", builds())
@@ -131,7 +132,7 @@ def test_one_call_serves_decodes_and_prefill_chunks(build, dtype, kv_dtype, tol,
 def _span_keys(kv, span, dtype):
     """The chunk's own keys and values, as the backend receives them (an 8-bit
     cache's dequantized to the queries' dtype: they round back to its steps)."""
-    read = (lambda x: kv_quant.read(x, dtype)) if kv.dtype == torch.int8 else (lambda x: x)
+    read = (lambda x: kv_quant.read(x, dtype)) if kv_quant.is_quantized(kv) else (lambda x: x)
     flat_k = read(kv[0][span.block_table].flatten(0, 1))
     flat_v = read(kv[1][span.block_table].flatten(0, 1))
     rows = slice(span.start_pos, span.start_pos + span.num_tokens)

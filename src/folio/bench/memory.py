@@ -179,7 +179,7 @@ def capacity_by_dtype(engine) -> list[dict]:
     budget = engine.num_blocks * runner.bytes_per_block
     heads = runner.model.num_kv_heads_per_rank
     return [capacity(engine.config, heads, runner.attn_backend, kv, budget)
-            for kv in ("float32", "bfloat16", "int8")]
+            for kv in ("float32", "bfloat16", "int8", "fp8")]
 
 
 def print_memory(result: dict) -> None:

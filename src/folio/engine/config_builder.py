@@ -163,7 +163,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                             weight_dtype=weight_dtype)
     if attention_backend is not None:
         get_attention_backend(device, devices.torch_dtype(run_dtype), attention_backend,
-                              "int8" if kv_cache_dtype == "int8" else None)
+                              kv_cache_dtype if kv_cache_dtype in ("int8", "fp8") else None)
     limit = model_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = limit
@@ -200,7 +200,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     # native bf16 (float32 arithmetic on bf16 weights) keeps a bf16 cache too
     kv = asked if kv_cache_dtype == "auto" else kv_cache_dtype
     cache_dtype = None if kv == run_dtype else kv
-    if cache_dtype not in (None, "int8") and run_dtype != "float32":
+    if cache_dtype not in (None, "int8", "fp8") and run_dtype != "float32":
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype} under dtype {run_dtype}: a "
                          "cache of its own dtype serves a float32 run only (auto keeps "
                          f"the run's, {run_dtype})")

@@ -71,8 +71,8 @@ class AttentionBackend:
     # whether it runs a sliding-window layer (keys in the last `sliding_window`
     # positions only); one that does not refuses such a layer when it is made
     supports_sliding_window: ClassVar[bool] = False
-    # whether it reads an 8-bit KV cache (--kv-cache-dtype int8: kv_quant.py)
-    reads_int8_kv: ClassVar[bool] = False
+    # the 8-bit KV caches it reads (--kv-cache-dtype int8 | fp8: kv_quant.py)
+    reads_8bit_kv: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: Optional[int] = None):

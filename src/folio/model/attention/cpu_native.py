@@ -22,7 +22,7 @@ class CPUNativeAttentionBackend(TorchAttentionBackend):
     name = "CPU_NATIVE"
     native_kind = "paged_cpu"
     supports_sliding_window = True
-    reads_int8_kv = True            # paged_attention.c widens the 8-bit rows in registers
+    reads_8bit_kv = ("int8", "fp8")     # paged_attention.c widens the rows in registers
 
     @classmethod
     def supports(cls, device, dtype):

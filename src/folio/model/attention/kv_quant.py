@@ -1,16 +1,22 @@
-"""The 8-bit KV cache (`--kv-cache-dtype int8`, issue 32): each key or value
-row of one token and one head is stored as its head_dim values in int8 and,
-right after them, the row's scale as the 4 bytes of an fp32:
+"""The 8-bit KV caches (`--kv-cache-dtype int8|fp8`, issue 32): each key or
+value row of one token and one head is stored as its head_dim values in 8
+bits and, right after them, the row's scale as the 4 bytes of an fp32:
 
-    [2, num_blocks, block_size, num_kv_heads, head_dim + 4]   int8
+    [2, num_blocks, block_size, num_kv_heads, head_dim + 4]   int8 | uint8
 
-value = int8 * scale, scale = max |row| / 127, computed when the token is
-written (as `max * (1/127)`, and the steps as round(x * ((1 / max) * 127)),
-ties to even: the native decoder's writes, native/decoder.c, round the same
-way bit for bit). Keeping the scale in the row keeps everything that handles a block
-as it is: a block's bytes count the scales, copy-on-write and the prefix
-cache copy and share them with the values, and a cache is still one tensor
-per layer. head_dim is a multiple of 4, so each scale is 4-byte aligned.
+- int8 (storage int8): value = step * scale, scale = max |row| / 127, steps
+  round(x * ((1 / max) * 127)), ties to even (the native decoder's writes,
+  native/decoder.c, round the same way bit for bit);
+- fp8 (e4m3, storage uint8: the bytes of torch.float8_e4m3fn): value =
+  e4m3 * scale, scale = max |row| / 448 (e4m3's largest), the row times
+  (1 / max) * 448 rounded to e4m3 by torch (nearest even).
+
+Both scales are computed when the token is written. Keeping the scale in the
+row keeps everything that handles a block as it is: a block's bytes count
+the scales, copy-on-write and the prefix cache copy and share them with the
+values, and a cache is still one tensor per layer, its storage dtype saying
+which kind it holds. head_dim is a multiple of 4, so each scale is 4-byte
+aligned.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ from __future__ import annotations
 import torch
 
 SCALE_BYTES = 4
-QUANTIZED = ("int8",)           # cache dtypes stored this way
+QUANTIZED = ("int8", "fp8")     # cache dtypes stored this way
+# the largest step of each kind, and its storage
+_LARGEST = {"int8": 127.0, "fp8": 448.0}
+_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}
+_KIND = {torch.int8: "int8", torch.uint8: "fp8"}
 
 
 def row_width(head_dim: int, kv_dtype: str) -> int:
@@ -32,35 +42,43 @@ def row_width(head_dim: int, kv_dtype: str) -> int:
 
 
 def storage_dtype(kv_dtype: str) -> torch.dtype:
-    return torch.int8 if kv_dtype in QUANTIZED else getattr(torch, kv_dtype)
+    return _STORAGE.get(kv_dtype) or getattr(torch, kv_dtype)
 
 
 def is_quantized(cache: torch.Tensor) -> bool:
-    return cache.dtype == torch.int8
+    return cache.dtype in _KIND
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float -> [..., D + 4] int8: the rows rounded to the nearest
-    step of their own scale, each followed by that scale."""
+def quantize(x: torch.Tensor, kind: str = "int8") -> torch.Tensor:
+    """x [..., D] float -> [..., D + 4]: the rows in 8-bit steps of their own
+    scale, each followed by that scale."""
     xf = x.float()
+    largest = _LARGEST[kind]
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = amax * (1.0 / 127.0)
-    q = xf * torch.where(amax > 0, (1.0 / amax) * 127.0, 0.0)
-    out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.int8,
+    scale = amax * (1.0 / largest)
+    scaled = xf * torch.where(amax > 0, (1.0 / amax) * largest, 0.0)
+    out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=_STORAGE[kind],
                       device=x.device)
-    out[..., :x.shape[-1]] = q.round().clamp(-127, 127).to(torch.int8)
-    out[..., x.shape[-1]:] = scale.view(torch.int8)
+    if kind == "int8":
+        out[..., :x.shape[-1]] = scaled.round().clamp(-127, 127).to(torch.int8)
+    else:
+        out[..., :x.shape[-1]] = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(
+            torch.uint8)
+    out[..., x.shape[-1]:] = scale.view(_STORAGE[kind])
     return out
 
 
 def scales(rows: torch.Tensor) -> torch.Tensor:
-    """[..., D + 4] int8 -> [..., 1] fp32: each row's scale."""
+    """[..., D + 4] 8-bit rows -> [..., 1] fp32: each row's scale."""
     return rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D + 4] int8 -> [..., D] in `dtype`."""
-    return (rows[..., :-SCALE_BYTES].float() * scales(rows)).to(dtype)
+    """[..., D + 4] 8-bit rows -> [..., D] in `dtype`."""
+    steps = rows[..., :-SCALE_BYTES]
+    if rows.dtype == torch.uint8:
+        steps = steps.contiguous().view(torch.float8_e4m3fn)
+    return (steps.float() * scales(rows)).to(dtype)
 
 
 def read(cache_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,9 +87,13 @@ def read(cache_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(cache_part, dtype) if is_quantized(cache_part) else cache_part.to(dtype)
 
 
-def as_stored(x: torch.Tensor, kv_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rows [..., D] as a cache of `cache_dtype` stores them."""
+    kind = _KIND.get(cache_dtype)
+    return quantize(x, kind) if kind else x.to(cache_dtype)
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """x as the cache would give it back (rounded to its dtype or its 8-bit
     steps), in `dtype`: what a whole prompt's own keys are attended as."""
-    if kv_dtype == torch.int8:
-        return dequantize(quantize(x), dtype)
-    return x.to(kv_dtype).to(dtype)
+    return read(stored(x, cache_dtype), dtype)

@@ -38,8 +38,8 @@ def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
                           name: Optional[str] = None,
                           kv_dtype: Optional[str] = None) -> type[AttentionBackend]:
     """`kv_dtype`: the cache's (config.kv_dtype); an 8-bit one is read only
-    by the backends that say so (`reads_int8_kv`)."""
-    int8 = kv_dtype in kv_quant.QUANTIZED
+    by the backends that say so (`reads_8bit_kv`)."""
+    eight = kv_dtype in kv_quant.QUANTIZED
     if name is not None:
         name = name.upper()
         if name not in _BACKENDS:
@@ -49,13 +49,13 @@ def get_attention_backend(device: str, dtype: torch.dtype = torch.float32,
         if not backend.supports(device, dtype):
             raise ValueError(f"attention backend {name} does not run on {device} in "
                              f"{str(dtype).removeprefix('torch.')}{backend.requirement}")
-        if int8 and not backend.reads_int8_kv:
+        if eight and kv_dtype not in backend.reads_8bit_kv:
+            readers = [n for n in _BACKENDS if kv_dtype in _load(n).reads_8bit_kv]
             raise ValueError(f"attention backend {name} does not read an {kv_dtype} KV cache "
-                             f"yet; these do: "
-                             f"{', '.join(n for n in _BACKENDS if _load(n).reads_int8_kv)}")
+                             f"yet; these do: {', '.join(readers)}")
         return backend
     for candidate in _BACKENDS:
         backend = _load(candidate)
-        if backend.selectable(device, dtype) and (backend.reads_int8_kv or not int8):
+        if backend.selectable(device, dtype) and (not eight or kv_dtype in backend.reads_8bit_kv):
             return backend
     raise ValueError(f"no attention backend runs on {device} in {dtype}")

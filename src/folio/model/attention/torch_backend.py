@@ -11,7 +11,7 @@ position - window as well. A cache narrower than the queries (fp32 run,
 `--kv-cache-dtype bfloat16`) is read widened to the queries' dtype, and a
 whole prompt's own keys and values are rounded to the cache's dtype first, so
 every token sees the keys as the cache holds them, as the native kernel does.
-An 8-bit cache (`--kv-cache-dtype int8`, kv_quant.py) is written quantized,
+An 8-bit cache (`--kv-cache-dtype int8|fp8`, kv_quant.py) is written quantized,
 each row with its scale, and read dequantized in the same places.
 """
 
@@ -33,7 +33,7 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     name = "TORCH_SDPA"
     supports_sliding_window = True
-    reads_int8_kv = True
+    reads_8bit_kv = ("int8", "fp8")
 
     @classmethod
     def supports(cls, device, dtype):
@@ -131,4 +131,4 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     """Rows [T, Hkv, D] as the cache stores them."""
-    return kv_quant.quantize(x) if kv_quant.is_quantized(kv_cache) else x.to(kv_cache.dtype)
+    return kv_quant.stored(x, kv_cache.dtype)

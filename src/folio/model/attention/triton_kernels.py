@@ -74,10 +74,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """k, v [T, Hkv, D] -> k_cache, v_cache [num_blocks, block_size, Hkv, D] at slot_mapping;
     a cache of another dtype (--kv-cache-dtype) takes them rounded by torch
     (round to nearest even; triton's interpreter truncates)."""
-    if k_cache.dtype == torch.int8:          # each row's steps and scale
-        k, v = kv_quant.quantize(k), kv_quant.quantize(v)
-    elif k.dtype != k_cache.dtype:
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if k.dtype != k_cache.dtype:            # an 8-bit cache: each row's steps and scale
+        k, v = kv_quant.stored(k, k_cache.dtype), kv_quant.stored(v, v_cache.dtype)
     k, v = _rows(k), _rows(v)
     row = k.shape[1] * k.shape[2]
     if k.shape[0]:

@@ -45,7 +45,7 @@ _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c
             _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}   # int8: kv_quant.py's rows
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # kv_quant.py
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
@@ -172,7 +172,7 @@ def load() -> Optional[ctypes.CDLL]:
 
 
 def kv_code(dtype: torch.dtype) -> int:
-    """The kernels' code for a KV cache's dtype (2: int8 rows with their scales)."""
+    """The kernels' code for a KV cache's dtype (2 int8, 3 fp8: rows with their scales)."""
     return _KV_CODES[dtype]
 
 
@@ -326,8 +326,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if kv_cache.dtype == torch.int8:
-        head_dim -= 4                       # each row's scale
+    if kv_cache.dtype in (torch.int8, torch.uint8):
+        head_dim -= 4                       # each 8-bit row's scale
     tables = block_tables.contiguous()
     lib = lib or load()
     args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),

@@ -11,9 +11,9 @@
  * Scores, softmax and the weighted sum of values are accumulated in fp32;
  * dtype (of q and out) is 0 float32 or 1 bfloat16; kv_dtype (of the cache,
  * --kv-cache-dtype) 0 float32, 1 bfloat16 (fp32 queries may read a bf16
- * cache, half the bytes a decode step streams) or 2 int8: each row of a token
- * and KV head is head_dim int8 steps followed by its fp32 scale (4 bytes;
- * attention/kv_quant.py), so a row is head_dim + 4 elements of the cache;
+ * cache, half the bytes a decode step streams), 2 int8 or 3 fp8 (e4m3): each
+ * row of a token and KV head is head_dim 8-bit steps followed by its fp32
+ * scale (4 bytes; attention/kv_quant.py), so a row is head_dim + 4 elements;
  * the steps are widened in registers, and the scales multiply a block's
  * scores (keys) and softmax weights (values), once a row, not once a value. A sliding window w > 0 (a local layer):
  * a token of context c sees only the keys at c - w .. c - 1 (positions
@@ -42,16 +42,32 @@
 
 #include "bf16.h"
 
-/* The scale of the int8 cache row of n steps at base[index]. */
+/* An fp8 e4m3 as a float (as simd.h's fv_load: rebiased, subnormals by
+ * subtraction). */
+static inline float fp8_to_float(uint8_t b) {
+    const uint32_t o = (uint32_t)(b & 0x7f) << 20;
+    uint32_t bits = o + (120u << 23);
+    float f;
+    if ((o & (0xfu << 23)) == 0) {              /* a subnormal (or zero) */
+        bits += 1u << 23;
+        memcpy(&f, &bits, sizeof f);
+        f -= 0x1p-6f;
+    } else {
+        memcpy(&f, &bits, sizeof f);
+    }
+    return b & 0x80 ? -f : f;
+}
+
+/* The scale of the 8-bit cache row of n steps at base[index]. */
 static inline float row_scale(const void *base, int64_t index, int n) {
     float s;
     memcpy(&s, (const int8_t *)base + index + n, sizeof s);
     return s;
 }
 
-/* Elements of a cached row of one token and KV head (int8: its scale too). */
+/* Elements of a cached row of one token and KV head (8-bit: its scale too). */
 static inline int row_elements(int head_dim, int kv_dtype) {
-    return kv_dtype == 2 ? head_dim + 4 : head_dim;
+    return kv_dtype >= 2 ? head_dim + 4 : head_dim;
 }
 
 /* Load n elements of the given dtype as floats (int8: times its row's scale). */
@@ -63,6 +79,10 @@ static inline void load_row(const void *base, int64_t index, int dtype, int n, f
         const float s = row_scale(base, index, n);
 #pragma omp simd
         for (int i = 0; i < n; i++) dst[i] = (float)src[i] * s;
+    } else if (dtype == 3) {
+        const uint8_t *src = (const uint8_t *)base + index;
+        const float s = row_scale(base, index, n);
+        for (int i = 0; i < n; i++) dst[i] = fp8_to_float(src[i]) * s;
     } else {
         const uint16_t *src = (const uint16_t *)base + index;
 #pragma omp simd
@@ -428,6 +448,7 @@ static inline __attribute__((always_inline)) void task_vec(
     const int per_head = ntok * group;             /* queries of one KV head */
     float *vbuf = scores + (int64_t)FOLIO_TASK_VECTORS * block_size;   /* [block_size][head_dim] */
     const int elt = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;   /* bytes of a cached element */
+    const int eight = kv_dtype >= 2;                 /* 8-bit rows, each with its scale */
     const int row_el = row_elements(head_dim, kv_dtype);
     const int64_t stride = (int64_t)num_kv_heads * row_el;
     const int64_t v_offset = num_blocks * block_size * stride;
@@ -480,7 +501,7 @@ static inline __attribute__((always_inline)) void task_vec(
         for (int h = 0; h < kvh1 - kvh0; h++) {
             const int64_t kfirst = base + (int64_t)h * row_el;
             const int i0 = h * per_head;
-            if (kv_dtype == 2)
+            if (eight)
                 for (int64_t r = 0; r < rows; r++) {
                     kscale[r] = row_scale(kv, kfirst + r * stride, head_dim);
                     vscale[r] = row_scale(kv, v_offset + kfirst + r * stride, head_dim);
@@ -494,7 +515,7 @@ static inline __attribute__((always_inline)) void task_vec(
 #endif
                 block_scores_f32(kv, kfirst, rows, stride, kv_dtype, nv, per_head, qv + i0 * nv,
                                  scores, block_size);
-            if (kv_dtype == 2)          /* each key row's scale, on its scores */
+            if (eight)                  /* each key row's scale, on its scores */
                 for (int i = 0; i < per_head; i++)
                     for (int64_t r = 0; r < rows; r++) scores[(int64_t)i * block_size + r] *= kscale[r];
             for (int t = 0; t < ntok; t++) {
@@ -518,7 +539,7 @@ static inline __attribute__((always_inline)) void task_vec(
                             acc[i * nv + j] = fv_mul(acc[i * nv + j], fv_set1(corr));
                 }
             }
-            if (kv_dtype == 2)          /* each value row's scale, on its weights */
+            if (eight)                  /* each value row's scale, on its weights */
                 for (int i = 0; i < per_head; i++)
                     for (int64_t r = 0; r < rows; r++) scores[(int64_t)i * block_size + r] *= vscale[r];
             if (!block_values_small(kv, v_offset + kfirst, rows, stride, kv_dtype, scores,

@@ -47,13 +47,28 @@ static inline int fv_first_eq(fvec a, fvec b) {
     return hit ? __builtin_ctz(hit) : -1;
 }
 
-/* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16, 2 int8:
- * the 8-bit KV cache's steps, its row scale not applied). */
+/* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16, 2 int8 and
+ * 3 fp8 e4m3: the 8-bit KV caches' steps, their row scale not applied). An
+ * e4m3's bits move into an fp32's with the exponent rebiased (+120); a
+ * subnormal (exponent 0) takes exponent 1 and loses the implicit one after
+ * (- 2^-6), so no fp32 subnormal is ever made. */
 static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
     if (dtype == 2)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128((const __m128i *)((const int8_t *)base + index))));
+    if (dtype == 3) {
+        const __m512i b = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint8_t *)base + index)));
+        const __m512i o = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
+        const __mmask16 sub = _mm512_testn_epi32_mask(o, _mm512_set1_epi32(0xf << 23));
+        const __m512i biased = _mm512_add_epi32(o, _mm512_set1_epi32(120 << 23));
+        __m512 f = _mm512_castsi512_ps(biased);
+        f = _mm512_mask_sub_ps(f, sub, _mm512_castsi512_ps(_mm512_add_epi32(
+            biased, _mm512_set1_epi32(1 << 23))), _mm512_set1_ps(0x1p-6f));
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+        return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+    }
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -146,6 +161,20 @@ static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     if (dtype == 2)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
             _mm_loadl_epi64((const __m128i *)((const int8_t *)base + index))));
+    if (dtype == 3) {
+        const __m256i b = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + index)));
+        const __m256i o = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
+        const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(o, _mm256_set1_epi32(0xf << 23)),
+                                               _mm256_setzero_si256());
+        const __m256i biased = _mm256_add_epi32(o, _mm256_set1_epi32(120 << 23));
+        const __m256 low = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(
+            biased, _mm256_set1_epi32(1 << 23))), _mm256_set1_ps(0x1p-6f));
+        const __m256 f = _mm256_blendv_ps(_mm256_castsi256_ps(biased), low,
+                                          _mm256_castsi256_ps(sub));
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+        return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+    }
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
