@@ -113,8 +113,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions)           # gathered once per step, used by every layer
-        if self.native_decoder is not None and self.native_decoder.usable(hidden, meta,
-                                                                          kv_caches):
+        if self.native_decoder is not None and self.native_decoder.usable(hidden, meta):
             # the same kernels as the modules below, in one call (bf16 CPU)
             hidden, residual = self.native_decoder(hidden, rope, kv_caches, meta)
         else:

@@ -103,7 +103,7 @@ typedef struct {
     int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
     int quantized;                            /* 1: folio_qweight projections */
     int quantize_x;                           /* their folio_qlinear mode */
-    int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16, 2 int8 */
+    int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16, 2 int8, 3 fp8 */
     const int64_t *lora_runs;                 /* [lora_nruns][3]: slot, first row, end */
     int64_t lora_nruns;
     int lora_dtype;                           /* the LoRA slots': 0 fp32, 1 bf16 */
@@ -127,6 +127,48 @@ static void store_kv(void *dst, const void *src, int64_t n, int dtype, int kv_dt
  * kv_quant.quantize rounds: scale = amax * (1/127), step = round(x * ((1 /
  * amax) * 127)), ties to even; compiled without fast-math so that the two
  * agree bit for bit. */
+/* x (at most 448 in size) rounded to an fp8 e4m3's byte, to nearest even as
+ * torch's float8_e4m3fn cast rounds. */
+__attribute__((optimize("no-fast-math")))
+static uint8_t to_e4m3(float x) {
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    const float a = fabsf(x);
+    if (a < 0x1p-6f)                        /* subnormal steps of 2^-9 (8: the first normal) */
+        return sign | (uint8_t)nearbyintf(a * 512.f);
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    bits += 0x7ffff + ((bits >> 20) & 1);   /* 23 mantissa bits to 3, ties to even */
+    const int e = (int)(bits >> 23) - 127 + 7;
+    return sign | (uint8_t)((e << 3) | ((bits >> 20) & 7));
+}
+
+/* As store_kv_int8 for an fp8 cache: scale = amax * (1/448), values
+ * e4m3(x * ((1 / amax) * 448)), as kv_quant.quantize rounds them. */
+__attribute__((optimize("no-fast-math")))
+static void store_kv_fp8(uint8_t *dst, const void *src, int kv_heads, int64_t head_dim,
+                         int dtype) {
+    for (int h = 0; h < kv_heads; h++) {
+        float x[512], amax = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const int64_t i = h * head_dim + d;
+            x[d] = dtype ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+            amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        }
+        uint8_t *row = dst + h * (head_dim + 4);
+        const float scale = amax * (1.0f / 448.0f);
+        if (amax > 0.f) {
+            const float inv = (1.0f / amax) * 448.0f;
+            for (int64_t d = 0; d < head_dim; d++) {
+                const float v = x[d] * inv;
+                row[d] = to_e4m3(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
+            }
+        } else {
+            memset(row, 0, (size_t)head_dim);
+        }
+        memcpy(row + head_dim, &scale, sizeof scale);
+    }
+}
+
 __attribute__((optimize("no-fast-math")))
 static void store_kv_int8(int8_t *dst, const void *src, int kv_heads, int64_t head_dim,
                           int dtype) {
@@ -184,11 +226,11 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size;
     /* a token's cached row of every KV head (int8: each head's scale too) */
-    const int64_t kv_row = s->kv_dtype == 2 ? s->kv_heads * (d + 4) : kv_size;
+    const int64_t kv_row = s->kv_dtype >= 2 ? s->kv_heads * (d + 4) : kv_size;
     const int64_t v_offset = s->num_blocks * s->block_size * kv_row;
     const int dtype = s->dtype, threads = s->num_threads;
     const size_t elt = dtype ? sizeof(uint16_t) : sizeof(float);
-    const size_t kv_elt = s->kv_dtype == 2 ? 1 : s->kv_dtype ? sizeof(uint16_t) : sizeof(float);
+    const size_t kv_elt = s->kv_dtype >= 2 ? 1 : s->kv_dtype ? sizeof(uint16_t) : sizeof(float);
     char *x = s->hidden_states, *qkv = s->qkv;
     for (int i = 0; i < num_layers; i++) {
         const folio_layer *w = layers + i;
@@ -214,6 +256,11 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
             if (s->kv_dtype == 2) {
                 store_kv_int8((int8_t *)kdst, k, s->kv_heads, d, dtype);
                 store_kv_int8((int8_t *)vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype);
+                continue;
+            }
+            if (s->kv_dtype == 3) {
+                store_kv_fp8((uint8_t *)kdst, k, s->kv_heads, d, dtype);
+                store_kv_fp8((uint8_t *)vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype);
                 continue;
             }
             store_kv(kdst, k, kv_size, dtype, s->kv_dtype);

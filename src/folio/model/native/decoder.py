@@ -138,13 +138,9 @@ class NativeDecoder:
             return None
         return cls(layers, kind)
 
-    def usable(self, hidden: torch.Tensor, meta, kv_caches=None) -> bool:
-        """Checked every step: the kernels may be switched off (tests do); an
-        fp8 cache (uint8 rows) is written by the modules (decoder.c writes
-        float and int8 rows)."""
+    def usable(self, hidden: torch.Tensor, meta) -> bool:
+        """Checked every step: the kernels may be switched off (tests do)."""
         if hidden.dtype != self.dtype or meta.token_rows is None or hidden.dim() != 2:
-            return False
-        if kv_caches and kv_caches[0].dtype == torch.uint8:
             return False
         if self.quantized and not native.runs_qlinear(hidden):    # what the layers ask
             return False
