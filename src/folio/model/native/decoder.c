@@ -121,12 +121,6 @@ static void store_kv(void *dst, const void *src, int64_t n, int dtype, int kv_dt
         ((uint16_t *)dst)[i] = float_to_bf16(((const float *)src)[i]);
 }
 
-/* A token's key or value rows of its kv_heads heads (activations, dtype) into
- * the 8-bit cache: each head's head_dim values as int8 steps of its scale,
- * then the scale (attention/kv_quant.py's layout), rounded exactly as
- * kv_quant.quantize rounds: scale = amax * (1/127), step = round(x * ((1 /
- * amax) * 127)), ties to even; compiled without fast-math so that the two
- * agree bit for bit. */
 /* x (at most 448 in size) rounded to an fp8 e4m3's byte, to nearest even as
  * torch's float8_e4m3fn cast rounds. */
 __attribute__((optimize("no-fast-math")))
@@ -142,11 +136,17 @@ static uint8_t to_e4m3(float x) {
     return sign | (uint8_t)((e << 3) | ((bits >> 20) & 7));
 }
 
-/* As store_kv_int8 for an fp8 cache: scale = amax * (1/448), values
- * e4m3(x * ((1 / amax) * 448)), as kv_quant.quantize rounds them. */
+/* A token's key or value rows of its kv_heads heads (activations, dtype) into
+ * an 8-bit cache (kv_dtype 2 int8, 3 fp8): each head's head_dim values as
+ * steps of its scale, then the scale (attention/kv_quant.py's layout),
+ * rounded exactly as kv_quant.quantize rounds: scale = amax * (1/L), steps
+ * x * ((1 / amax) * L) rounded to nearest even (int8, L = 127) or to e4m3
+ * (fp8, L = 448); compiled without fast-math so that the two agree bit for
+ * bit. */
 __attribute__((optimize("no-fast-math")))
-static void store_kv_fp8(uint8_t *dst, const void *src, int kv_heads, int64_t head_dim,
-                         int dtype) {
+static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head_dim,
+                          int dtype, int kv_dtype) {
+    const float largest = kv_dtype == 2 ? 127.0f : 448.0f;
     for (int h = 0; h < kv_heads; h++) {
         float x[512], amax = 0.f;
         for (int64_t d = 0; d < head_dim; d++) {
@@ -154,38 +154,14 @@ static void store_kv_fp8(uint8_t *dst, const void *src, int kv_heads, int64_t he
             x[d] = dtype ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
             amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
         }
-        uint8_t *row = dst + h * (head_dim + 4);
-        const float scale = amax * (1.0f / 448.0f);
+        uint8_t *row = (uint8_t *)dst + h * (head_dim + 4);
+        const float scale = amax * (1.0f / largest);
         if (amax > 0.f) {
-            const float inv = (1.0f / amax) * 448.0f;
+            const float inv = (1.0f / amax) * largest;
             for (int64_t d = 0; d < head_dim; d++) {
-                const float v = x[d] * inv;
-                row[d] = to_e4m3(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
-            }
-        } else {
-            memset(row, 0, (size_t)head_dim);
-        }
-        memcpy(row + head_dim, &scale, sizeof scale);
-    }
-}
-
-__attribute__((optimize("no-fast-math")))
-static void store_kv_int8(int8_t *dst, const void *src, int kv_heads, int64_t head_dim,
-                          int dtype) {
-    for (int h = 0; h < kv_heads; h++) {
-        float x[512], amax = 0.f;
-        for (int64_t d = 0; d < head_dim; d++) {
-            const int64_t i = h * head_dim + d;
-            x[d] = dtype ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
-            amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
-        }
-        int8_t *row = dst + h * (head_dim + 4);
-        const float scale = amax * (1.0f / 127.0f);
-        if (amax > 0.f) {
-            const float inv = (1.0f / amax) * 127.0f;
-            for (int64_t d = 0; d < head_dim; d++) {
-                float q = nearbyintf(x[d] * inv);
-                row[d] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+                float v = x[d] * inv;
+                v = v > largest ? largest : v < -largest ? -largest : v;
+                row[d] = kv_dtype == 2 ? (uint8_t)(int8_t)nearbyintf(v) : to_e4m3(v);
             }
         } else {
             memset(row, 0, (size_t)head_dim);
@@ -253,14 +229,10 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
             const char *k = qkv + elt * (size_t)(j * qkv_width + q_size);
             char *kdst = cache + kv_elt * (size_t)(s->slots[j] * kv_row);
             char *vdst = cache + kv_elt * (size_t)(v_offset + s->slots[j] * kv_row);
-            if (s->kv_dtype == 2) {
-                store_kv_int8((int8_t *)kdst, k, s->kv_heads, d, dtype);
-                store_kv_int8((int8_t *)vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype);
-                continue;
-            }
-            if (s->kv_dtype == 3) {
-                store_kv_fp8((uint8_t *)kdst, k, s->kv_heads, d, dtype);
-                store_kv_fp8((uint8_t *)vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype);
+            if (s->kv_dtype >= 2) {
+                store_kv_8bit(kdst, k, s->kv_heads, d, dtype, s->kv_dtype);
+                store_kv_8bit(vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype,
+                              s->kv_dtype);
                 continue;
             }
             store_kv(kdst, k, kv_size, dtype, s->kv_dtype);
