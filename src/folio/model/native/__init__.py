@@ -1,6 +1,7 @@
 """Native CPU kernels, built on first use with the system C compiler.
 
-- `paged_attention.c`: attention of a step's tokens through the block tables.
+- `paged_attention.c`: attention of a step's tokens through the block tables
+  (wrapped in `attention.py`).
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
   greedy sampling.
 - `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16.
@@ -45,7 +46,6 @@ _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c
             _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # kv_quant.py
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
@@ -169,11 +169,6 @@ def load() -> Optional[ctypes.CDLL]:
                 logger.warning("native CPU kernels unavailable (%s): using the torch layers", e)
                 _lib = None
         return _lib
-
-
-def kv_code(dtype: torch.dtype) -> int:
-    """The kernels' code for a KV cache's dtype (2 int8, 3 fp8: rows with their scales)."""
-    return _KV_CODES[dtype]
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -311,39 +306,6 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
     return out
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    token_rows: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                    lib: Optional[ctypes.CDLL] = None,
-                    sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Attention of every query token of a step: q [T, H, D] (rows may be
-    strided, heads and D dense), kv_cache [2, NB, BS, Hkv, D] in q's dtype or
-    (fp32 q) in bfloat16, --kv-cache-dtype's, or int8 [.., D + 4] rows with
-    their scales; token t reads
-    block_tables[token_rows[t]] up to context_lens[t] keys, the last
-    `sliding_window` of them only where that is given. -> [T, H, D]."""
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        q = q.contiguous()
-    tokens, heads, dim = q.shape
-    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if kv_cache.dtype in (torch.int8, torch.uint8):
-        head_dim -= 4                       # each 8-bit row's scale
-    tables = block_tables.contiguous()
-    lib = lib or load()
-    args = (q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-            tables.shape[1], token_rows.contiguous().data_ptr(),
-            context_lens.contiguous().data_ptr(), tokens, heads, num_kv_heads, head_dim,
-            block_size, num_blocks, scale, _DTYPE_CODES[q.dtype], kv_code(kv_cache.dtype),
-            torch.get_num_threads())
-    if sliding_window is None:
-        failed = lib.folio_paged_attention(*args)
-    else:
-        failed = lib.folio_paged_attention_window(*args, sliding_window)
-    if failed:
-        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
-    return out
-
-
 def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual), the sum written into `residual`;
@@ -404,3 +366,7 @@ def greedy(logits: torch.Tensor, lib: Optional[ctypes.CDLL] = None
     (lib or load()).folio_greedy(logits.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), rows, vocab,
                         _DTYPE_CODES[logits.dtype], torch.get_num_threads())
     return tokens, logprobs
+
+
+# paged attention's wrapper lives in attention.py (re-exported: native.paged_attention)
+from folio.model.native.attention import kv_code, paged_attention  # noqa: E402,F401
