@@ -106,14 +106,12 @@ def test_a_backend_that_does_not_read_it_is_refused_by_name(monkeypatch):
     from folio.model.attention import selector
     monkeypatch.setitem(selector._BACKENDS, "TEST_FLOAT_ONLY",
                         "tests.engine.test_kv_int8_engine:FloatOnly")
-    with pytest.raises(ValueError, match="TEST_FLOAT_ONLY does not read an int8 KV cache yet; "
-                                         "these do: TRITON, CPU_NATIVE, TORCH_SDPA"):
-        selector.get_attention_backend("cpu", torch.float32, "test_float_only", "int8")
+    for kind in ("int8", "fp8"):
+        with pytest.raises(ValueError, match=f"TEST_FLOAT_ONLY does not read an {kind} KV cache "
+                                             "yet; these do: TRITON, CPU_NATIVE, TORCH_SDPA"):
+            selector.get_attention_backend("cpu", torch.float32, "test_float_only", kind)
     assert selector.get_attention_backend("cpu", torch.float32, "test_float_only") is FloatOnly
-    monkeypatch.setenv("TRITON_INTERPRET", "1")             # Triton reads int8, not fp8 yet
-    with pytest.raises(ValueError, match="TRITON does not read an fp8 KV cache yet; these do: "
-                                         "CPU_NATIVE, TORCH_SDPA"):
-        selector.get_attention_backend("cpu", torch.float32, "triton", "fp8")
+
 
 
 def test_tensor_parallel_ranks_and_beams_with_an_int8_cache(tiny):

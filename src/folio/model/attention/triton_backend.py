@@ -64,7 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "TRITON"
     supports_graphs = True
     supports_sliding_window = True
-    reads_8bit_kv = ("int8",)           # fp8 not yet
+    reads_8bit_kv = ("int8", "fp8")
     requirement = (" (it needs triton, and CUDA, or on the CPU triton's interpreter: "
                    "TRITON_INTERPRET=1, slow, for tests)")
     block_m = 16              # query tokens per prefill program

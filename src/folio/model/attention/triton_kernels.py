@@ -20,10 +20,10 @@ A sliding window W > 0 (a local layer) limits a query at position p to the
 keys p - W < k <= p: a decode's splits share out only the last W keys, a
 prefill tile starts at its first token's first key.
 
-An 8-bit cache (--kv-cache-dtype int8, kv_quant.py) holds rows of D int8
-steps and their fp32 scale (ROW = D + 4 elements a row): its rows are
-quantized by torch when stored, and the kernels widen the steps and multiply
-each key and value row by its scale as they load it.
+An 8-bit cache (--kv-cache-dtype int8|fp8, kv_quant.py) holds rows of D
+int8 steps or e4m3 bytes and their fp32 scale (ROW = D + 4 elements a row):
+its rows are quantized by torch when stored, and the kernels widen the
+values and multiply each key and value row by its scale as they load it.
 
 Keys are taken BLOCK_N at a time, each key's block looked up from its own
 position, so any block size works. Arithmetic is fp32; the matmuls of the
@@ -61,6 +61,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, k_stride, v_strid
     tl.store(v_cache + slot * ROW + offs, v, mask=mask)
 
 
+def _eight(cache: torch.Tensor) -> int:
+    """The kernels' EIGHT of a cache: 0 float, 1 int8, 2 fp8 (uint8 bytes)."""
+    return {torch.int8: 1, torch.uint8: 2}.get(cache.dtype, 0)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] with each token's heads contiguous (a view of the
     fused projection is); otherwise a contiguous copy."""
@@ -89,7 +94,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, ROW: tl.constexpr,
-                   INT8: tl.constexpr):
+                   EIGHT: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,8 +119,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
         block = tl.load(tables + s * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
         offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
-        k = _load_rows(k_cache, offs, d, valid, kv_mask, D, INT8)
-        v = _load_rows(v_cache, offs, d, valid, kv_mask, D, INT8)
+        k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT)
+        v = _load_rows(v_cache, offs, d, valid, kv_mask, D, EIGHT)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -131,11 +136,21 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
 
 
 @triton.jit
-def _load_rows(cache, offs, d, valid, kv_mask, D: tl.constexpr, INT8: tl.constexpr):
-    """BLOCK_N cached rows of one KV head as fp32: an 8-bit row's steps times
-    its scale (the fp32 in its last 4 bytes)."""
-    x = tl.load(cache + offs[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)
-    if INT8:
+def _load_rows(cache, offs, d, valid, kv_mask, D: tl.constexpr, EIGHT: tl.constexpr):
+    """BLOCK_N cached rows of one KV head as fp32. EIGHT: 0 a float cache, 1
+    int8 steps, 2 fp8 e4m3 bytes (exponent rebiased, a subnormal given
+    exponent 1 and 2^-6 taken off, as native/simd.h does); an 8-bit row's
+    values times its scale (the fp32 in its last 4 bytes)."""
+    x = tl.load(cache + offs[:, None] + d[None, :], mask=kv_mask, other=0)
+    if EIGHT == 2:
+        b = x.to(tl.int32) & 0xFF
+        o = (b & 0x7F) << 20
+        biased = o + (120 << 23)
+        low = (biased + (1 << 23)).to(tl.float32, bitcast=True) - 0.015625
+        x = tl.where((o & (0xF << 23)) == 0, low, biased.to(tl.float32, bitcast=True))
+        x = tl.where((b & 0x80) != 0, -x, x)
+    x = x.to(tl.float32)
+    if EIGHT > 0:
         scale = tl.load((cache + offs + D).to(tl.pointer_type(tl.float32)), mask=valid,
                         other=0.0)
         x = x * scale[:, None]
@@ -178,7 +193,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, part_out, part_m, part_l, tables, ctx_lens, scale, q.stride(0),
         tables.stride(0), tokens_per_split, window or NO_WINDOW, NUM_HEADS=H,
         NUM_KV_HEADS=hkv, G=G, G_PAD=_pow2(G),
-        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, ROW=row, INT8=k_cache.dtype == torch.int8)
+        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, ROW=row, EIGHT=_eight(k_cache))
     _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
                             NUM_HEADS=H, D=D, D_PAD=d_pad, SPLITS_PAD=_pow2(num_splits))
 
@@ -189,7 +204,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
                     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                    ROW: tl.constexpr, INT8: tl.constexpr):
+                    ROW: tl.constexpr, EIGHT: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     i = tl.load(tile_seq + tile)
@@ -221,9 +236,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
         block = tl.load(tables + i * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
         offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
-        if INT8:            # widened and scaled, in the queries' dtype for the matmuls
-            k = _load_rows(k_cache, offs, d, valid, kv_mask, D, True).to(q.dtype)
-            v = _load_rows(v_cache, offs, d, valid, kv_mask, D, True).to(q.dtype)
+        if EIGHT:           # widened and scaled, in the queries' dtype for the matmuls
+            k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT).to(q.dtype)
+            v = _load_rows(v_cache, offs, d, valid, kv_mask, D, EIGHT).to(q.dtype)
         else:
             k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -277,4 +292,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
         window or NO_WINDOW, NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs,
         BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row, INT8=k_cache.dtype == torch.int8)
+        BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row, EIGHT=_eight(k_cache))
