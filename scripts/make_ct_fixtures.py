@@ -6,7 +6,7 @@ llmcompressor (it pins its own transformers and compressed-tensors). Same
 tiny model, shapes, calibration data and prompts as make_quant_fixtures.py
 (imported from it), so only the tool differs.
 
-    python scripts/make_ct_fixtures.py OUT_DIR
+    python scripts/make_ct_fixtures.py OUT_DIR [NAME ...]   (default: every variant)
 
 Writes OUT_DIR/<name>/ (the checkpoint as oneshot saves it with
 save_compressed=True: format pack-quantized) and, in each,
@@ -31,24 +31,38 @@ VARIANTS = {
                               group_size=32),
     "ct-w8a16-channel": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
 }
+# name -> (weights, kv_cache_scheme): QuantizationModifier (round to nearest),
+# the KV cache's static fp8 scales calibrated per layer (issue 32)
+KV_VARIANTS = {
+    "ct-w8a16-kv-fp8": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                        dict(num_bits=8, type="float", strategy="tensor", dynamic=False,
+                             symmetric=True)),
+}
 
 
-def main(out: Path) -> None:
+def main(out: Path, names: list[str]) -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out.mkdir(parents=True, exist_ok=True)
     data = calibration()
+    recipes = {name: (GPTQModifier, weights, None) for name, weights in VARIANTS.items()}
+    recipes.update({name: (QuantizationModifier, weights, kv)
+                    for name, (weights, kv) in KV_VARIANTS.items()})
     with tempfile.TemporaryDirectory() as tmp:
         source = make_tiny_model(Path(tmp) / "float", **SHAPE)
-        for name, weights in VARIANTS.items():
+        for name, (modifier, weights, kv) in recipes.items():
+            if names and name not in names:
+                continue
             torch.manual_seed(0)
             # bfloat16 like the gptqmodel fixtures (and most real checkpoints)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-            recipe = GPTQModifier(
+            extra = {"kv_cache_scheme": kv} if kv else {}
+            recipe = modifier(
                 config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
-                ignore=["lm_head"])
+                ignore=["lm_head"], **extra)
             target = out / name
             oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(source),
                     dataset=Dataset.from_list(data), recipe=recipe,
@@ -61,4 +75,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -4,7 +4,7 @@
 # compressed-tensors 0.19.0 and its own transformers; torch stays the CPU
 # 2.13.0 wheel). About 1.5 minutes on 2 cores, install included.
 #
-#     scripts/make_ct_fixtures.sh [OUT_DIR]
+#     scripts/make_ct_fixtures.sh [OUT_DIR [NAME ...]]   (default: every variant)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$(realpath -m "${1:-$ROOT/tests/fixtures/quant}")"
@@ -14,5 +14,5 @@ python3 -m venv "$VENV"
 # run from the venv's folder, like make_quant_fixtures.sh, so nothing the
 # tools write where they run lands in the repo
 cd "$(dirname "$VENV")"
-"$VENV/bin/python" "$ROOT/scripts/make_ct_fixtures.py" "$OUT"
+"$VENV/bin/python" "$ROOT/scripts/make_ct_fixtures.py" "$OUT" "${@:2}"
 rm -rf "$(dirname "$VENV")"

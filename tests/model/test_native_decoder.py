@@ -340,3 +340,26 @@ def test_an_8bit_cache_in_one_call(tmp_path, monkeypatch, kind, cache):
         assert all(hidden < bound for *_, hidden, _ in records), records
         caches = llm.engine.executor.runner.kv_caches
         assert all(torch.isfinite(kv_quant.dequantize(c, torch.float32)).all() for c in caches)
+
+
+@needs_quantized_kernel
+def test_a_checkpoint_s_static_fp8_kv_scales_in_one_call(monkeypatch):
+    """compressed-tensors' kv_cache_scheme (tests/fixtures/quant/ct-w8a16-kv-fp8):
+    with an fp8 cache the one call writes each row with the layer's static
+    scale, as the modules do (bit for bit in bf16; where bfloat16 runs as
+    fp32, to an e4m3 step's effect)."""
+    if not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("no bf16 element-wise kernels here")
+    from tests.model.quantization.checkpoints import FIXTURES
+    llm = LLM(str(FIXTURES / "ct-w8a16-kv-fp8"), dtype="bfloat16", num_kv_blocks=64,
+              max_num_batched_tokens=48, kv_cache_dtype="fp8")
+    decoder = llm.engine.executor.runner.model.model.native_decoder
+    assert decoder is not None and decoder.layers[0].self_attn.attn.kv_scales is not None
+    records = _record_both_paths(monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    if llm.engine.config.dtype == "bfloat16":
+        assert all(r[2] and r[3] for r in records), records
+    else:       # a CPU without native bf16 runs fp32: keys may round to the next e4m3
+        assert all(hidden < 0.1 for *_, hidden, _ in records), records

@@ -43,6 +43,15 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.attn = backend(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        if quant is not None and quant.kv_cache_scales:    # the checkpoint's, for fp8
+            self.k_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def process_weights_after_loading(self) -> None:
+        """The checkpoint's static KV cache scales, to the backend (an fp8 cache
+        takes them; others ignore them)."""
+        if hasattr(self, "k_scale"):
+            self.attn.kv_scales = (float(self.k_scale), float(self.v_scale))
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]

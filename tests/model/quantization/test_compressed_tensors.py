@@ -274,3 +274,47 @@ def test_a_flag_that_names_another_format_is_refused():
     with pytest.raises(ValueError, match="--quantization awq does not match the checkpoint, "
                                          "whose weights are compressed-tensors"):
         LLM(str(FIXTURES / G32), quantization="awq", **FP32, num_kv_blocks=16)
+
+
+KV = "ct-w8a16-kv-fp8"      # calibrated with a kv_cache_scheme: static fp8 scales a layer
+
+
+def test_static_fp8_kv_scales_give_the_tools_reference():
+    """llm-compressor's kv_cache_scheme (fp8, per tensor, static): each layer's
+    k_scale and v_scale. With --kv-cache-dtype fp8 every row written carries
+    the checkpoint's scale and the logits are transformers' on the same
+    checkpoint (which quantizes keys and values the same way) to 1e-4; a
+    float or int8 cache ignores the scales, and its logits then differ."""
+    from safetensors.torch import load_file
+
+    from folio.model.attention import kv_quant
+    tensors = load_file(str(FIXTURES / KV / "model.safetensors"))
+    llm = LLM(str(FIXTURES / KV), dtype="float32", **FP32, num_kv_blocks=32,
+              kv_cache_dtype="fp8")
+    for prompt, logits in reference(KV):
+        ref = logits[:-1]
+        ours = folio_logits(llm, prompt)
+        assert (ours - ref).abs().max().item() < 1e-4
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    caches = llm.engine.executor.runner.kv_caches
+    for i, cache in enumerate(caches):
+        written = kv_quant.scales(cache[:, :1].flatten(1, 3))[:, :8, 0]    # block 0's rows
+        for kv, which in ((0, "k_scale"), (1, "v_scale")):
+            want = tensors[f"model.layers.{i}.self_attn.{which}"].float()
+            assert torch.equal(written[kv], want.expand(8)), (i, which)
+    for other in ("auto", "int8"):
+        plain = LLM(str(FIXTURES / KV), dtype="float32", **FP32, num_kv_blocks=32,
+                    kv_cache_dtype=other)
+        prompt, logits = reference(KV)[0]
+        assert (folio_logits(plain, prompt) - logits[:-1]).abs().max().item() > 0.1
+
+
+def test_other_kv_cache_schemes_are_refused_by_name(tmp_path):
+    folder = copy_fixture(tmp_path, KV)
+
+    def per_channel(qc):
+        qc["kv_cache_scheme"]["strategy"] = "channel"
+    edit_quantization_config(folder, per_channel)
+    with pytest.raises(ValueError, match=r"kv_cache_scheme \('float', 8, 'channel'\) "
+                                         r"\(dynamic: False\) is not supported"):
+        LLM(str(folder), **FP32, num_kv_blocks=16)

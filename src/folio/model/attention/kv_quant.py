@@ -11,7 +11,10 @@ bits and, right after them, the row's scale as the 4 bytes of an fp32:
   e4m3 * scale, scale = max |row| / 448 (e4m3's largest), the row times
   (1 / max) * 448 rounded to e4m3 by torch (nearest even).
 
-Both scales are computed when the token is written. Keeping the scale in the
+Both scales are computed when the token is written, unless a checkpoint
+gives an fp8 cache static ones (compressed-tensors' kv_cache_scheme: one
+k_scale and v_scale a layer), which every row then carries: values are the
+row times 1 / that scale, rounded to e4m3 (448 at most). Keeping the scale in the
 row keeps everything that handles a block as it is: a block's bytes count
 the scales, copy-on-write and the prefix cache copy and share them with the
 values, and a cache is still one tensor per layer, its storage dtype saying
@@ -20,6 +23,8 @@ aligned.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -49,14 +54,19 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in _KIND
 
 
-def quantize(x: torch.Tensor, kind: str = "int8") -> torch.Tensor:
+def quantize(x: torch.Tensor, kind: str = "int8", static: Optional[float] = None
+             ) -> torch.Tensor:
     """x [..., D] float -> [..., D + 4]: the rows in 8-bit steps of their own
-    scale, each followed by that scale."""
+    scale (or of `static`, a checkpoint's), each followed by that scale."""
     xf = x.float()
     largest = _LARGEST[kind]
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = amax * (1.0 / largest)
-    scaled = xf * torch.where(amax > 0, (1.0 / amax) * largest, 0.0)
+    if static is not None:
+        scale = torch.full((*x.shape[:-1], 1), static, dtype=torch.float32, device=x.device)
+        scaled = xf * (1.0 / scale)
+    else:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        scale = amax * (1.0 / largest)
+        scaled = xf * torch.where(amax > 0, (1.0 / amax) * largest, 0.0)
     out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=_STORAGE[kind],
                       device=x.device)
     if kind == "int8":
@@ -87,13 +97,18 @@ def read(cache_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(cache_part, dtype) if is_quantized(cache_part) else cache_part.to(dtype)
 
 
-def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Rows [..., D] as a cache of `cache_dtype` stores them."""
+def stored(x: torch.Tensor, cache_dtype: torch.dtype, static: Optional[float] = None
+           ) -> torch.Tensor:
+    """Rows [..., D] as a cache of `cache_dtype` stores them; `static`: a
+    checkpoint's scale, which an fp8 cache takes (None: each row's own)."""
     kind = _KIND.get(cache_dtype)
-    return quantize(x, kind) if kind else x.to(cache_dtype)
+    if not kind:
+        return x.to(cache_dtype)
+    return quantize(x, kind, static if kind == "fp8" else None)
 
 
-def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype,
+              static: Optional[float] = None) -> torch.Tensor:
     """x as the cache would give it back (rounded to its dtype or its 8-bit
     steps), in `dtype`: what a whole prompt's own keys are attended as."""
-    return read(stored(x, cache_dtype), dtype)
+    return read(stored(x, cache_dtype, static), dtype)

@@ -65,8 +65,10 @@ class TorchAttentionBackend(AttentionBackend):
         width = kv_cache.shape[-1]          # head_dim, and an 8-bit row's scale
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, width)
         flat_v = kv_cache[1].view(-1, self.num_kv_heads, width)
-        flat_k.index_copy_(0, meta.slot_mapping, _stored(k, kv_cache))
-        flat_v.index_copy_(0, meta.slot_mapping, _stored(v, kv_cache))
+        flat_k.index_copy_(0, meta.slot_mapping,
+                           kv_quant.stored(k, kv_cache.dtype, self.static_scale(0)))
+        flat_v.index_copy_(0, meta.slot_mapping,
+                           kv_quant.stored(v, kv_cache.dtype, self.static_scale(1)))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         self.write_kv(k, v, kv_cache, meta)
@@ -109,8 +111,8 @@ class TorchAttentionBackend(AttentionBackend):
         if span.start_pos == 0 and (window is None or window >= n):
             # a whole prompt, every key in the window: the plain causal triangle
             if k_cache.dtype != q.dtype:           # as the cache holds them
-                k = kv_quant.as_stored(k, k_cache.dtype, q.dtype)
-                v = kv_quant.as_stored(v, k_cache.dtype, q.dtype)
+                k = kv_quant.as_stored(k, k_cache.dtype, q.dtype, self.static_scale(0))
+                v = kv_quant.as_stored(v, k_cache.dtype, q.dtype, self.static_scale(1))
             out = F.scaled_dot_product_attention(
                 q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 scale=self.scale, enable_gqa=True)
@@ -128,7 +130,3 @@ class TorchAttentionBackend(AttentionBackend):
                                              scale=self.scale, enable_gqa=True)  # [1, H, n, D]
         return out[0].transpose(0, 1)
 
-
-def _stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-    """Rows [T, Hkv, D] as the cache stores them."""
-    return kv_quant.stored(x, kv_cache.dtype)

@@ -125,7 +125,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: TritonMetadata):
         from folio.model.attention import triton_kernels as tk
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping,
+                    (self.static_scale(0), self.static_scale(1)))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         window = self.sliding_window or 0

@@ -75,12 +75,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, static=(None, None)) -> None:
     """k, v [T, Hkv, D] -> k_cache, v_cache [num_blocks, block_size, Hkv, D] at slot_mapping;
     a cache of another dtype (--kv-cache-dtype) takes them rounded by torch
     (round to nearest even; triton's interpreter truncates)."""
     if k.dtype != k_cache.dtype:            # an 8-bit cache: each row's steps and scale
-        k, v = kv_quant.stored(k, k_cache.dtype), kv_quant.stored(v, v_cache.dtype)
+        k = kv_quant.stored(k, k_cache.dtype, static[0])
+        v = kv_quant.stored(v, v_cache.dtype, static[1])
     k, v = _rows(k), _rows(v)
     row = k.shape[1] * k.shape[2]
     if k.shape[0]:

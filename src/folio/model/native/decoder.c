@@ -74,7 +74,9 @@ typedef struct {
  * each a folio_qweight); its KV cache [2][num_blocks][block_size][kv_heads]
  * [head_dim], in the step's kv_dtype; Qwen3's per-head norms of q and k
  * [head_dim] in the activations' dtype, or NULL; each projection's LoRA
- * slots (qkv, o, gate_up, down: lora.c's at and bt, and their width), or NULL. */
+ * slots (qkv, o, gate_up, down: lora.c's at and bt, and their width), or NULL;
+ * a checkpoint's static scales of keys and values, which an fp8 cache takes
+ * (0: each row's own). */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
@@ -82,6 +84,7 @@ typedef struct {
     const void *q_norm, *k_norm;
     const void *lora_at[4], *lora_bt[4];
     int64_t lora_width[4];
+    float kv_scale[2];
 } folio_layer;
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
@@ -142,10 +145,10 @@ static uint8_t to_e4m3(float x) {
  * rounded exactly as kv_quant.quantize rounds: scale = amax * (1/L), steps
  * x * ((1 / amax) * L) rounded to nearest even (int8, L = 127) or to e4m3
  * (fp8, L = 448); compiled without fast-math so that the two agree bit for
- * bit. */
+ * bit. `fixed` > 0 (fp8): the checkpoint's scale, x * (1 / fixed) instead. */
 __attribute__((optimize("no-fast-math")))
 static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head_dim,
-                          int dtype, int kv_dtype) {
+                          int dtype, int kv_dtype, float fixed) {
     const float largest = kv_dtype == 2 ? 127.0f : 448.0f;
     for (int h = 0; h < kv_heads; h++) {
         float x[512], amax = 0.f;
@@ -155,9 +158,10 @@ static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head
             amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
         }
         uint8_t *row = (uint8_t *)dst + h * (head_dim + 4);
-        const float scale = amax * (1.0f / largest);
-        if (amax > 0.f) {
-            const float inv = (1.0f / amax) * largest;
+        const int own = !(kv_dtype == 3 && fixed > 0.f);
+        const float scale = own ? amax * (1.0f / largest) : fixed;
+        if (!own || amax > 0.f) {
+            const float inv = own ? (1.0f / amax) * largest : 1.0f / fixed;
             for (int64_t d = 0; d < head_dim; d++) {
                 float v = x[d] * inv;
                 v = v > largest ? largest : v < -largest ? -largest : v;
@@ -230,9 +234,9 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
             char *kdst = cache + kv_elt * (size_t)(s->slots[j] * kv_row);
             char *vdst = cache + kv_elt * (size_t)(v_offset + s->slots[j] * kv_row);
             if (s->kv_dtype >= 2) {
-                store_kv_8bit(kdst, k, s->kv_heads, d, dtype, s->kv_dtype);
+                store_kv_8bit(kdst, k, s->kv_heads, d, dtype, s->kv_dtype, w->kv_scale[0]);
                 store_kv_8bit(vdst, k + elt * (size_t)kv_size, s->kv_heads, d, dtype,
-                              s->kv_dtype);
+                              s->kv_dtype, w->kv_scale[1]);
                 continue;
             }
             store_kv(kdst, k, kv_size, dtype, s->kv_dtype);

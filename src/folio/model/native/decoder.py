@@ -37,7 +37,8 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
                                         "gate_up", "down", "kv_cache", "q_norm", "k_norm")] + [
-        ("lora_at", _p * 4), ("lora_bt", _p * 4), ("lora_width", _i64 * 4)]
+        ("lora_at", _p * 4), ("lora_bt", _p * 4), ("lora_width", _i64 * 4),
+        ("kv_scale", _f32 * 2)]
 
 
 class _Step(ctypes.Structure):
@@ -178,6 +179,8 @@ class NativeDecoder:
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
                 entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
+                scales = attn.attn.kv_scales         # a checkpoint's, for an fp8 cache
+                entry.kv_scale[0], entry.kv_scale[1] = scales if scales else (0.0, 0.0)
                 for j, p in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                        mlp.down_proj)):
                     if p.lora is not None:

@@ -110,15 +110,30 @@ def _matches(pattern: str, name: str) -> bool:
     return pattern in (name, "Linear")
 
 
+def _kv_cache_scheme(scheme) -> bool:
+    """Whether the checkpoint holds static fp8 KV cache scales (one k_scale and
+    v_scale per attention layer: 8-bit float, per tensor, not dynamic); any
+    other kv_cache_scheme is refused, naming what it asks."""
+    if not scheme:
+        return False
+    kind = (scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy"),
+            bool(scheme.get("dynamic")))
+    if kind != ("float", 8, "tensor", False):
+        raise ValueError(f"compressed-tensors kv_cache_scheme {kind[:3]} (dynamic: {kind[3]}) "
+                         "is not supported: only static fp8 scales per tensor are (type "
+                         "float, num_bits 8, strategy tensor)")
+    return True
+
+
 @register_quantization("compressed-tensors")
 class CompressedTensorsConfig(QuantizationConfig):
     def __init__(self, config: dict[str, Any], *, weight_dtype=None):
         super().__init__(config, weight_dtype=weight_dtype)
-        for key, what in (("kv_cache_scheme", "KV cache quantization"),
-                          ("sparsity_config", "sparsity compression"),
+        for key, what in (("sparsity_config", "sparsity compression"),
                           ("transform_config", "transforms")):
             if config.get(key):
                 raise ValueError(f"compressed-tensors with {what} (`{key}`) is not supported")
+        self.kv_cache_scales = _kv_cache_scheme(config.get("kv_cache_scheme"))
         groups = config.get("config_groups")
         if not isinstance(groups, dict) or not groups:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
