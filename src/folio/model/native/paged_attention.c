@@ -449,6 +449,8 @@ static inline __attribute__((always_inline)) void task_vec(
     float *vbuf = scores + (int64_t)FOLIO_TASK_VECTORS * block_size;   /* [block_size][head_dim] */
     const int elt = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;   /* bytes of a cached element */
     const int eight = kv_dtype >= 2;                 /* 8-bit rows, each with its scale */
+    /* what fv_load's steps are short of their value (fp8: simd.h's 2^-8) */
+    const float load_scale = kv_dtype == 3 ? FOLIO_FP8_LOAD_SCALE : 1.f;
     const int row_el = row_elements(head_dim, kv_dtype);
     const int64_t stride = (int64_t)num_kv_heads * row_el;
     const int64_t v_offset = num_blocks * block_size * stride;
@@ -503,8 +505,9 @@ static inline __attribute__((always_inline)) void task_vec(
             const int i0 = h * per_head;
             if (eight)
                 for (int64_t r = 0; r < rows; r++) {
-                    kscale[r] = row_scale(kv, kfirst + r * stride, head_dim);
-                    vscale[r] = row_scale(kv, v_offset + kfirst + r * stride, head_dim);
+                    kscale[r] = row_scale(kv, kfirst + r * stride, head_dim) * load_scale;
+                    vscale[r] = row_scale(kv, v_offset + kfirst + r * stride, head_dim)
+                                * load_scale;
                 }
 #if defined(__AVX512BF16__)
             if (dot_bf16)

@@ -1,6 +1,7 @@
 /* Vector helpers shared by the native kernels, one width a build:
  * - AVX-512 (FOLIO_HAVE_AVX512): 16 floats a vector;
- * - AVX2 + FMA without AVX-512: 8 floats a vector.
+ * - AVX2 + FMA (and F16C, which every such CPU has) without AVX-512: 8 floats
+ *   a vector.
  * Either defines FOLIO_HAVE_VEC, FOLIO_VW (floats a vector), the vector type
  * fvec, a mask of the first n lanes (fmask) and the operations below; the
  * kernels keep a portable path for a build with neither. */
@@ -49,25 +50,24 @@ static inline int fv_first_eq(fvec a, fvec b) {
 
 /* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16, 2 int8 and
  * 3 fp8 e4m3: the 8-bit KV caches' steps, their row scale not applied). An
- * e4m3's bits move into an fp32's with the exponent rebiased (+120); a
- * subnormal (exponent 0) takes exponent 1 and loses the implicit one after
- * (- 2^-6), so no fp32 subnormal is ever made. */
+ * e4m3's bits move into a float16's (its 4 exponent bits the low ones of
+ * fp16's 5, its 3 mantissa bits the top of fp16's 10), which the hardware
+ * widens, subnormals included: that is the e4m3 value times 2^-8, which
+ * FOLIO_FP8_LOAD_SCALE gives back (the kernels fold it into the row's
+ * scale). */
+#define FOLIO_FP8_LOAD_SCALE 256.0f
 static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + index);
     if (dtype == 2)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128((const __m128i *)((const int8_t *)base + index))));
     if (dtype == 3) {
-        const __m512i b = _mm512_cvtepu8_epi32(
+        const __m256i b = _mm256_cvtepu8_epi16(
             _mm_loadu_si128((const __m128i *)((const uint8_t *)base + index)));
-        const __m512i o = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
-        const __mmask16 sub = _mm512_testn_epi32_mask(o, _mm512_set1_epi32(0xf << 23));
-        const __m512i biased = _mm512_add_epi32(o, _mm512_set1_epi32(120 << 23));
-        __m512 f = _mm512_castsi512_ps(biased);
-        f = _mm512_mask_sub_ps(f, sub, _mm512_castsi512_ps(_mm512_add_epi32(
-            biased, _mm512_set1_epi32(1 << 23))), _mm512_set1_ps(0x1p-6f));
-        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-        return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+        const __m256i h = _mm256_or_si256(
+            _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+            _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
     }
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -109,7 +109,7 @@ static inline fvec fv_round(fvec x, int dtype) {
                                                 _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define FOLIO_HAVE_VEC 1
 #define FOLIO_VW 8
@@ -156,24 +156,19 @@ static inline int fv_first_eq(fvec a, fvec b) {
     return hit ? __builtin_ctz((unsigned)hit) : -1;
 }
 
+#define FOLIO_FP8_LOAD_SCALE 256.0f     /* fv_load's fp8 values are 2^-8 of theirs */
 static inline fvec fv_load(const void *base, int64_t index, int dtype) {
     if (dtype == 0) return _mm256_loadu_ps((const float *)base + index);
     if (dtype == 2)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
             _mm_loadl_epi64((const __m128i *)((const int8_t *)base + index))));
-    if (dtype == 3) {
-        const __m256i b = _mm256_cvtepu8_epi32(
+    if (dtype == 3) {           /* as the AVX-512 path (F16C's widening) */
+        const __m128i b = _mm_cvtepu8_epi16(
             _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + index)));
-        const __m256i o = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20);
-        const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(o, _mm256_set1_epi32(0xf << 23)),
-                                               _mm256_setzero_si256());
-        const __m256i biased = _mm256_add_epi32(o, _mm256_set1_epi32(120 << 23));
-        const __m256 low = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(
-            biased, _mm256_set1_epi32(1 << 23))), _mm256_set1_ps(0x1p-6f));
-        const __m256 f = _mm256_blendv_ps(_mm256_castsi256_ps(biased), low,
-                                          _mm256_castsi256_ps(sub));
-        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-        return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+        const __m128i h = _mm_or_si128(
+            _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+            _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+        return _mm256_cvtph_ps(h);
     }
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
