@@ -52,6 +52,34 @@ def test_metrics_parse_and_move(server):
         assert name in after
 
 
+def test_vllm_names_serve_the_same_series(server):
+    """Routers, dashboards and the Gateway API inference extension read vLLM's
+    names: each folio: series vLLM also has is served as vllm:<name> with
+    the same labels and value (one scrape); Folio's own stay folio: only."""
+    from folio.server.metrics import VLLM_NAMES
+    http("POST", server.url + "/v1/completions",
+         {"model": "tiny", "prompt": "Count me twice", "max_tokens": 2, "ignore_eos": True})
+    _, _, text = http("GET", server.url + "/metrics")
+    series = {}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            series[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    twins = [(name, labels) for name, labels in series if name.startswith("vllm:")]
+    assert {n.split(":")[1].removesuffix("_total").removesuffix("_count").removesuffix(
+        "_sum").removesuffix("_bucket").removesuffix("_created") for n, _ in twins} == \
+        set(VLLM_NAMES)
+    for name, labels in twins:
+        if name.endswith("_created"):
+            continue
+        assert series[(name, labels)] == series[("folio:" + name[5:], labels)], name
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count"):
+        assert any(n == name for n, _ in series), name
+    assert not any(n.startswith(("vllm:tenant", "vllm:cost", "vllm:kv_cache_waste"))
+                   for n, _ in series)
+
+
 def _raw_stream_then_hang_up(server, tokens_to_read: int) -> None:
     body = json.dumps({"model": "tiny", "prompt": "Hang up on me", "max_tokens": 200,
                        "stream": True, "ignore_eos": True}).encode()

@@ -1,4 +1,7 @@
-"""Prometheus metrics, named as vLLM's under `folio:` and labelled `model_name`.
+"""Prometheus metrics, named as vLLM's under `folio:` and labelled `model_name`;
+the ones vLLM also has are served under its `vllm:` names too (VLLM_NAMES: the
+same samples, so the same units and meaning), for the routers, dashboards and
+the Gateway API inference extension that read those.
 
 One registry per app (never the global one), updated from the engine thread
 after every step from the engine's StepStats message (the server never reads
@@ -14,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from folio.core.spec_decode import SpecDecodeCounts
 from folio.engine.protocol import StepStats
@@ -23,6 +27,13 @@ logger = logging.getLogger("folio")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# folio:<name> series that vLLM serves as vllm:<name>, with the same meaning
+VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+              "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
+              "prefix_cache_hits", "request_success", "time_to_first_token_seconds",
+              "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "spec_decode_num_drafts",
+              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
@@ -189,4 +200,23 @@ class ServerMetrics:
         self.tenant_requests.labels(*labels, reason or "abort").inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(_VllmNames(self.registry))
+
+
+class _VllmNames:
+    """A registry-like view of `registry`'s folio: families in VLLM_NAMES
+    under their vllm: names (generate_latest reads any object that collects)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            name = family.name.removeprefix("folio:")
+            if name not in VLLM_NAMES:
+                continue
+            alias = Metric(f"vllm:{name}", family.documentation, family.type, family.unit)
+            for s in family.samples:
+                alias.add_sample("vllm:" + s.name.removeprefix("folio:"), s.labels, s.value,
+                                 s.timestamp, s.exemplar)
+            yield alias
