@@ -69,7 +69,7 @@ class LoRAManager:
                              len(self.holder), self.device)
 
     def end_step(self) -> None:
-        self.context.set([], len(self.holder), self.device)
+        self.context.clear()
 
     def _slot(self, req: LoRARequest) -> int:
         adapter = self._adapter(req)

@@ -147,12 +147,13 @@ class ModelRunner(SpecRunner):
         """The forward and sampling of a prepared step."""
         if so.is_empty:
             return ModelRunnerOutput()
-        # Decodes (one query token) first, batched; then prefill chunks.
-        ordered = [s for s in so.seqs if len(s.token_ids) == 1] + \
-                  [s for s in so.seqs if len(s.token_ids) > 1]
-        if self.loras is not None:      # each adapter's rows together: few runs
-            ordered.sort(key=lambda s: (len(s.token_ids) > 1,
-                                        lora_key(self.states[s.seq_id].sampling.lora)))
+        # Decodes (one query token) first, batched; then prefill chunks; with
+        # LoRA, each adapter's rows together within each (few runs). Stable.
+        if self.loras is None:
+            ordered = sorted(so.seqs, key=lambda s: len(s.token_ids) > 1)
+        else:
+            ordered = sorted(so.seqs, key=lambda s: (
+                len(s.token_ids) > 1, lora_key(self.states[s.seq_id].sampling.lora)))
         draft_q = self._draft(ordered) if self.drafter else {}
         ids, step, last_rows = self._describe(ordered)
         if self.graphs is not None and self.graphs.fits(step):

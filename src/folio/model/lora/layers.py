@@ -47,12 +47,19 @@ class LoRAContext:
     torch_products: bool = True     # some layer multiplies in torch (add_lora below)
 
     def set(self, groups: list[tuple[int, int, int]], num_slots: int, device) -> None:
+        if not groups:          # a step of no adapter: the layers add nothing
+            self.clear()
+            return
         self.groups = groups
         self.batched = batch_runs(groups, num_slots, device) if self.torch_products else None
         self.runs = native_lora.runs_tensor(groups)
         self.longest = max((end - start for _, start, end in groups), default=0)
         self.device_runs = self.runs.to(device) if torch.device(device).type == "cuda" \
             else self.runs
+
+    def clear(self) -> None:
+        self.groups, self.batched, self.runs, self.device_runs, self.longest = \
+            [], None, None, None, 0
 
 
 @dataclass
