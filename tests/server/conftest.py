@@ -24,16 +24,20 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict | None = None, deadline: float = 180.0):
+    def __init__(self, args: list[str], env: dict | None = None, deadline: float = 180.0,
+                 wait: bool = True):
+        """`wait=False`: started, not waited for (call wait_healthy: several
+        servers then load their models side by side)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "folio.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, **(env or {})})
-        self._wait_healthy(deadline)
+        if wait:
+            self.wait_healthy(deadline)
 
-    def _wait_healthy(self, deadline: float) -> None:
+    def wait_healthy(self, deadline: float = 180.0) -> None:
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             if self.proc.poll() is not None:

@@ -221,3 +221,27 @@ def test_a_kv_cache_too_small_is_refused_by_the_engine(tiny):
             engine.check_kv_cache()
     finally:
         engine.shutdown()
+
+
+def test_the_prefix_cache_is_emptied_only_when_nothing_holds_blocks(client):
+    shared = list(range(1, 18))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    run_all(client, [shared + [200]], params)
+
+    async def reset_while_one_runs() -> tuple[bool, int]:
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        stream = client.generate("busy", None, shared + [201], long)
+        await stream.__anext__()                    # running: it holds blocks
+        busy = await client.reset_prefix_cache()
+        load = client.num_in_flight
+        async for _ in stream:
+            pass
+        return busy, load
+    busy, load = asyncio.run(reset_while_one_runs())
+    assert not busy and load == 1
+    assert asyncio.run(client.reset_prefix_cache()) is True
+    hits = client.engine.scheduler.prefix_cache_hits
+    run_all(client, [shared + [202]], params)       # emptied: nothing found
+    assert client.engine.scheduler.prefix_cache_hits == hits
+    run_all(client, [shared + [203]], params)       # found again once cached anew
+    assert client.engine.scheduler.prefix_cache_hits >= hits + 16

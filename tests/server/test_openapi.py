@@ -80,11 +80,31 @@ def test_request_schemas_are_the_models(doc):
     ("POST", "/tokenize", {"messages": MSGS}, r.TokenizeResponse),
     ("POST", "/detokenize", {"tokens": [30, 31]}, r.DetokenizeResponse),
     ("GET", "/version", None, r.VersionResponse),
+    ("POST", "/v1/chat/completions/render", {"messages": MSGS}, r.RenderedPrompt),
+    ("GET", "/get_load", None, r.LoadResponse),
+    ("GET", "/get_model_info", None, r.ModelInfoResponse),
 ])
 def test_answers_validate_against_the_models(server, method, path, body, model):
     status, _, got = http(method, server.url + path, body)
     assert status == 200, got
     model.model_validate(got)
+
+
+def test_a_completion_render_is_a_list_of_the_model(server):
+    status, _, got = http("POST", server.url + "/v1/completions/render", {"prompt": ["Hi", "x"]})
+    assert status == 200 and len(got) == 2
+    for item in got:
+        r.RenderedPrompt.model_validate(item)
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("POST", "/v1/chat/completions/render", {"messages": MSGS, "model": "nope"}, 404),
+    ("POST", "/v1/completions/render", {"prompt": []}, 400),
+])
+def test_render_errors(server, method, path, body, status):
+    got, _, err = http(method, server.url + path, body)
+    assert got == status
+    assert r.ErrorResponse.model_validate(err).error.code == status
 
 
 @pytest.mark.parametrize("method,path,body,status", [

@@ -12,6 +12,7 @@ StepStats message, never itself, to the metrics callback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -149,6 +150,13 @@ class AsyncLLMEngine(EngineClient):
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("reset_prefix_cache", (loop, done)))
+        return await done
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._wake.set()
@@ -197,6 +205,11 @@ class AsyncLLMEngine(EngineClient):
                 return aborted
             if isinstance(command, _Add):
                 self._add(command)
+            elif command[0] == "reset_prefix_cache":
+                loop, done = command[1]
+                result = self.engine.reset_prefix_cache()
+                with contextlib.suppress(RuntimeError):      # that event loop has closed
+                    loop.call_soon_threadsafe(done.set_result, result)
             else:
                 aborted.extend(self.engine.abort_request([command[1]]))
 

@@ -120,6 +120,17 @@ class EngineClient(Protocol):
         """EngineDeadError if the engine loop has stopped."""
         ...
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests the engine holds now (running, waiting, or being streamed
+        back): a router's measure of this server's load."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache between steps; False (nothing done) while
+        requests hold blocks."""
+        ...
+
     def check_kv_cache(self) -> None:
         """ValueError (saying what to give) if the KV cache cannot hold one
         sequence of max_model_len tokens: such a server would refuse its longest

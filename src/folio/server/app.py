@@ -46,6 +46,7 @@ from folio.server.responses import (ChatCompletionResponse, ChatCompletionStream
                                     DetokenizeResponse, ModelList, TokenizeResponse,
                                     UsageReport, VersionResponse)
 from folio.server.lora_routes import add_lora_routes, model_cards, register
+from folio.server.router_routes import add_router_routes
 from folio.server.serving import HTTPError, ServedModel
 from folio.server.tenants import KeyBook
 from folio.server.tools import HermesParser
@@ -53,7 +54,7 @@ from folio.server.usage_ledger import UsageLedger
 from folio.usage_report import usage_rows
 
 logger = logging.getLogger("folio")
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/get_load")
 @dataclass
 class ServerConfig:
     served_model_name: str
@@ -257,6 +258,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     add_lora_routes(app, state)
+    add_router_routes(app, state)
     _add_token_routes(app, state)
 
 

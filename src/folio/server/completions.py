@@ -23,7 +23,7 @@ from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, 
                                   sse_error, token_text, usage)
 
 
-async def _prompts(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
+async def prompt_ids(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
     """Strings are tokenized off the event loop; token ids are used verbatim."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -204,7 +204,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
     lora = served.check_model(req.model, raw.state.tenant)
     served.check_priority(req.priority)
-    prompts = await _prompts(served, req.prompt)
+    prompts = await prompt_ids(served, req.prompt)
     # validating compiles a constraint's grammar: off the event loop
     calls = await asyncio.to_thread(served.validated, _calls(served, req, prompts, lora))
     ticket = served.accounting.admit(raw.state.tenant, calls,

@@ -59,6 +59,9 @@ _NOT_YET: dict[str, tuple] = {
     "tool_choice": (None, "none"), "function_call": (None, "none"),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
+    # SGLang's fields, which vllm-router writes into every request it forwards
+    "no_stop_trim": (None, False), "return_hidden_states": (None, False),
+    "separate_reasoning": (None, True), "stream_reasoning": (None, True),
 }
 _NOT_YET_COMPLETION = {**_NOT_YET, "suffix": (None, ""), "prompt_embeds": _NONE,
                        "add_special_tokens": (None, True)}

@@ -208,3 +208,21 @@ class UsageReport(_Response):
     object: Literal["list"]
     by: Literal["tenant", "day", "model"]
     data: list[UsageRow]
+
+
+class RenderedPrompt(_Response):
+    """/v1/completions/render (a list, one per prompt) and
+    /v1/chat/completions/render: the token ids the request would run on."""
+    model: str
+    token_ids: list[int]
+    features: None = None       # multimodal features: Folio serves text only
+
+
+class LoadResponse(_Response):
+    load: int
+
+
+class ModelInfoResponse(_Response):
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool

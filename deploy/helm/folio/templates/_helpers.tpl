@@ -12,6 +12,18 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{- define "folio.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "folio.routerLabels" -}}
+{{ include "folio.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.router.image.tag | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
 {{- define "folio.labels" -}}
 {{ include "folio.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
@@ -72,5 +84,15 @@ scaleDown:
 {{- end -}}
 {{- if lt (float64 .Values.cost.perHour) 0.0 -}}
 {{- fail "cost.perHour must be 0 (not set) or more" -}}
+{{- end -}}
+{{- $r := .Values.router -}}
+{{- if and $r.enabled (not (has $r.policy (list "cache_aware" "round_robin" "power_of_two" "consistent_hash" "random"))) -}}
+{{- fail (printf "router.policy must be cache_aware, round_robin, power_of_two, consistent_hash or random, not %q" $r.policy) -}}
+{{- end -}}
+{{- if and $r.enabled (lt (int $r.replicaCount) 1) -}}
+{{- fail "router.replicaCount must be at least 1" -}}
+{{- end -}}
+{{- if and $r.enabled (eq (int $r.port) (int $r.metricsPort)) -}}
+{{- fail "router.port and router.metricsPort must differ" -}}
 {{- end -}}
 {{- end -}}
