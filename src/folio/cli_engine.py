@@ -69,8 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N", default=1,
                    help="split every layer across N ranks, one worker process each "
                         "(gloo on CPU)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, metavar="P", default=1,
+                   help="split the decoder layers into P stages (each of "
+                        "--tensor-parallel-size ranks), micro-batched so that they overlap")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
-                   help="how tensor-parallel workers start: mp (local processes) or ray")
+                   help="how parallel workers start: mp (local processes) or ray")
     g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                    help="the weights' format: gptq, awq, compressed-tensors, gguf, int8, int4, "
                         "none (default: what the checkpoint says: config.json's "
@@ -127,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 scheduling_policy=args.scheduling_policy,
                 tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
                 quantization=args.quantization, attention_backend=args.attention_backend,
                 gpu_memory_utilization=args.gpu_memory_utilization,

@@ -151,6 +151,11 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"     # mp (worker processes) | ray
+    pipeline_parallel_size: int = 1              # stages of tensor_parallel_size ranks each
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 # --activation-quantization: what the activations of quantized layers become

@@ -40,7 +40,8 @@ def _record_both_paths(monkeypatch):
     records = []
     forward = llama.LlamaModel.forward
 
-    def both(self, input_ids, positions, kv_caches, meta):
+    def both(self, input_ids, positions, kv_caches, meta, intermediate=None):
+        assert intermediate is None             # the whole model, one stage
         decoder = self.native_decoder
         assert decoder is not None and decoder.usable(self.embed_tokens(input_ids), meta)
         before = [c.clone() for c in kv_caches]
@@ -363,3 +364,30 @@ def test_a_checkpoint_s_static_fp8_kv_scales_in_one_call(monkeypatch):
         assert all(r[2] and r[3] for r in records), records
     else:       # a CPU without native bf16 runs fp32: keys may round to the next e4m3
         assert all(hidden < 0.1 for *_, hidden, _ in records), records
+
+
+def test_a_pipeline_stage_carries_the_residual_into_its_one_call(monkeypatch):
+    """The default model's layers in two calls (as two pipeline stages run
+    them: the second takes the first's residual) equal them in one."""
+    from folio.model.attention.backend import StepDescription
+    from folio.model.native.decoder import NativeDecoder
+    llm = LLM(dtype="float32", num_kv_blocks=32, max_model_len=512,
+              activation_quantization="none")
+    runner = llm.engine.executor.runner
+    model = runner.model.model
+    whole = model.native_decoder
+    assert whole is not None
+    layers = list(model.layers)
+    first, second = NativeDecoder.build(layers[:11]), NativeDecoder.build(layers[11:])
+    ids = torch.tensor([1, 504, 2683, 359, 253, 5356, 1701, 28])
+    step, _ = StepDescription.of_spans([(0, len(ids), torch.arange(2).numpy())],
+                                       runner.block_size, runner.device)
+    meta = runner.attn_backend.build_metadata(step)
+    rope = model.rotary(torch.from_numpy(step.positions))
+    caches = [torch.zeros_like(c) for c in runner.kv_caches]
+    h, r = whole(model.embed_tokens(ids), rope, caches, meta)
+    split_caches = [torch.zeros_like(c) for c in runner.kv_caches]
+    h1, r1 = first(model.embed_tokens(ids), rope, split_caches[:11], meta)
+    h2, r2 = second(h1, rope, split_caches[11:], meta, r1)
+    assert torch.equal(h2, h) and torch.equal(r2, r)
+    assert all(torch.equal(a, b) for a, b in zip(split_caches, caches))

@@ -4,9 +4,7 @@ failing requests quickly with no process left behind; a failed start leaves
 no worker and no process group, so the next engine starts."""
 
 import multiprocessing as mp
-import os
 import shutil
-import signal
 import time
 
 import pytest
@@ -15,6 +13,7 @@ import torch.distributed as dist
 from folio import LLM, SamplingParams
 from folio.worker.multiproc import MultiprocExecutor
 from tests.utils import make_tiny_model
+from tests.worker.ranks import kill_a_worker_mid_run
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -90,21 +89,7 @@ def test_impossible_splits_are_clear_errors(tiny):
 
 
 def test_a_dead_worker_fails_requests_fast_and_leaves_nothing(tiny):
-    llm = LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    engine = llm.engine
-    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]},
-                       SamplingParams(max_tokens=200, ignore_eos=True))
-    engine.step()
-    worker = engine.executor.workers[0]
-    os.kill(worker.pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="worker"):
-        for _ in range(50):
-            engine.step()
-    assert time.monotonic() - start < 10
-    engine.abort_request(["a"])
-    llm.shutdown()
-    assert not any(w.is_alive() for w in engine.executor.workers)
+    kill_a_worker_mid_run(LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2))
 
 
 def truncated_copy(tiny, tmp_path):
@@ -123,7 +108,7 @@ def test_a_failed_start_leaves_nothing_and_the_next_engine_starts(tiny, tmp_path
         LLM(str(bad), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
     assert time.monotonic() - start < 60
     assert not dist.is_initialized()
-    assert not [p for p in mp.active_children() if p.name.startswith("folio-tp")]
+    assert not [p for p in mp.active_children() if p.name.startswith("folio-rank")]
     expected = [o.outputs[0].token_ids for o in
                 LLM(tiny, dtype="float32", num_kv_blocks=64).generate(prompts(), PARAMS)]
     llm = LLM(tiny, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)

@@ -1,7 +1,9 @@
-"""Tensor-parallel rank and collectives.
+"""Tensor- and pipeline-parallel ranks and collectives.
 
 At world size 1 every collective is the identity, so layers are written once,
-as the parallel ones.
+as the parallel ones. With pipeline parallelism (P stages of T ranks) global
+rank r is stage r // T, tensor-parallel rank r % T; each stage's T ranks
+form their own group, which the layers' collectives use.
 """
 
 from __future__ import annotations
@@ -10,11 +12,34 @@ import torch
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_TP_GROUP = None            # the stage's tensor-parallel group (None: the whole world)
+_PP_RANK = 0
+_PP_SIZE = 1
 
 
 def set_tensor_parallel(rank: int, size: int) -> None:
     global _TP_RANK, _TP_SIZE
     _TP_RANK, _TP_SIZE = rank, size
+
+
+def set_pipeline_parallel(rank: int, size: int) -> None:
+    global _PP_RANK, _PP_SIZE
+    _PP_RANK, _PP_SIZE = rank, size
+
+
+def set_tensor_parallel_group(group) -> None:
+    """The group the layers' collectives run in (kept after set_tensor_parallel
+    goes back to 1: layers built for a split keep using it)."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
+def pp_rank() -> int:
+    return _PP_RANK
+
+
+def pp_size() -> int:
+    return _PP_SIZE
 
 
 def tp_rank() -> int:
@@ -30,7 +55,7 @@ def all_reduce(x: torch.Tensor, size: int) -> torch.Tensor:
     their own size, so a second, unsharded model in the process is unaffected)."""
     if size == 1:
         return x
-    torch.distributed.all_reduce(x)
+    torch.distributed.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -38,5 +63,5 @@ def all_gather_last_dim(x: torch.Tensor, size: int) -> torch.Tensor:
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
-    torch.distributed.all_gather(parts, x.contiguous())
+    torch.distributed.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=-1)

@@ -101,6 +101,23 @@ def lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu_loras: Opti
 VOCAB_PADDING = 1024     # ids a checkpoint's embedding may have beyond its tokenizer's
 
 
+def check_pipeline(size: int, model_config: ModelConfig, speculative, enable_lora: bool
+                   ) -> None:
+    """What pipeline parallelism cannot run with, refused by name before anything loads."""
+    if size == 1:
+        return
+    if size < 1:
+        raise ValueError(f"pipeline_parallel_size must be at least 1, got {size}")
+    layers = model_config.num_hidden_layers
+    if size > layers:
+        raise ValueError(f"the model's {layers} decoder layers cannot be split into "
+                         f"pipeline_parallel_size={size} stages (each needs one at least)")
+    if speculative is not None:
+        raise ValueError("speculative decoding with pipeline parallelism is not supported")
+    if enable_lora:
+        raise ValueError("LoRA adapters with pipeline parallelism are not supported")
+
+
 def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int,
                      weight_dtype: Optional[str]) -> SpeculativeConfig:
     """The draft model's checkpoint read and checked against the target's:
@@ -146,7 +163,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  kv_cache_dtype: str = "auto",
                  speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
-                 max_cpu_loras: Optional[int] = None) -> FolioConfig:
+                 max_cpu_loras: Optional[int] = None,
+                 pipeline_parallel_size: int = 1) -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -207,6 +225,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0")
     speculative = parse_speculative_config(speculative_config)
+    check_pipeline(pipeline_parallel_size, model_config, speculative, enable_lora)
     if speculative is not None and speculative.method == "draft_model":
         speculative = with_draft_model(speculative, model_config, max_model_len,
                                        weight_dtype)
@@ -228,7 +247,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
             scheduling_policy=scheduling_policy, speculative=speculative,
             max_loras=lora.max_loras if lora else None),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                distributed_executor_backend=distributed_executor_backend),
+                                distributed_executor_backend=distributed_executor_backend,
+                                pipeline_parallel_size=pipeline_parallel_size),
         dtype=run_dtype, weight_dtype=weight_dtype, device=device, seed=seed,
         max_logprobs=max_logprobs, attention_backend=attention_backend,
         enforce_eager=enforce_eager, activation_quantization=activation_quantization,

@@ -37,7 +37,7 @@ class LLM:
                  activation_quantization: str = "int8", kv_cache_dtype: str = "auto",
                  speculative_config: Union[None, str, dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
-                 max_cpu_loras: Optional[int] = None):
+                 max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -45,6 +45,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             tensor_parallel_size=tensor_parallel_size, seed=seed, max_logprobs=max_logprobs,
+            pipeline_parallel_size=pipeline_parallel_size,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,

@@ -32,6 +32,7 @@ from folio.model.attention.selector import get_attention_backend, windowed_backe
 from folio.model.gemma3_config import SLIDING
 from folio.model.layers.embedding import VocabParallelEmbedding
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.model.pipeline import StagePlan
 from folio.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
@@ -110,11 +111,14 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    pp_tensors = 1          # its layers add their own residual: hidden alone goes on
     def __init__(self, cfg: ModelConfig, dtype, backend, quant=None,
                  layer_cls: type[Gemma3DecoderLayer] = Gemma3DecoderLayer):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant,
-                                                   "model.embed_tokens")
+        self.stage = StagePlan.current(cfg.num_hidden_layers)     # model/pipeline.py
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, quant,
+            "model.embed_tokens") if self.stage.is_first else None
         # transformers multiplies by the factor cast to the weights' dtype
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5).to(dtype),
                              persistent=False)
@@ -124,18 +128,24 @@ class Gemma3Model(nn.Module):
         self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                              cfg.rope_local_theta or 10000.0)
                              if SLIDING in types else None)
-        self.layers = nn.ModuleList(
-            layer_cls(cfg, dtype, backend, quant, f"model.layers.{i}", sliding=types[i] == SLIDING)
-            for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = self.stage.module_list(cfg.num_hidden_layers, lambda i: layer_cls(
+            cfg, dtype, backend, quant, f"model.layers.{i}", sliding=types[i] == SLIDING))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) \
+            if self.stage.is_last else None
         self.native_decoder = None      # the one-call decoder does not run Gemma's layers
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        hidden = self.embed_tokens(input_ids) * self.normalizer
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None):
+        """As LlamaModel's; a stage before the last passes on (hidden,)."""
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids) * self.normalizer
+        else:
+            hidden, = intermediate
         rope = self.rotary(positions)           # gathered once per step for each kind
         local = self.rotary_local(positions) if self.rotary_local is not None else None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.stage.owned(self.layers), kv_caches):
             hidden = layer(local if layer.sliding else rope, hidden, kv_cache, meta)
+        if not self.stage.is_last:
+            return (hidden,)
         return self.norm(hidden)
 
 

@@ -320,8 +320,9 @@ def _rope_scaling(meta) -> Optional[dict[str, Any]]:
     raise ValueError(f"rope scaling type {kind!r} is not supported")
 
 
-def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file, one at a time."""
+def iter_gguf_weights(model_config: ModelConfig, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, one at a time
+    (only those whose HF name `keep` takes, when given: the others unread)."""
     reader = gguf_reader(model_config.path)
     arch = _field(reader, "general.architecture")
     permuted = arch in _PERMUTED_QK
@@ -332,6 +333,8 @@ def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
         name = hf_tensor_name(t.name, arch)
         if name is None:  # only reachable if the file changed since the config was read
             raise ValueError(f"{model_config.path}: unexpected tensor {t.name!r}")
+        if keep is not None and not keep(name):
+            continue
         if name in packed:
             if packed[name] != t.tensor_type.name:
                 raise ValueError(f"{model_config.path}: {t.name} changed type since the "

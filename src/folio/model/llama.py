@@ -20,6 +20,7 @@ from folio.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from folio.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                        RowParallelLinear, process_weights_after_loading)
 from folio.model.layers.norm import RMSNorm
+from folio.model.pipeline import StagePlan
 from folio.model.layers.quantization.base import QuantizationConfig
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.model.native.decoder import NativeDecoder
@@ -107,27 +108,41 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    pp_tensors = 2          # (hidden, residual) go from one pipeline stage to the next
     def __init__(self, cfg: ModelConfig, dtype, backend, quant: Quant = None,
                  layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant,
-                                                   "model.embed_tokens")
+        # a pipeline stage builds its own layers only (model/pipeline.py)
+        self.stage = StagePlan.current(cfg.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, quant,
+            "model.embed_tokens") if self.stage.is_first else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.layers = nn.ModuleList(layer_cls(cfg, dtype, backend, quant, f"model.layers.{i}")
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = self.stage.module_list(
+            cfg.num_hidden_layers,
+            lambda i: layer_cls(cfg, dtype, backend, quant, f"model.layers.{i}"))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) \
+            if self.stage.is_last else None
         self.native_decoder: NativeDecoder | None = None    # see build_native_decoder
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None):
+        """The final hidden states; on a pipeline stage before the last, its
+        (hidden, residual) for the next stage, which passes them as
+        `intermediate` (and its input ids are not read)."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rope = self.rotary(positions)           # gathered once per step, used by every layer
         if self.native_decoder is not None and self.native_decoder.usable(hidden, meta):
             # the same kernels as the modules below, in one call (bf16 CPU)
-            hidden, residual = self.native_decoder(hidden, rope, kv_caches, meta)
+            hidden, residual = self.native_decoder(hidden, rope, kv_caches, meta, residual)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for layer, kv_cache in zip(self.stage.owned(self.layers), kv_caches):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        if not self.stage.is_last:
+            return hidden, residual
         return self.norm(hidden, residual)[0]
 
 
@@ -147,9 +162,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.attn_backend = attn_backend or get_attention_backend(device, dtype)
         self.model = self.model_cls(cfg, dtype, self.attn_backend, quant_config, self.layer_cls)
+        # the logits are stage 0's, beside the sampler's state (model/pipeline.py)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config,
-                                      "lm_head", tied=cfg.tie_word_embeddings)
-        if cfg.tie_word_embeddings:
+                                      "lm_head", tied=cfg.tie_word_embeddings) \
+            if self.model.stage.is_first else None
+        if cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie(self.model.embed_tokens)
 
     @classmethod
@@ -157,16 +174,22 @@ class LlamaForCausalLM(nn.Module):
         """The sizes of the model this class builds from cfg (model/shape.py)."""
         return ModelShape.of(cfg)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
+                intermediate=None):
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
     @property
+    def stage(self):
+        """This rank's pipeline stage (model/pipeline.py): its layers, first, last."""
+        return self.model.stage
+
+    @property
     def num_kv_heads_per_rank(self) -> int:
         """KV heads this rank caches (what the KV cache is sized by)."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.model.layers[self.model.stage.layers[0]].self_attn.num_kv_heads
 
     def ignored_checkpoint_names(self) -> tuple[str, ...]:
         return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
@@ -180,4 +203,5 @@ class LlamaForCausalLM(nn.Module):
         """Run every decoder layer of a step in one native call where each
         layer's weight method and attention report what that call needs
         (native/decoder.py); otherwise the modules run."""
-        self.model.native_decoder = NativeDecoder.build(list(self.model.layers))
+        stage = self.model.stage        # a pipeline stage's own layers
+        self.model.native_decoder = NativeDecoder.build(stage.owned(self.model.layers))

@@ -23,7 +23,7 @@ import dataclasses
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -107,7 +107,8 @@ def load_model_config(model: str | None) -> ModelConfig:
     return _hf_model_config(name, Path(path))
 
 
-def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_config: ModelConfig, keep: Optional[Callable[[str], bool]] = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, tensor) for every weight of the checkpoint.
 
     HF tensors keep the checkpoint dtype (the model casts while loading); GGUF
@@ -115,11 +116,13 @@ def iter_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     weights of a config whose quantization is "gguf", which come as their
     codes, scales and offsets (gguf_loader.py). `lm_head.weight` is never yielded for
     tied embeddings, and non-persistent buffers (rotary inv_freq) are skipped.
+    `keep`: which names to read at all (a pipeline stage's, model/pipeline.py);
+    the others are passed over unread.
     """
     if model_config.format == "gguf":
-        yield from gguf_loader.iter_gguf_weights(model_config)
+        yield from gguf_loader.iter_gguf_weights(model_config, keep)
         return
-    for name, tensor in _iter_safetensors(Path(model_config.path)):
+    for name, tensor in _iter_safetensors(Path(model_config.path), keep):
         if "rotary_emb." in name:
             continue
         if model_config.tie_word_embeddings and name == "lm_head.weight":
@@ -330,10 +333,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: Path, keep: Optional[Callable[[str], bool]] = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _safetensors_files(folder):
         # safe_open maps the file; each get_tensor reads one tensor, so peak
         # memory stays near the largest tensor rather than the checkpoint.
         with _open_safetensors(file) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)

@@ -21,12 +21,32 @@ stand-in for the capture (`graph_factory`); the capture itself needs CUDA.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from folio.model.attention.backend import AttentionBackend, StepDescription, staged
+
+logger = logging.getLogger("folio")
+
+
+def capture_graphs(runner) -> Optional["DecodeGraphs"]:
+    """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
+    decode plan, unless --enforce-eager, LoRA or a pipeline stage (eager)."""
+    if (runner.device.type != "cuda" or runner.config.enforce_eager
+            or not runner.attn_backend.supports_graphs or runner.loras is not None
+            or not runner.model.stage.whole):
+        return None
+    sched = runner.config.scheduler
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.attn_backend,
+                          capture_sizes(sched.max_num_seqs),
+                          -(-sched.max_model_len // runner.block_size), sched.max_model_len,
+                          runner.device)
+    graphs.capture()
+    logger.info("CUDA graphs captured for decode batches of %s", graphs.sizes)
+    return graphs
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

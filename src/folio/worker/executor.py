@@ -22,7 +22,7 @@ class UniProcExecutor:
 
 
 def make_executor(config: FolioConfig):
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.world_size == 1:
         return UniProcExecutor(config)
     if config.parallel.distributed_executor_backend == "ray":
         from folio.worker.ray_executor import RayExecutor

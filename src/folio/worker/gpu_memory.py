@@ -84,12 +84,20 @@ def profile_forward(runner) -> torch.Tensor:
                            slot_mapping=slots, positions=np.concatenate(pos), num_decodes=0,
                            device=device)
     from folio.worker.kv_cache import allocate_kv_caches
-    scratch = allocate_kv_caches(config, start, runner.model.num_kv_heads_per_rank,
-                                 runner.attn_backend)
+    # a pipeline stage: its own layers, on zeros where activations would come in
+    scratch = allocate_kv_caches(getattr(runner, "kv_config", config), start,
+                                 runner.model.num_kv_heads_per_rank, runner.attn_backend)
+    stage = runner.model.stage
     with torch.inference_mode():
         ids = torch.zeros(len(slots), dtype=torch.int64, device=device)
-        hidden = runner.model(ids, torch.from_numpy(step.positions).to(device), scratch,
-                              runner.attn_backend.build_metadata(step))
+        carried = None if stage.is_first else [
+            torch.zeros(len(slots), runner.model.config.hidden_size, dtype=runner.dtype,
+                        device=device)] * runner.model.model.pp_tensors
+        out = runner.model(ids, torch.from_numpy(step.positions).to(device), scratch,
+                           runner.attn_backend.build_metadata(step), carried)
+        hidden = out if isinstance(out, torch.Tensor) else out[0]
+        if not stage.is_first:          # the LM head is stage 0's
+            return hidden
         rows = min(config.scheduler.max_num_seqs, hidden.shape[0])
         return runner.model.compute_logits(hidden[:rows]).float()
 

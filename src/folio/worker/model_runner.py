@@ -27,9 +27,10 @@ from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
 from folio.worker.draft_proposer import build_drafter
 from folio.worker.lora_manager import LoRAManager, lora_key, lora_runs
-from folio.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from folio.worker.cuda_graphs import capture_graphs
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
+from folio.worker.pipeline_stage import PipelineStage, stage_config
 from folio.worker.spec_runner import SpecRunner
 from folio.worker.spec_verify import verify_greedy
 
@@ -58,7 +59,7 @@ class ModelRunner(SpecRunner):
                                                   config.attention_backend, config.kv_dtype)
         self.model = build_model(config.model, self.dtype, config.device, config.weight_dtype,
                                  self.attn_backend)
-        self.model.load_weights(iter_weights(config.model))
+        self.model.load_weights(iter_weights(config.model, keep=self.model.stage.owns))
         set_activation_quantization(self.model, config.activation_quantization)
         # LoRA: slots on the linear layers (before the one-call native
         # decoder, which runs them after each projection)
@@ -70,14 +71,17 @@ class ModelRunner(SpecRunner):
                                      self.model.config.vocab_size)
         num_kv_heads = self.model.num_kv_heads_per_rank
         draft_bytes = self.drafter.bytes_per_block if self.drafter else 0
-        self.bytes_per_block = bytes_per_block(config, num_kv_heads, self.attn_backend) + \
-            draft_bytes
+        # a pipeline stage caches its own layers only
+        self.kv_config = stage_config(config, self.model.stage)
+        self.bytes_per_block = bytes_per_block(self.kv_config, num_kv_heads,
+                                               self.attn_backend) + draft_bytes
         self.num_blocks = self._size_kv_cache(num_kv_heads, draft_bytes)
-        self.kv_caches = allocate_kv_caches(config, self.num_blocks, num_kv_heads,
+        self.kv_caches = allocate_kv_caches(self.kv_config, self.num_blocks, num_kv_heads,
                                             self.attn_backend)
+        self.pipeline = PipelineStage.build(self)
         if self.drafter:
             self.drafter.allocate(self.num_blocks)
-        self.graphs = self._capture_graphs()
+        self.graphs = capture_graphs(self)
         self.states: dict[int, SeqState] = {}
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
@@ -90,22 +94,7 @@ class ModelRunner(SpecRunner):
                 and cache.kv_cache_memory_bytes is None):
             from folio.worker.gpu_memory import measure
             return measure(self, self.bytes_per_block, cache.gpu_memory_utilization).num_blocks
-        return num_kv_blocks(self.config, num_kv_heads, self.attn_backend, draft_bytes)
-
-    def _capture_graphs(self) -> Optional[DecodeGraphs]:
-        """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
-        decode plan, unless --enforce-eager (worker/cuda_graphs.py)."""
-        if (self.device.type != "cuda" or self.config.enforce_eager
-                or not self.attn_backend.supports_graphs or self.loras is not None):
-            return None
-        sched = self.config.scheduler
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.attn_backend,
-                              capture_sizes(sched.max_num_seqs),
-                              -(-sched.max_model_len // self.block_size), sched.max_model_len,
-                              self.device)
-        graphs.capture()
-        logger.info("CUDA graphs captured for decode batches of %s", graphs.sizes)
-        return graphs
+        return num_kv_blocks(self.kv_config, num_kv_heads, self.attn_backend, draft_bytes)
 
     # Test-only fault injection: called as fault_hook(stage, seq) with stage
     # "prepare" (seq: the ScheduledSeq) or "sample" (seq: its id); whatever it
@@ -156,7 +145,11 @@ class ModelRunner(SpecRunner):
                 len(s.token_ids) > 1, lora_key(self.states[s.seq_id].sampling.lora)))
         draft_q = self._draft(ordered) if self.drafter else {}
         ids, step, last_rows = self._describe(ordered)
-        if self.graphs is not None and self.graphs.fits(step):
+        if self.pipeline is not None:
+            hidden = self.pipeline.forward(ordered)     # worker/pipeline_stage.py
+            if hidden is None:          # a later stage: its part of the step is done
+                return ModelRunnerOutput()
+        elif self.graphs is not None and self.graphs.fits(step):
             hidden = self.graphs.run(step, ids)
         else:
             meta = self.attn_backend.build_metadata(step)

@@ -1,10 +1,13 @@
-"""Tensor parallelism over torch.distributed: rank 0 in the engine's process,
-ranks 1..N-1 in worker processes started with `spawn`.
+"""Tensor and pipeline parallelism over torch.distributed: rank 0 in the
+engine's process, ranks 1..N-1 in worker processes started with `spawn`
+(N = tensor_parallel_size x pipeline_parallel_size; rank r is stage r // T,
+tensor-parallel rank r % T).
 
 Every step rank 0 sends the SchedulerOutput down a pipe to each worker; all
-ranks then run the same forward (each on its shard of every layer, joined by
-all-reduces and an all-gather of the logits) and only rank 0's sampled tokens
-are used. A worker that dies makes rank 0's next collective fail, so the
+ranks then run the same step (each on its shard of every layer of its stage,
+joined by all-reduces within the stage and an all-gather of the logits on
+stage 0; the stages pass activations on, worker/pipeline_stage.py) and only
+rank 0's sampled tokens are used. A worker that dies makes rank 0's next collective fail, so the
 engine reports an error instead of hanging; a worker whose pipe closes (the
 engine is gone) exits.
 """
@@ -47,6 +50,13 @@ def check_tensor_parallel(config: FolioConfig) -> None:
                          f"by tensor_parallel_size={tp}")
 
 
+def describe_split(config: FolioConfig) -> str:
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    if pp == 1:
+        return f"tensor parallel: {tp} ranks"
+    return f"pipeline parallel: {pp} stages of {tp} tensor-parallel rank(s)"
+
+
 @contextlib.contextmanager
 def _main_not_rerun():
     """Start spawned workers without running the user's script again.
@@ -82,7 +92,33 @@ def free_local_port() -> int:
 def threads_per_rank(config: FolioConfig) -> int:
     """Each rank's share of the engine's threads (ranks on one machine)."""
     from folio.worker.cpu_threads import default_threads
-    return max(1, default_threads()[0] // config.parallel.tensor_parallel_size)
+    return max(1, default_threads()[0] // config.parallel.world_size)
+
+
+def join_groups(config: FolioConfig, rank: int) -> None:
+    """This rank's tensor-parallel rank, pipeline stage and the stage's group.
+    Every rank makes every stage's group, in the same order (new_group is
+    collective); with one stage the world is the group."""
+    import torch.distributed as dist
+
+    from folio.distributed.parallel_state import (set_pipeline_parallel, set_tensor_parallel,
+                                                  set_tensor_parallel_group)
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    group = None
+    if pp > 1:
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        group = groups[rank // tp]
+    set_tensor_parallel_group(group)
+    set_tensor_parallel(rank % tp, tp)
+    set_pipeline_parallel(rank // tp, pp)
+
+
+def reset_parallel_defaults() -> None:
+    """The process-wide split back to one rank: the layers keep the one they
+    were built with, and another model built in this process is whole."""
+    from folio.distributed.parallel_state import set_pipeline_parallel, set_tensor_parallel
+    set_tensor_parallel(0, 1)
+    set_pipeline_parallel(0, 1)
 
 
 def leave_process_group() -> None:
@@ -101,22 +137,20 @@ def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
     import torch
     import torch.distributed as dist
 
-    from folio.distributed.parallel_state import set_tensor_parallel
-    tp = config.parallel.tensor_parallel_size
     torch.set_num_threads(num_threads)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
-                            world_size=tp, timeout=COLLECTIVE_TIMEOUT)
-    set_tensor_parallel(rank, tp)
+                            world_size=config.parallel.world_size, timeout=COLLECTIVE_TIMEOUT)
     from folio.worker.model_runner import ModelRunner
     try:
+        join_groups(config, rank)
         return ModelRunner(config, num_threads=num_threads, is_driver=rank == 0)
     except BaseException:
         # a malformed checkpoint, too little memory...: leave this process as
         # it was, so that the caller can fix it and build an engine again
-        set_tensor_parallel(0, 1)
+        reset_parallel_defaults()
         leave_process_group()
         raise
 
@@ -143,33 +177,30 @@ def _worker_main(config: FolioConfig, rank: int, port: int, conn, num_threads: i
 class MultiprocExecutor:
     def __init__(self, config: FolioConfig):
         check_tensor_parallel(config)
-        tp = config.parallel.tensor_parallel_size
+        world = config.parallel.world_size
         port = free_local_port()
         ctx = mp.get_context("spawn")
         self.workers, self.pipes = [], []
         threads = threads_per_rank(config)       # passed to each worker, which sets its own
-        for rank in range(1, tp):
+        for rank in range(1, world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(config, rank, port, child, threads),
-                               daemon=True, name=f"folio-tp{rank}")
+                               daemon=True, name=f"folio-rank{rank}")
             with _main_not_rerun():
                 proc.start()
             child.close()
             self.workers.append(proc)
             self.pipes.append(parent)
-        from folio.distributed.parallel_state import set_tensor_parallel
         try:
             self.runner = _init_rank(config, 0, port, threads)
-            # The layers keep the split they were built with; the process-wide
-            # default goes back to 1 so another model in this process is unaffected.
-            set_tensor_parallel(0, 1)
+            reset_parallel_defaults()
             counts = {self.runner.num_blocks} | {self._started(r, p)
                                                  for r, p in enumerate(self.pipes, start=1)}
         except BaseException:
             self.shutdown(graceful=False)
             raise
         self.num_blocks = min(counts)
-        logger.info("tensor parallel: %d ranks over %s", tp,
+        logger.info("%s over %s", describe_split(config),
                     "nccl" if config.device.startswith("cuda") else "gloo")
 
     @staticmethod
@@ -178,18 +209,18 @@ class MultiprocExecutor:
         try:
             reply = pipe.recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"tensor-parallel rank {rank} exited while starting") from None
+            raise RuntimeError(f"parallel rank {rank} exited while starting") from None
         if isinstance(reply, tuple):
             _, message, expected = reply
             # the user's to fix (a bad checkpoint, a bad value): one line, as on rank 0
             kind = ValueError if expected else RuntimeError
-            raise kind(f"tensor-parallel rank {rank} failed to start: {message}")
+            raise kind(f"parallel rank {rank} failed to start: {message}")
         return reply
 
     def check_workers(self) -> None:
         dead = [p.name for p in self.workers if not p.is_alive()]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} died")
+            raise RuntimeError(f"parallel worker(s) {', '.join(dead)} died")
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.check_workers()
@@ -202,7 +233,7 @@ class MultiprocExecutor:
             return out
         except Exception as e:
             self.check_workers()
-            raise RuntimeError(f"tensor-parallel step failed: {e}") from e
+            raise RuntimeError(f"parallel step failed: {e}") from e
 
     def shutdown(self, graceful: bool = True) -> None:
         """The workers asked to stop (killed if they do not within 10 s), then the

@@ -14,8 +14,9 @@ import os
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
-from folio.worker.multiproc import (_init_rank, check_tensor_parallel, free_local_port,
-                                    leave_process_group, threads_per_rank)
+from folio.worker.multiproc import (_init_rank, check_tensor_parallel, describe_split,
+                                    free_local_port, leave_process_group,
+                                    reset_parallel_defaults, threads_per_rank)
 
 logger = logging.getLogger("folio")
 
@@ -47,7 +48,7 @@ class RayExecutor:
         ray = self.ray = _import_ray()
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-        tp = config.parallel.tensor_parallel_size
+        world = config.parallel.world_size
         # One node: everything on loopback; several: rank 0's address on the cluster.
         master = ("127.0.0.1" if len(ray.nodes()) == 1
                   else ray.util.get_node_ip_address())
@@ -57,18 +58,17 @@ class RayExecutor:
         actor = ray.remote(num_cpus=1,
                            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})(
             _Worker)
-        self.actors = [actor.options(name=None).remote() for _ in range(1, tp)]
+        self.actors = [actor.options(name=None).remote() for _ in range(1, world)]
         inits = [a.init.remote(config, rank, port, master, threads)
                  for rank, a in enumerate(self.actors, start=1)]
-        from folio.distributed.parallel_state import set_tensor_parallel
         try:
             self.runner = _init_rank(config, 0, port, threads, master)
-            set_tensor_parallel(0, 1)
+            reset_parallel_defaults()
             self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
         except BaseException:
             self.shutdown()         # the actors go, and the process group with them
             raise
-        logger.info("tensor parallel: %d ranks, workers placed by Ray", tp)
+        logger.info("%s, workers placed by Ray", describe_split(config))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         failed = self.runner.prepare(so)    # first: the workers get the same batch
@@ -79,7 +79,7 @@ class RayExecutor:
             out.failed.update(failed)
             return out
         except Exception as e:
-            raise RuntimeError(f"tensor-parallel step failed (a Ray worker died?): {e}") from e
+            raise RuntimeError(f"parallel step failed (a Ray worker died?): {e}") from e
 
     def shutdown(self) -> None:
         for a in self.actors:

@@ -110,6 +110,8 @@ typedef struct {
     const int64_t *lora_runs;                 /* [lora_nruns][3]: slot, first row, end */
     int64_t lora_nruns;
     int lora_dtype;                           /* the LoRA slots': 0 fp32, 1 bf16 */
+    int residual_in;                          /* 1: residual holds the stream so far (a
+                                                 pipeline stage after the first) */
 } folio_step;
 
 /* n elements of a key or value row from the activations (dtype) into the
@@ -214,9 +216,9 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
     char *x = s->hidden_states, *qkv = s->qkv;
     for (int i = 0; i < num_layers; i++) {
         const folio_layer *w = layers + i;
-        folio_add_rmsnorm(x, s->residual, w->input_norm, s->normed, t, h, s->eps, dtype, i > 0,
-                          threads);
-        if (i == 0)                 /* the first layer: its input is the residual */
+        folio_add_rmsnorm(x, s->residual, w->input_norm, s->normed, t, h, s->eps, dtype,
+                          i > 0 || s->residual_in, threads);
+        if (i == 0 && !s->residual_in)  /* the model's first layer: its input is the residual */
             memcpy(s->residual, x, elt * (size_t)(t * h));
         if (linear(s, s->normed, h, w->qkv, w->qkv_bias, qkv, t, qkv_width, h)) return 1;
         if (lora(s, w, 0, s->normed, h, qkv, qkv_width, h, qkv_width)) return 1;

@@ -51,7 +51,8 @@ class _Step(ctypes.Structure):
                 ("normed", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
                 ("num_threads", _i32), ("dtype", _i32), ("quantized", _i32),
                 ("quantize_x", _i32), ("kv_dtype", _i32),
-                ("lora_runs", _p), ("lora_nruns", _i64), ("lora_dtype", _i32)]
+                ("lora_runs", _p), ("lora_nruns", _i64), ("lora_dtype", _i32),
+                ("residual_in", _i32)]
 
 
 class _QWeight(ctypes.Structure):
@@ -191,13 +192,17 @@ class NativeDecoder:
             self._keep = keep
         return table
 
-    def __call__(self, hidden: torch.Tensor, rope, kv_caches, meta
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden] (overwritten) -> (last layer's output, residual)."""
+    def __call__(self, hidden: torch.Tensor, rope, kv_caches, meta,
+                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] (overwritten) -> (last layer's output, residual).
+        `residual`: the stream so far, from an earlier pipeline stage (updated
+        in place); None at the model's first layer."""
         t = hidden.shape[0]
         hidden = hidden.contiguous()
         new = lambda *shape: torch.empty(*shape, dtype=hidden.dtype)
-        residual, normed = new(t, self.hidden), new(t, self.hidden)
+        residual_in = residual is not None
+        residual = residual.contiguous() if residual_in else new(t, self.hidden)
+        normed = new(t, self.hidden)
         qkv = new(t, (self.heads + 2 * self.kv_heads) * self.head_dim)
         attn = new(t, self.heads * self.head_dim)
         gate_up, act = new(t, 2 * self.intermediate), new(t, self.intermediate)
@@ -217,7 +222,8 @@ class NativeDecoder:
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
             dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized),
-            quantize_x=self.quantize_x, kv_dtype=native.kv_code(cache.dtype))
+            quantize_x=self.quantize_x, kv_dtype=native.kv_code(cache.dtype),
+            residual_in=int(residual_in))
         ctx = self.lora_context
         if ctx is not None and ctx.groups:
             step.lora_runs, step.lora_nruns = ctx.runs.data_ptr(), ctx.runs.shape[0]
