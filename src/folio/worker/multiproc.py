@@ -21,7 +21,7 @@ import logging
 import multiprocessing as mp
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -133,14 +133,16 @@ def leave_process_group() -> None:
 
 
 def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
-               master: str = "127.0.0.1") -> "ModelRunner":
+               master: str = "127.0.0.1", local_rank: Optional[int] = None) -> "ModelRunner":
+    """`local_rank`: the rank's place on its node, which picks its GPU (default:
+    the rank, all on one machine)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(num_threads)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=config.parallel.world_size, timeout=COLLECTIVE_TIMEOUT)
     from folio.worker.model_runner import ModelRunner

@@ -1,10 +1,16 @@
-"""Tensor parallelism with workers placed by Ray (`--distributed-executor-backend ray`).
+"""Tensor and pipeline parallelism with workers placed by Ray
+(`--distributed-executor-backend ray`).
 
-Ranks 1..N-1 are Ray actors, so a Ray cluster (`ray start --head` on one node,
-`ray start --address=HEAD:6379` on the others) decides where they run; the
-collectives are still torch.distributed (gloo on CPU, nccl on CUDA), rank 0
-stays in the engine's process, and each step's SchedulerOutput reaches the
-actors as a method call (Ray keeps one caller's calls to an actor in order).
+Ranks 1..N-1 are Ray actors, each in its bundle of one placement group
+(worker/ray_placement.py: one bundle per rank, a tensor-parallel group on
+one node, pipeline stages across nodes, a rank's GPU by its local rank), so a
+Ray cluster (`ray start --head` on one node, `ray start --address=HEAD:6379`
+on the others) decides where they run; the collectives are still
+torch.distributed (gloo on CPU, nccl on CUDA), rank 0 stays in the engine's
+process, and each step's SchedulerOutput reaches the actors as a method call
+(Ray keeps one caller's calls to an actor in order). A rank lost with its
+node fails the step: rank 0's collective or receive breaks (a closed peer,
+or the collective timeout), or Ray reports the actor dead.
 """
 
 from __future__ import annotations
@@ -17,17 +23,22 @@ from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
 from folio.worker.multiproc import (_init_rank, check_tensor_parallel, describe_split,
                                     free_local_port, leave_process_group,
                                     reset_parallel_defaults, threads_per_rank)
+from folio.worker.ray_placement import log_placement, make_placement_group, place_ranks
 
 logger = logging.getLogger("folio")
 
 
 class _Worker:
-    """One tensor-parallel rank inside a Ray actor."""
+    """One rank inside a Ray actor."""
 
     def init(self, config: FolioConfig, rank: int, port: int, master: str,
-             num_threads: int) -> int:
-        self.runner = _init_rank(config, rank, port, num_threads, master)
+             num_threads: int, local_rank: int) -> int:
+        self.runner = _init_rank(config, rank, port, num_threads, master, local_rank)
         return self.runner.num_blocks
+
+    def node(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
 
     def execute(self, so: SchedulerOutput) -> None:
         self.runner.execute(so)
@@ -48,21 +59,35 @@ class RayExecutor:
         ray = self.ray = _import_ray()
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-        world = config.parallel.world_size
+        world, tp = config.parallel.world_size, config.parallel.tensor_parallel_size
+        cuda = config.device.startswith("cuda")
+        threads = threads_per_rank(config)
+        self.actors, self.pg = [], None
+        self.pg, bundle_nodes = make_placement_group(ray, world, threads, cuda)
+        self.placement = place_ranks(bundle_nodes, tp)
+        log_placement(self.placement, tp)
         # One node: everything on loopback; several: rank 0's address on the cluster.
-        master = ("127.0.0.1" if len(ray.nodes()) == 1
+        master = ("127.0.0.1" if len(set(bundle_nodes)) == 1
                   else ray.util.get_node_ip_address())
         port = free_local_port()
-        threads = threads_per_rank(config)
-        # passed to each actor: its OpenMP pool starts at that size, and init sets torch's
-        actor = ray.remote(num_cpus=1,
-                           runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})(
-            _Worker)
-        self.actors = [actor.options(name=None).remote() for _ in range(1, world)]
-        inits = [a.init.remote(config, rank, port, master, threads)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        # each actor's OpenMP pool starts at its share; on CUDA every rank sees
+        # its node's GPUs and takes the one of its local rank
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if cuda:
+            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        actor = ray.remote(_Worker)
+        for rank in range(1, world):
+            self.actors.append(actor.options(
+                num_cpus=threads, num_gpus=1 if cuda else 0, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=self.placement.bundle_of_rank[rank])
+            ).remote())
+        inits = [a.init.remote(config, rank, port, master, threads,
+                               self.placement.local_rank[rank])
                  for rank, a in enumerate(self.actors, start=1)]
         try:
-            self.runner = _init_rank(config, 0, port, threads, master)
+            self.runner = _init_rank(config, 0, port, threads, master, 0)
             reset_parallel_defaults()
             self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
         except BaseException:
@@ -79,7 +104,8 @@ class RayExecutor:
             out.failed.update(failed)
             return out
         except Exception as e:
-            raise RuntimeError(f"parallel step failed (a Ray worker died?): {e}") from e
+            raise RuntimeError(f"parallel step failed (a Ray worker died, or its node?): "
+                               f"{e}") from e
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -88,4 +114,11 @@ class RayExecutor:
             except Exception:        # noqa: BLE001 - best effort at exit
                 pass
         self.actors = []
+        if self.pg is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+                remove_placement_group(self.pg)
+            except Exception:        # noqa: BLE001 - best effort at exit
+                pass
+            self.pg = None
         leave_process_group()
