@@ -134,6 +134,16 @@ def test_the_default_models_codes_split_in_two_stages(default_llm):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("name", ["gptq-w4-g32-descact", "awq-w4-g32", "ct-w8a16-channel"])
+def test_quantized_checkpoints_split_in_two_stages(name):
+    """Checkpoints made by real tools (tests/fixtures/quant), in their codes."""
+    from pathlib import Path
+    path = str(Path(__file__).resolve().parents[1] / "fixtures" / "quant" / name)
+    batch = [{"prompt_token_ids": [1, 20 + i, 30, 40, 50 + i] * (i + 1)} for i in range(3)]
+    expected = run(path, batch, num_kv_blocks=32)
+    assert run(path, batch, num_kv_blocks=32, pipeline_parallel_size=2) == expected
+
+
 def test_a_dead_stage_is_reported_not_hung_on(tiny):
     kill_a_worker_mid_run(LLM(tiny, dtype="float32", num_kv_blocks=64,
                               pipeline_parallel_size=2))
