@@ -87,18 +87,20 @@ def test_p2_and_p2_by_t2_match_one_rank_alone_and_batched(tiny):
         assert not any(w.is_alive() for w in llm.engine.executor.workers)
 
 
-def test_p2_under_preemption_matches_one_rank(tiny):
+def test_p2_and_p2_by_t2_under_preemption_match_one_rank(tiny):
     """12 blocks of 8 tokens for 6 sequences that grow to ~7 blocks each:
     the scheduler preempts and recomputes, on every stage alike."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = dict(num_kv_blocks=12, block_size=8, max_num_seqs=6)
     expected = run(tiny, prompts(), params, **engine)
-    llm = LLM(tiny, dtype="float32", pipeline_parallel_size=2, **engine)
-    try:
-        assert tokens(llm, prompts(), params) == expected
-        assert llm.engine.scheduler.num_preemptions > 0
-    finally:
-        llm.shutdown()
+    for tp in (1, 2):
+        llm = LLM(tiny, dtype="float32", pipeline_parallel_size=2, tensor_parallel_size=tp,
+                  **engine)
+        try:
+            assert tokens(llm, prompts(), params) == expected, tp
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.shutdown()
 
 
 def test_each_stage_builds_and_reads_its_own_layers(tiny):
