@@ -88,6 +88,14 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # positions the rotary tables hold: the engine's max_model_len (build_config
+    # sets it); None: max_position_embeddings. Gemma 3's 131072 positions were
+    # two tables of ~135 MB each whatever the context served.
+    rope_positions: Optional[int] = None
+
+    @property
+    def rope_table_positions(self) -> int:
+        return self.rope_positions or self.max_position_embeddings
 
 
 @dataclass(frozen=True)

@@ -171,3 +171,18 @@ def test_tensor_parallel_2_gives_transformers_tokens(gemma3):
     """Heads and the MLP split over 2 ranks; each rank's local layers keep the window."""
     path, ref_model = gemma3
     assert_tp2_greedy_parity(path, ref_model, _prompts(3, 5), NEW)
+
+
+def test_the_rotary_tables_hold_max_model_len_positions(gemma3):
+    """Both tables (global and local bases) as long as the served context,
+    not the model's 512 positions; the tokens at the longest prompts allowed
+    are transformers'."""
+    path, ref_model = gemma3
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=100)
+    model = llm.engine.executor.runner.model.model
+    assert model.rotary.cos.shape[0] == model.rotary_local.sin.shape[0] == 100
+    ids = _prompts(1, 5)[0][:84]
+    ids += [9] * (84 - len(ids))                    # the last token lands at position 99
+    ref, gaps = reference_greedy(ref_model, ids, NEW, ())
+    out = llm.generate({"prompt_token_ids": ids}, PARAMS)[0].outputs[0]
+    assert_greedy_parity(out.token_ids, ref, gaps, label="to max_model_len")

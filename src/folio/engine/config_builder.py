@@ -144,7 +144,8 @@ def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
         raise ValueError(f"speculative_config: the draft model's vocabulary "
                          f"({draft.vocab_size} ids) is not the target's "
                          f"({target.vocab_size}): a draft model needs the target's tokenizer")
-    return dataclasses.replace(spec, draft=draft)
+    return dataclasses.replace(spec, draft=dataclasses.replace(draft,
+                                                               rope_positions=max_model_len))
 
 
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
@@ -189,6 +190,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         raise ValueError(
             f"max_model_len={max_model_len} must be between 1 and the model's "
             f"max_position_embeddings ({limit})")
+    # no position past max_model_len is ever computed (proposals included)
+    model_config = dataclasses.replace(model_config, rope_positions=max_model_len)
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if num_kv_blocks is not None and num_kv_blocks < 1:

@@ -122,10 +122,10 @@ class Gemma3Model(nn.Module):
         # transformers multiplies by the factor cast to the weights' dtype
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5).to(dtype),
                              persistent=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_table_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
         types = cfg.layer_types or ("full_attention",) * cfg.num_hidden_layers
-        self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+        self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_table_positions,
                                              cfg.rope_local_theta or 10000.0)
                              if SLIDING in types else None)
         self.layers = self.stage.module_list(cfg.num_hidden_layers, lambda i: layer_cls(

@@ -117,7 +117,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, dtype, quant,
             "model.embed_tokens") if self.stage.is_first else None
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_table_positions, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.layers = self.stage.module_list(
             cfg.num_hidden_layers,
