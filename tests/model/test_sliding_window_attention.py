@@ -104,7 +104,8 @@ def test_native_few_long_decodes_on_two_threads(build, lens):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_torch_backend_attends_to_the_window(block_size, kv_dtype):
     """TORCH_SDPA's gathered decode and per-span SDPA, masked by the window
-    (on a bf16 cache too: fp32 queries read it widened)."""
+    (on a bf16 cache too: fp32 queries read it widened), reading only the
+    blocks the window touches."""
     heads, kv_heads, dim = 4, 2, 32
     g = torch.Generator().manual_seed(block_size)
     q, kv, tables, rows, lens = make_step(g, torch.float32, heads, kv_heads, block_size, dim,
@@ -123,6 +124,13 @@ def test_torch_backend_attends_to_the_window(block_size, kv_dtype):
         got = backend.attend(q, k, v, kv, meta)
         expected = reference(q, kv, tables, rows, lens, dim ** -0.5, window).float()
         assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), window
+        # blocks wholly before every window of their sequence are not read:
+        # NaN there (which a masked read would still spread) changes nothing
+        poisoned = kv.clone()
+        for i, (_, s) in enumerate(SEQS):
+            unread = max(0, s + 1 - window) // block_size
+            poisoned[:, tables[i, :unread]] = float("nan")
+        assert torch.equal(backend.attend(q, k, v, poisoned, meta), got), window
 
 
 class NoWindows(TorchAttentionBackend):

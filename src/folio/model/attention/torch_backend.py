@@ -7,8 +7,9 @@ sequence: `is_causal` for a chunk that starts the sequence, otherwise a mask
 built from absolute positions (SDPA's `is_causal` aligns the triangle to the
 top-left, which is wrong once a sequence resumes mid-prompt with keys before
 its first query). A sliding-window layer masks the keys at or before
-position - window as well. A cache narrower than the queries (fp32 run,
-`--kv-cache-dtype bfloat16`) is read widened to the queries' dtype, and a
+position - window as well, and reads only the blocks its window touches. A
+cache narrower than the queries (fp32 run, `--kv-cache-dtype bfloat16`) is
+read widened to the queries' dtype, and a
 whole prompt's own keys and values are rounded to the cache's dtype first, so
 every token sees the keys as the cache holds them, as the native kernel does.
 An 8-bit cache (`--kv-cache-dtype int8|fp8`, kv_quant.py) is written quantized,
@@ -85,18 +86,37 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
         return out
 
+    def _window_blocks(self, tables: torch.Tensor, ends: torch.Tensor, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A windowed layer's decode reads the blocks its window touches only:
+        (each row's tables from its first such block, that block's first
+        position). Rows whose context is shorter keep their whole table."""
+        count = -(-self.sliding_window // block_size) + 1       # a window straddles blocks
+        if count >= tables.shape[1]:
+            return tables, torch.zeros_like(ends)
+        first = (ends - self.sliding_window).clamp(min=0) // block_size        # [B]
+        # columns past the table repeat its last block: their positions lie
+        # past the context, masked
+        cols = (first[:, None] + torch.arange(count, device=tables.device)).clamp(
+            max=tables.shape[1] - 1)
+        return tables.gather(1, cols), first * block_size
+
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         b, hkv, dim, width = q.shape[0], self.num_kv_heads, self.head_dim, k_cache.shape[-1]
-        tables = meta.decode_block_tables                          # [B, MB]
+        tables, ends = meta.decode_block_tables, meta.decode_context_lens      # [B, MB], [B]
+        offsets = None
+        if self.sliding_window is not None:
+            tables, offsets = self._window_blocks(tables, ends, k_cache.shape[1])
         keys = kv_quant.read(k_cache[tables].view(b, -1, hkv, width), q.dtype)  # [B, L, Hkv, D]
         values = kv_quant.read(v_cache[tables].view(b, -1, hkv, width), q.dtype)
         qg = q.view(b, hkv, -1, dim)                               # [B, Hkv, G, D]
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
-        positions = torch.arange(keys.shape[1], device=q.device)
-        invalid = positions[None, :] >= meta.decode_context_lens[:, None]        # [B, L]
+        positions = torch.arange(keys.shape[1], device=q.device)[None, :]       # [1, L]
+        if offsets is not None:
+            positions = positions + offsets[:, None]                            # [B, L]
+        invalid = positions >= ends[:, None]                                    # [B, L]
         if self.sliding_window is not None:
-            lo = meta.decode_context_lens[:, None] - self.sliding_window           # [B, 1]
-            invalid |= positions[None, :] < lo
+            invalid |= positions < (ends - self.sliding_window)[:, None]
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))          # [B, Hkv, G, D]
@@ -117,12 +137,16 @@ class TorchAttentionBackend(AttentionBackend):
                 q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
                 scale=self.scale, enable_gqa=True)
             return out[0].transpose(0, 1)
-        # a later chunk: earlier keys live only in the cache
-        k = kv_quant.read(k_cache[span.block_table].flatten(0, 1)[:ctx], q.dtype)
-        v = kv_quant.read(v_cache[span.block_table].flatten(0, 1)[:ctx], q.dtype)
+        # a later chunk: earlier keys live only in the cache (a windowed layer's
+        # from the block of its first query's window on)
+        bs = k_cache.shape[1]
+        skip = 0 if window is None else max(0, span.start_pos - window + 1) // bs
+        table = span.block_table[skip:]
+        k = kv_quant.read(k_cache[table].flatten(0, 1)[:ctx - skip * bs], q.dtype)
+        v = kv_quant.read(v_cache[table].flatten(0, 1)[:ctx - skip * bs], q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         query_pos = span.start_pos + torch.arange(n, device=q.device)
-        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        key_pos = skip * bs + torch.arange(ctx - skip * bs, device=q.device)[None, :]
         mask = key_pos <= query_pos[:, None]                                      # [n, ctx]
         if window is not None:
             mask &= key_pos > query_pos[:, None] - window
