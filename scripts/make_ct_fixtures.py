@@ -37,6 +37,10 @@ KV_VARIANTS = {
     "ct-w8a16-kv-fp8": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
                         dict(num_bits=8, type="float", strategy="tensor", dynamic=False,
                              symmetric=True)),
+    # a scale per KV head (compressed-tensors' attn_head strategy)
+    "ct-w8a16-kv-fp8-head": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                             dict(num_bits=8, type="float", strategy="attn_head",
+                                  dynamic=False, symmetric=True)),
 }
 
 

@@ -344,15 +344,16 @@ def test_an_8bit_cache_in_one_call(tmp_path, monkeypatch, kind, cache):
 
 
 @needs_quantized_kernel
-def test_a_checkpoint_s_static_fp8_kv_scales_in_one_call(monkeypatch):
-    """compressed-tensors' kv_cache_scheme (tests/fixtures/quant/ct-w8a16-kv-fp8):
-    with an fp8 cache the one call writes each row with the layer's static
-    scale, as the modules do (bit for bit in bf16; where bfloat16 runs as
-    fp32, to an e4m3 step's effect)."""
+@pytest.mark.parametrize("fixture", ["ct-w8a16-kv-fp8", "ct-w8a16-kv-fp8-head"])
+def test_a_checkpoint_s_static_fp8_kv_scales_in_one_call(monkeypatch, fixture):
+    """compressed-tensors' kv_cache_scheme (tests/fixtures/quant: a scale per
+    layer, or per KV head): with an fp8 cache the one call writes each row
+    with its static scale, as the modules do (bit for bit in bf16; where
+    bfloat16 runs as fp32, to an e4m3 step's effect)."""
     if not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
         pytest.skip("no bf16 element-wise kernels here")
     from tests.model.quantization.checkpoints import FIXTURES
-    llm = LLM(str(FIXTURES / "ct-w8a16-kv-fp8"), dtype="bfloat16", num_kv_blocks=64,
+    llm = LLM(str(FIXTURES / fixture), dtype="bfloat16", num_kv_blocks=64,
               max_num_batched_tokens=48, kv_cache_dtype="fp8")
     decoder = llm.engine.executor.runner.model.model.native_decoder
     assert decoder is not None and decoder.layers[0].self_attn.attn.kv_scales is not None

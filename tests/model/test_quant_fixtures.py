@@ -17,7 +17,7 @@ GPTQ = [n for n in NAMES if n.startswith("gptq-")]
 
 def test_the_fixtures_are_there():
     assert NAMES == ["awq-w4-g32", "ct-w4a16-asym-g32", "ct-w4a16-g32", "ct-w8a16-channel",
-                     "ct-w8a16-kv-fp8",
+                     "ct-w8a16-kv-fp8", "ct-w8a16-kv-fp8-head",
                      "gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",
                      "gptq-w8-g32-sym"]
 

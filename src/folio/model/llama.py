@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.parallel_state import tp_rank, tp_size
 from folio.model.attention.backend import AttentionBackend
 from folio.model.attention.metadata import AttentionMetadata
 from folio.model.attention.selector import get_attention_backend
@@ -45,14 +46,37 @@ class LlamaAttention(nn.Module):
         self.head_dim = d
         self.attn = backend(self.num_heads, self.num_kv_heads, d, d ** -0.5)
         if quant is not None and quant.kv_cache_scales:    # the checkpoint's, for fp8
-            self.k_scale = nn.Parameter(torch.ones(1), requires_grad=False)
-            self.v_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+            # per tensor: one; per head: this rank's KV heads' (as qkv_proj splits them)
+            per_head = quant.kv_cache_scales == "attn_head"
+            shape = (self.num_kv_heads, 1, 1) if per_head else (1,)
+            for name in ("k_scale", "v_scale"):
+                param = nn.Parameter(torch.ones(shape), requires_grad=False)
+                param.weight_loader = self._load_kv_scale
+                setattr(self, name, param)
+
+    def _load_kv_scale(self, param, loaded: torch.Tensor, shard_id=None) -> None:
+        """A k_scale / v_scale: per tensor, or this rank's block of the
+        checkpoint's per-head scales [num_kv_heads, 1, 1]."""
+        if param.shape[0] > 1 or loaded.dim() == 3:
+            heads = self.num_kv_heads
+            replicas = self.qkv_proj.kv_replicas
+            total = heads * tp_size() // replicas
+            if tuple(loaded.shape) != (total, 1, 1):
+                raise ValueError(f"a per-head KV cache scale of shape {tuple(loaded.shape)}, "
+                                 f"expected ({total}, 1, 1)")
+            start = (tp_rank() // replicas) * heads
+            loaded = loaded[start:start + heads]
+        elif loaded.numel() != 1:
+            raise ValueError(f"a per-tensor KV cache scale of shape {tuple(loaded.shape)}")
+        param.data.copy_(loaded.reshape(param.shape).float())
 
     def process_weights_after_loading(self) -> None:
-        """The checkpoint's static KV cache scales, to the backend (an fp8 cache
-        takes them; others ignore them)."""
+        """The checkpoint's static KV cache scales, to the backend, one per KV
+        head (an fp8 cache takes them; others ignore them)."""
         if hasattr(self, "k_scale"):
-            self.attn.kv_scales = (float(self.k_scale), float(self.v_scale))
+            self.attn.kv_scales = tuple(
+                p.detach().float().reshape(-1).expand(self.num_kv_heads).contiguous()
+                for p in (self.k_scale, self.v_scale))
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]

@@ -15,13 +15,14 @@ Two references:
   token everywhere.
 """
 
+import importlib.util
 import json
 import re
 
 import pytest
 import torch
 
-from folio import LLM
+from folio import LLM, SamplingParams
 from tests.model.quantization.checkpoints import (
     FIXTURES, FP32, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,
     assert_within_bf16_error, copy_fixture, edit_quantization_config, edit_tensors, float_model,
@@ -277,36 +278,59 @@ def test_a_flag_that_names_another_format_is_refused():
 
 
 KV = "ct-w8a16-kv-fp8"      # calibrated with a kv_cache_scheme: static fp8 scales a layer
+KV_HEAD = "ct-w8a16-kv-fp8-head"    # the same, a scale per KV head (strategy attn_head)
 
 
-def test_static_fp8_kv_scales_give_the_tools_reference():
-    """llm-compressor's kv_cache_scheme (fp8, per tensor, static): each layer's
-    k_scale and v_scale. With --kv-cache-dtype fp8 every row written carries
-    the checkpoint's scale and the logits are transformers' on the same
-    checkpoint (which quantizes keys and values the same way) to 1e-4; a
-    float or int8 cache ignores the scales, and its logits then differ."""
+@pytest.mark.parametrize("name", [KV, KV_HEAD])
+def test_static_fp8_kv_scales_give_the_tools_reference(name):
+    """llm-compressor's kv_cache_scheme (fp8, static, per tensor or per KV
+    head): each layer's k_scale and v_scale. With --kv-cache-dtype fp8 every
+    row written carries its head's scale from the checkpoint and the logits
+    are transformers' on the same checkpoint (which quantizes keys and values
+    the same way) to 1e-4; a float or int8 cache ignores the scales, and its
+    logits then differ."""
     from safetensors.torch import load_file
 
     from folio.model.attention import kv_quant
-    tensors = load_file(str(FIXTURES / KV / "model.safetensors"))
-    llm = LLM(str(FIXTURES / KV), dtype="float32", **FP32, num_kv_blocks=32,
+    tensors = load_file(str(FIXTURES / name / "model.safetensors"))
+    llm = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32,
               kv_cache_dtype="fp8")
-    for prompt, logits in reference(KV):
+    for prompt, logits in reference(name):
         ref = logits[:-1]
         ours = folio_logits(llm, prompt)
         assert (ours - ref).abs().max().item() < 1e-4
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     caches = llm.engine.executor.runner.kv_caches
     for i, cache in enumerate(caches):
-        written = kv_quant.scales(cache[:, :1].flatten(1, 3))[:, :8, 0]    # block 0's rows
+        written = kv_quant.scales(cache[:, 0, :8])[..., 0]    # block 0's 8 rows [2, 8, Hkv]
         for kv, which in ((0, "k_scale"), (1, "v_scale")):
-            want = tensors[f"model.layers.{i}.self_attn.{which}"].float()
-            assert torch.equal(written[kv], want.expand(8)), (i, which)
+            want = tensors[f"model.layers.{i}.self_attn.{which}"].float().reshape(-1)
+            assert torch.equal(written[kv], want.expand(8, cache.shape[3])), (i, which)
+    if name == KV_HEAD:         # the heads' scales differ: each row took its own head's
+        assert not torch.equal(*tensors["model.layers.0.self_attn.k_scale"].flatten()[:2])
     for other in ("auto", "int8"):
-        plain = LLM(str(FIXTURES / KV), dtype="float32", **FP32, num_kv_blocks=32,
+        plain = LLM(str(FIXTURES / name), dtype="float32", **FP32, num_kv_blocks=32,
                     kv_cache_dtype=other)
-        prompt, logits = reference(KV)[0]
+        prompt, logits = reference(name)[0]
         assert (folio_logits(plain, prompt) - logits[:-1]).abs().max().item() > 0.1
+
+
+def test_per_head_kv_scales_split_with_the_kv_heads_under_tensor_parallelism():
+    """TP 2 over the fixture's 2 KV heads: each rank writes its head's scale;
+    the tokens are one rank's."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p, _ in reference(KV_HEAD)]
+    one = LLM(str(FIXTURES / KV_HEAD), dtype="float32", **FP32, num_kv_blocks=32,
+              kv_cache_dtype="fp8")
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    two = LLM(str(FIXTURES / KV_HEAD), dtype="float32", **FP32, num_kv_blocks=32,
+              kv_cache_dtype="fp8", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        scales = two.engine.executor.runner.model.model.layers[0].self_attn.attn.kv_scales
+        assert scales[0].shape == (1,)              # rank 0: its one KV head's
+    finally:
+        two.shutdown()
 
 
 def test_other_kv_cache_schemes_are_refused_by_name(tmp_path):
@@ -316,5 +340,18 @@ def test_other_kv_cache_schemes_are_refused_by_name(tmp_path):
         qc["kv_cache_scheme"]["strategy"] = "channel"
     edit_quantization_config(folder, per_channel)
     with pytest.raises(ValueError, match=r"kv_cache_scheme \('float', 8, 'channel'\) "
-                                         r"\(dynamic: False\) is not supported"):
+                                         r"\(dynamic: False\) is not supported: only static "
+                                         r"fp8 scales per tensor or per attention head"):
         LLM(str(folder), **FP32, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "CPU_NATIVE", pytest.param(
+    "TRITON", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                       reason="triton is not installed"))])
+def test_per_head_kv_scales_in_every_backend(backend):
+    """Each backend writes the rows with their head's scale (TRITON: in its
+    interpreter here): the prompt's logits are the tool's reference."""
+    llm = LLM(str(FIXTURES / KV_HEAD), dtype="float32", **FP32, num_kv_blocks=32,
+              kv_cache_dtype="fp8", attention_backend=backend)
+    prompt, logits = reference(KV_HEAD)[0]
+    assert (folio_logits(llm, prompt) - logits[:-1]).abs().max().item() < 1e-4

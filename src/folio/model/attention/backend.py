@@ -87,12 +87,13 @@ class AttentionBackend:
         # a query at position p sees the keys at positions p - window < k <= p
         # (transformers' sliding_window_overlay); None: every key up to p
         self.sliding_window = sliding_window
-        # a checkpoint's static (k_scale, v_scale), which an fp8 cache takes
-        # (the attention module sets them once loaded); None: each row's own
-        self.kv_scales: Optional[tuple[float, float]] = None
+        # a checkpoint's static (k_scales, v_scales), fp32 [num_kv_heads] each
+        # (a per-tensor scale repeated), which an fp8 cache takes (the
+        # attention module sets them once loaded); None: each row's own
+        self.kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def static_scale(self, which: int) -> Optional[float]:
-        """The checkpoint's scale of keys (0) or values (1), if it gave one."""
+    def static_scale(self, which: int) -> Optional[torch.Tensor]:
+        """The checkpoint's scales of keys (0) or values (1), if it gave them."""
         return None if self.kv_scales is None else self.kv_scales[which]
 
     @classmethod

@@ -54,14 +54,16 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in _KIND
 
 
-def quantize(x: torch.Tensor, kind: str = "int8", static: Optional[float] = None
+def quantize(x: torch.Tensor, kind: str = "int8", static: Optional[torch.Tensor] = None
              ) -> torch.Tensor:
     """x [..., D] float -> [..., D + 4]: the rows in 8-bit steps of their own
-    scale (or of `static`, a checkpoint's), each followed by that scale."""
+    scale (or of `static`, a checkpoint's: one fp32 scale per KV head, x being
+    [..., Hkv, D]), each followed by that scale."""
     xf = x.float()
     largest = _LARGEST[kind]
     if static is not None:
-        scale = torch.full((*x.shape[:-1], 1), static, dtype=torch.float32, device=x.device)
+        scale = static.to(device=x.device, dtype=torch.float32).view(-1, 1).expand(
+            *x.shape[:-1], 1).contiguous()
         scaled = xf * (1.0 / scale)
     else:
         amax = xf.abs().amax(dim=-1, keepdim=True)
@@ -97,10 +99,10 @@ def read(cache_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(cache_part, dtype) if is_quantized(cache_part) else cache_part.to(dtype)
 
 
-def stored(x: torch.Tensor, cache_dtype: torch.dtype, static: Optional[float] = None
+def stored(x: torch.Tensor, cache_dtype: torch.dtype, static: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
-    """Rows [..., D] as a cache of `cache_dtype` stores them; `static`: a
-    checkpoint's scale, which an fp8 cache takes (None: each row's own)."""
+    """Rows [..., Hkv, D] as a cache of `cache_dtype` stores them; `static`: a
+    checkpoint's scales [Hkv], which an fp8 cache takes (None: each row's own)."""
     kind = _KIND.get(cache_dtype)
     if not kind:
         return x.to(cache_dtype)
@@ -108,7 +110,7 @@ def stored(x: torch.Tensor, cache_dtype: torch.dtype, static: Optional[float] = 
 
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype,
-              static: Optional[float] = None) -> torch.Tensor:
+              static: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x as the cache would give it back (rounded to its dtype or its 8-bit
     steps), in `dtype`: what a whole prompt's own keys are attended as."""
     return read(stored(x, cache_dtype, static), dtype)

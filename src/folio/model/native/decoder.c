@@ -84,7 +84,9 @@ typedef struct {
     const void *q_norm, *k_norm;
     const void *lora_at[4], *lora_bt[4];
     int64_t lora_width[4];
-    float kv_scale[2];
+    const float *kv_scale[2];                 /* a checkpoint's fp8 scales of keys and
+                                                 values, one per KV head; NULL: each
+                                                 row's own */
 } folio_layer;
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
@@ -147,10 +149,10 @@ static uint8_t to_e4m3(float x) {
  * rounded exactly as kv_quant.quantize rounds: scale = amax * (1/L), steps
  * x * ((1 / amax) * L) rounded to nearest even (int8, L = 127) or to e4m3
  * (fp8, L = 448); compiled without fast-math so that the two agree bit for
- * bit. `fixed` > 0 (fp8): the checkpoint's scale, x * (1 / fixed) instead. */
+ * bit. fixed_scales (fp8, a checkpoint's, one per KV head): x * (1 / fixed) instead. */
 __attribute__((optimize("no-fast-math")))
 static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head_dim,
-                          int dtype, int kv_dtype, float fixed) {
+                          int dtype, int kv_dtype, const float *fixed_scales) {
     const float largest = kv_dtype == 2 ? 127.0f : 448.0f;
     for (int h = 0; h < kv_heads; h++) {
         float x[512], amax = 0.f;
@@ -160,6 +162,7 @@ static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head
             amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
         }
         uint8_t *row = (uint8_t *)dst + h * (head_dim + 4);
+        const float fixed = fixed_scales ? fixed_scales[h] : 0.f;
         const int own = !(kv_dtype == 3 && fixed > 0.f);
         const float scale = own ? amax * (1.0f / largest) : fixed;
         if (!own || amax > 0.f) {

@@ -38,7 +38,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
                                         "gate_up", "down", "kv_cache", "q_norm", "k_norm")] + [
         ("lora_at", _p * 4), ("lora_bt", _p * 4), ("lora_width", _i64 * 4),
-        ("kv_scale", _f32 * 2)]
+        ("kv_scale", _p * 2)]
 
 
 class _Step(ctypes.Structure):
@@ -181,7 +181,10 @@ class NativeDecoder:
                 entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
                 entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
                 scales = attn.attn.kv_scales         # a checkpoint's, for an fp8 cache
-                entry.kv_scale[0], entry.kv_scale[1] = scales if scales else (0.0, 0.0)
+                if scales:                           # fp32 [kv heads] each, kept alive
+                    keep.extend(s.float().contiguous() for s in scales)
+                    entry.kv_scale[0], entry.kv_scale[1] = (keep[-2].data_ptr(),
+                                                            keep[-1].data_ptr())
                 for j, p in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                        mlp.down_proj)):
                     if p.lora is not None:

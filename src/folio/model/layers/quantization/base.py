@@ -82,8 +82,9 @@ class QuantizationConfig:
     # format reads tensors of its own, which only its checkpoints hold.
     loads_float_weights: bool = False
     # the checkpoint holds static KV cache scales (each attention's k_scale and
-    # v_scale: compressed-tensors' kv_cache_scheme), which an fp8 cache takes
-    kv_cache_scales: bool = False
+    # v_scale: compressed-tensors' kv_cache_scheme), which an fp8 cache takes:
+    # "tensor" (one each) or "attn_head" (one per KV head); None: none
+    kv_cache_scales: Optional[str] = None
 
     def __init__(self, config: dict[str, Any], *, weight_dtype: Optional[str] = None):
         self.config, self.weight_dtype = config, weight_dtype

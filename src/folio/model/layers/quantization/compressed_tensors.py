@@ -110,19 +110,21 @@ def _matches(pattern: str, name: str) -> bool:
     return pattern in (name, "Linear")
 
 
-def _kv_cache_scheme(scheme) -> bool:
-    """Whether the checkpoint holds static fp8 KV cache scales (one k_scale and
-    v_scale per attention layer: 8-bit float, per tensor, not dynamic); any
-    other kv_cache_scheme is refused, naming what it asks."""
+def _kv_cache_scheme(scheme) -> Optional[str]:
+    """The checkpoint's static fp8 KV cache scales: "tensor" (one k_scale and
+    v_scale per attention layer) or "attn_head" (one per KV head), 8-bit
+    float, not dynamic; None without a kv_cache_scheme; any other is refused,
+    naming what it asks."""
     if not scheme:
-        return False
+        return None
     kind = (scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy"),
             bool(scheme.get("dynamic")))
-    if kind != ("float", 8, "tensor", False):
+    if kind not in (("float", 8, "tensor", False), ("float", 8, "attn_head", False)):
         raise ValueError(f"compressed-tensors kv_cache_scheme {kind[:3]} (dynamic: {kind[3]}) "
-                         "is not supported: only static fp8 scales per tensor are (type "
-                         "float, num_bits 8, strategy tensor)")
-    return True
+                         "is not supported: only static fp8 scales per tensor or per "
+                         "attention head are (type float, num_bits 8, strategy tensor or "
+                         "attn_head)")
+    return kind[2]
 
 
 @register_quantization("compressed-tensors")
