@@ -103,6 +103,28 @@ def test_p2_and_p2_by_t2_under_preemption_match_one_rank(tiny):
             llm.shutdown()
 
 
+def test_parallel_samples_and_beams_under_p2_match_one_rank(tiny):
+    """n > 1 forks its samples from the prompt's last row on every stage;
+    seeded samples and a beam search give one rank's answers."""
+    from folio import BeamSearchParams
+    sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6)
+    batch = prompts()[:2]
+
+    def answers(llm):
+        outs = llm.generate(batch, sampled, use_tqdm=False)
+        found = llm.beam_search([batch[0]], beams, use_tqdm=False)
+        return ([[c.token_ids for c in o.outputs] for o in outs],
+                [c.token_ids for c in found[0].outputs])
+    one = LLM(tiny, dtype="float32", num_kv_blocks=64)
+    expected = answers(one)
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2)
+    try:
+        assert answers(llm) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_each_stage_builds_and_reads_its_own_layers(tiny):
     llm = LLM(tiny, dtype="float32", num_kv_blocks=16, pipeline_parallel_size=2)
     try:

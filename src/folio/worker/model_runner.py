@@ -147,7 +147,10 @@ class ModelRunner(SpecRunner):
         ids, step, last_rows = self._describe(ordered)
         if self.pipeline is not None:
             hidden = self.pipeline.forward(ordered)     # worker/pipeline_stage.py
-            if hidden is None:          # a later stage: its part of the step is done
+            if hidden is None:          # a later stage: its layers are done; forks
+                for s in ordered:       # start here too (their block tables)
+                    for child_id, info in (s.fork_children or ()) if s.sample else ():
+                        self._start_child(child_id, info, s.seq_id)
                 return ModelRunnerOutput()
         elif self.graphs is not None and self.graphs.fits(step):
             hidden = self.graphs.run(step, ids)
