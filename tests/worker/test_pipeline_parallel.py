@@ -103,26 +103,35 @@ def test_p2_and_p2_by_t2_under_preemption_match_one_rank(tiny):
             llm.shutdown()
 
 
-def test_parallel_samples_and_beams_under_p2_match_one_rank(tiny):
+def test_samples_beams_and_prompt_logprobs_under_p2_match_one_rank(tiny):
     """n > 1 forks its samples from the prompt's last row on every stage;
-    seeded samples and a beam search give one rank's answers."""
+    seeded samples, a beam search and prompt logprobs give one rank's answers."""
     from folio import BeamSearchParams
     sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
     beams = BeamSearchParams(beam_width=3, max_tokens=6)
     batch = prompts()[:2]
 
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=2)
+
     def answers(llm):
         outs = llm.generate(batch, sampled, use_tqdm=False)
         found = llm.beam_search([batch[0]], beams, use_tqdm=False)
+        ranked = llm.generate(batch, scored, use_tqdm=False)     # rows of every micro-batch
         return ([[c.token_ids for c in o.outputs] for o in outs],
-                [c.token_ids for c in found[0].outputs])
+                [c.token_ids for c in found[0].outputs],
+                [p for o in ranked for p in o.prompt_logprobs[1:]])
     one = LLM(tiny, dtype="float32", num_kv_blocks=64)
-    expected = answers(one)
+    samples, found, ranked = answers(one)
     llm = LLM(tiny, dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2)
     try:
-        assert answers(llm) == expected
+        got_samples, got_found, got_ranked = answers(llm)
     finally:
         llm.shutdown()
+    assert got_samples == samples and got_found == found
+    assert len(got_ranked) == len(ranked)
+    for got, want in zip(got_ranked, ranked):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
 
 
 def test_each_stage_builds_and_reads_its_own_layers(tiny):
