@@ -44,6 +44,8 @@ def test_ray_tp2_matches_one_rank(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="not a readable safetensors file"):
             LLM(str(bad), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
                 distributed_executor_backend="ray")
+        from ray.util import placement_group_table
+        assert {g["state"] for g in placement_group_table().values()} <= {"REMOVED"}
         llm = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
                   distributed_executor_backend="ray")
         try:
@@ -96,6 +98,9 @@ def test_a_gpu_placement_keeps_each_tensor_parallel_group_on_a_node(two_nodes, m
     from folio.worker import ray_placement
     from folio.worker.ray_placement import make_placement_group, place_ranks
     monkeypatch.setattr(ray_placement, "PLACEMENT_TIMEOUT_S", 3.0)
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from folio.worker.ray_placement import GpuHolder, device_index
     driver = ray.get_runtime_context().get_node_id()
     pg, nodes = make_placement_group(ray, 4, 1, gpu=True)
     try:
@@ -103,8 +108,21 @@ def test_a_gpu_placement_keeps_each_tensor_parallel_group_on_a_node(two_nodes, m
         p = place_ranks(nodes, tp=2)
         assert p.node_of_rank[:2] == [driver] * 2 and p.node_of_rank[2] == p.node_of_rank[3]
         assert p.local_rank == [0, 1, 0, 1] and p.split_groups == []
+        # each rank's GPU is the one Ray reserved for its bundle: on a node, all differ
+        holders = [ray.remote(GpuHolder).options(
+            num_cpus=0, num_gpus=1, runtime_env={"env_vars": {
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=b)).remote() for b in p.bundle_of_rank]
+        gpus = ray.get([h.gpu.remote() for h in holders])
+        assert sorted(gpus[:2]) == [0, 1] and sorted(gpus[2:]) == [0, 1]
+        for h in holders:
+            ray.kill(h)
     finally:
         remove_placement_group(pg)
+    assert device_index(3, None) == 3 and device_index(3, "2,3") == 1
+    with pytest.raises(ValueError, match="GPU 3, which Ray reserved"):
+        device_index(3, "0,1")
     with pytest.raises(ValueError, match=r"Ray could not place 5 ranks of \{'CPU': 1.0, "
                                          r"'GPU': 1.0\}"):
         make_placement_group(ray, 5, 1, gpu=True)
@@ -125,7 +143,7 @@ def test_two_stages_on_two_nodes_and_a_lost_node_fails_the_step(two_nodes, tmp_p
         assert got == expected
         # stage 0 (ranks 0, 1) on the driver's node, stage 1 (ranks 2, 3) on the other
         driver = ray.get_runtime_context().get_node_id()
-        actual = [driver] + ray.get([a.node.remote() for a in executor.actors])
+        actual = [driver] + ray.get([a.node.remote() for a in executor.workers])
         assert actual == executor.placement.node_of_rank
         assert actual[:2] == [driver] * 2 and actual[2] == actual[3] != driver
         # the second node goes away mid-run: the step fails, no hang

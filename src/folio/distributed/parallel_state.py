@@ -15,6 +15,7 @@ _TP_SIZE = 1
 _TP_GROUP = None            # the stage's tensor-parallel group (None: the whole world)
 _PP_RANK = 0
 _PP_SIZE = 1
+_PP_BACK_GROUP = None       # the last stage's results back to stage 0 (a pair of ranks)
 
 
 def set_tensor_parallel(rank: int, size: int) -> None:
@@ -32,6 +33,19 @@ def set_tensor_parallel_group(group) -> None:
     goes back to 1: layers built for a split keep using it)."""
     global _TP_GROUP
     _TP_GROUP = group
+
+
+def set_pipeline_back_group(group) -> None:
+    global _PP_BACK_GROUP
+    _PP_BACK_GROUP = group
+
+
+def pipeline_back_group():
+    """This rank's group with its counterpart at the other end of the pipe
+    (stage 0 and the last stage), for the final hidden states: a channel of
+    its own, so that on NCCL (one stream per pair of ranks, in order) they
+    never queue behind the activations going the other way."""
+    return _PP_BACK_GROUP
 
 
 def pp_rank() -> int:

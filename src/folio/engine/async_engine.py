@@ -47,6 +47,16 @@ class _Add:
     lora: Optional[LoRARequest] = None
 
 
+def _answer(loop: asyncio.AbstractEventLoop, done: asyncio.Future, setter, value) -> None:
+    """A future of another thread's loop settled there, unless it already is
+    (its caller left) or that loop has closed."""
+    def settle() -> None:
+        if not done.done():
+            setter(value)
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle)
+
+
 class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine, on_step: Optional[StepCallback] = None,
                  on_dead: Optional[Callable[[BaseException], None]] = None):
@@ -57,6 +67,8 @@ class AsyncLLMEngine(EngineClient):
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
+        # commands awaiting the engine thread's answer (a prefix-cache reset)
+        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
         self._stopping = False
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
@@ -154,8 +166,14 @@ class AsyncLLMEngine(EngineClient):
         self.check_health()
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
+        with self._streams_lock:        # answered by the engine thread, or failed with it
+            self._pending.add((loop, done))
         self._send(("reset_prefix_cache", (loop, done)))
-        return await done
+        try:
+            return await done
+        finally:
+            with self._streams_lock:
+                self._pending.discard((loop, done))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -207,9 +225,11 @@ class AsyncLLMEngine(EngineClient):
                 self._add(command)
             elif command[0] == "reset_prefix_cache":
                 loop, done = command[1]
-                result = self.engine.reset_prefix_cache()
-                with contextlib.suppress(RuntimeError):      # that event loop has closed
-                    loop.call_soon_threadsafe(done.set_result, result)
+                try:
+                    answer = (done.set_result, self.engine.reset_prefix_cache())
+                except Exception as e:      # noqa: BLE001 - the caller's to report
+                    answer = (done.set_exception, e)
+                _answer(loop, done, *answer)
             else:
                 aborted.extend(self.engine.abort_request([command[1]]))
 
@@ -238,8 +258,11 @@ class AsyncLLMEngine(EngineClient):
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:
             ids = list(self._streams)
+            pending = list(self._pending)
         for rid in ids:
             self._deliver(rid, error)
+        for loop, done in pending:
+            _answer(loop, done, done.set_exception, error)
 
     def _abort_everything(self) -> None:
         try:

@@ -68,6 +68,8 @@ class LlamaAttention(nn.Module):
             loaded = loaded[start:start + heads]
         elif loaded.numel() != 1:
             raise ValueError(f"a per-tensor KV cache scale of shape {tuple(loaded.shape)}")
+        if not bool((loaded.float() > 0).all()):
+            raise ValueError(f"a KV cache scale that is not positive: {loaded.flatten().tolist()}")
         param.data.copy_(loaded.reshape(param.shape).float())
 
     def process_weights_after_loading(self) -> None:

@@ -92,7 +92,7 @@ def profile_forward(runner) -> torch.Tensor:
         ids = torch.zeros(len(slots), dtype=torch.int64, device=device)
         carried = None if stage.is_first else [
             torch.zeros(len(slots), runner.model.config.hidden_size, dtype=runner.dtype,
-                        device=device)] * runner.model.model.pp_tensors
+                        device=device) for _ in range(runner.model.model.pp_tensors)]
         out = runner.model(ids, torch.from_numpy(step.positions).to(device), scratch,
                            runner.attn_backend.build_metadata(step), carried)
         hidden = out if isinstance(out, torch.Tensor) else out[0]

@@ -101,14 +101,19 @@ def join_groups(config: FolioConfig, rank: int) -> None:
     collective); with one stage the world is the group."""
     import torch.distributed as dist
 
-    from folio.distributed.parallel_state import (set_pipeline_parallel, set_tensor_parallel,
+    from folio.distributed.parallel_state import (set_pipeline_back_group,
+                                                  set_pipeline_parallel, set_tensor_parallel,
                                                   set_tensor_parallel_group)
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    group = None
+    group = back = None
     if pp > 1:
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         group = groups[rank // tp]
+        # stage 0's rank t and the last stage's rank t: the results' way back
+        backs = [dist.new_group([t, (pp - 1) * tp + t]) for t in range(tp)]
+        back = backs[rank % tp] if rank // tp in (0, pp - 1) else None
     set_tensor_parallel_group(group)
+    set_pipeline_back_group(back)
     set_tensor_parallel(rank % tp, tp)
     set_pipeline_parallel(rank // tp, pp)
 
@@ -133,16 +138,16 @@ def leave_process_group() -> None:
 
 
 def _init_rank(config: FolioConfig, rank: int, port: int, num_threads: int,
-               master: str = "127.0.0.1", local_rank: Optional[int] = None) -> "ModelRunner":
-    """`local_rank`: the rank's place on its node, which picks its GPU (default:
-    the rank, all on one machine)."""
+               master: str = "127.0.0.1", device: Optional[int] = None) -> "ModelRunner":
+    """`device`: the CUDA device index this rank runs on (default: the rank,
+    every rank on one machine)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(num_threads)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank if local_rank is None else local_rank)
+        torch.cuda.set_device(rank if device is None else device)
     dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=config.parallel.world_size, timeout=COLLECTIVE_TIMEOUT)
     from folio.worker.model_runner import ModelRunner

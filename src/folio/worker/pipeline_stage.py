@@ -14,7 +14,10 @@ sample), so with M micro-batches of a step a stage idles (P - 1) / (M + P - 1)
 of it.
 
 Point-to-point sends are torch.distributed's (gloo on CPU, NCCL on CUDA);
-the receiver knows every shape from the step it prepared itself. A peer that
+the receiver knows every shape from the step it prepared itself. The results
+go back in a group of their own (stage 0's rank and the last stage's): NCCL
+runs a pair's sends and receives on one stream in order, and at P = 2 the
+way back would otherwise queue behind the next micro-batch going forward. A peer that
 dies breaks the connection: the blocked receive raises (gloo reports a
 closed peer at once; otherwise the collective timeout), and the executor
 turns that into the engine's error.
@@ -72,6 +75,8 @@ class PipelineStage:
         cfg = runner.model.config
         self.hidden_size, self.dtype = cfg.hidden_size, runner.dtype
         self.carried = runner.model.model.pp_tensors         # tensors passed between stages
+        from folio.distributed.parallel_state import pipeline_back_group
+        self.back = pipeline_back_group()
 
     @classmethod
     def build(cls, runner) -> Optional["PipelineStage"]:
@@ -81,11 +86,12 @@ class PipelineStage:
         from folio.distributed.parallel_state import tp_rank, tp_size
         return cls(runner, plan, tp_size(), tp_rank())
 
-    def _recv(self, rows: int, count: int, src: int, tag: int) -> list[torch.Tensor]:
+    def _recv(self, rows: int, count: int, src: int, tag: int, group=None
+              ) -> list[torch.Tensor]:
         out = []
         for _ in range(count):
             t = torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.runner.device)
-            dist.recv(t, src=src, tag=tag)
+            dist.recv(t, src=src, tag=tag, group=group)
             out.append(t)
         return out
 
@@ -106,14 +112,16 @@ class PipelineStage:
                                carried)
             if plan.is_last:
                 out = out.contiguous()
-                sending.append((dist.isend(out, dst=self.head, tag=_BACK), out))
+                sending.append((dist.isend(out, dst=self.head, tag=_BACK, group=self.back),
+                                out))
             else:
                 for t in out:
                     t = t.contiguous()
                     sending.append((dist.isend(t, dst=self.next, tag=_FORWARD), t))
         hidden = None
         if plan.is_first:
-            hidden = torch.cat([self._recv(n, 1, self.tail, _BACK)[0] for n in sizes])
+            hidden = torch.cat([self._recv(n, 1, self.tail, _BACK, self.back)[0]
+                                for n in sizes])
         for work, _ in sending:
             work.wait()
         return hidden

@@ -3,7 +3,7 @@
 
 Ranks 1..N-1 are Ray actors, each in its bundle of one placement group
 (worker/ray_placement.py: one bundle per rank, a tensor-parallel group on
-one node, pipeline stages across nodes, a rank's GPU by its local rank), so a
+one node, pipeline stages across nodes, each rank on its bundle's GPU), so a
 Ray cluster (`ray start --head` on one node, `ray start --address=HEAD:6379`
 on the others) decides where they run; the collectives are still
 torch.distributed (gloo on CPU, nccl on CUDA), rank 0 stays in the engine's
@@ -23,7 +23,8 @@ from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
 from folio.worker.multiproc import (_init_rank, check_tensor_parallel, describe_split,
                                     free_local_port, leave_process_group,
                                     reset_parallel_defaults, threads_per_rank)
-from folio.worker.ray_placement import log_placement, make_placement_group, place_ranks
+from folio.worker.ray_placement import (GpuHolder, device_index, log_placement,
+                                        make_placement_group, place_ranks)
 
 logger = logging.getLogger("folio")
 
@@ -32,8 +33,13 @@ class _Worker:
     """One rank inside a Ray actor."""
 
     def init(self, config: FolioConfig, rank: int, port: int, master: str,
-             num_threads: int, local_rank: int) -> int:
-        self.runner = _init_rank(config, rank, port, num_threads, master, local_rank)
+             num_threads: int) -> int:
+        device = None
+        if config.device.startswith("cuda"):        # the GPU Ray reserved for this bundle
+            import ray
+            device = device_index(int(ray.get_gpu_ids()[0]),
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.runner = _init_rank(config, rank, port, num_threads, master, device)
         return self.runner.num_blocks
 
     def node(self) -> str:
@@ -59,10 +65,18 @@ class RayExecutor:
         ray = self.ray = _import_ray()
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        self.actors, self.workers, self.pg = [], [], None
+        try:
+            self._start(ray, config)
+        except BaseException:
+            self.shutdown()     # the group, the actors and the process group go with it
+            raise
+        logger.info("%s, workers placed by Ray", describe_split(config))
+
+    def _start(self, ray, config: FolioConfig) -> None:
         world, tp = config.parallel.world_size, config.parallel.tensor_parallel_size
         cuda = config.device.startswith("cuda")
         threads = threads_per_rank(config)
-        self.actors, self.pg = [], None
         self.pg, bundle_nodes = make_placement_group(ray, world, threads, cuda)
         self.placement = place_ranks(bundle_nodes, tp)
         log_placement(self.placement, tp)
@@ -71,34 +85,36 @@ class RayExecutor:
                   else ray.util.get_node_ip_address())
         port = free_local_port()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        def in_bundle(cls, bundle: int, **options):
+            return ray.remote(cls).options(
+                num_gpus=1 if cuda else 0, runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundle), **options).remote()
         # each actor's OpenMP pool starts at its share; on CUDA every rank sees
-        # its node's GPUs and takes the one of its local rank
+        # its node's GPUs and takes the one Ray reserved for its bundle
         env = {"OMP_NUM_THREADS": str(threads)}
         if cuda:
             env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-        actor = ray.remote(_Worker)
-        for rank in range(1, world):
-            self.actors.append(actor.options(
-                num_cpus=threads, num_gpus=1 if cuda else 0, runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=self.placement.bundle_of_rank[rank])
-            ).remote())
-        inits = [a.init.remote(config, rank, port, master, threads,
-                               self.placement.local_rank[rank])
-                 for rank, a in enumerate(self.actors, start=1)]
-        try:
-            self.runner = _init_rank(config, 0, port, threads, master, 0)
-            reset_parallel_defaults()
-            self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
-        except BaseException:
-            self.shutdown()         # the actors go, and the process group with them
-            raise
-        logger.info("%s, workers placed by Ray", describe_split(config))
+        device = None
+        if cuda:        # rank 0's bundle: held by an actor that says which GPU it is
+            self.actors.append(in_bundle(GpuHolder, 0, num_cpus=0))
+            device = device_index(ray.get(self.actors[0].gpu.remote()),
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+        workers = [in_bundle(_Worker, self.placement.bundle_of_rank[rank], num_cpus=threads)
+                   for rank in range(1, world)]
+        self.actors.extend(workers)
+        self.workers = workers
+        inits = [a.init.remote(config, rank, port, master, threads)
+                 for rank, a in enumerate(workers, start=1)]
+        self.runner = _init_rank(config, 0, port, threads, master, device)
+        reset_parallel_defaults()
+        self.num_blocks = min([self.runner.num_blocks] + ray.get(inits))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         failed = self.runner.prepare(so)    # first: the workers get the same batch
         try:
-            pending = [a.execute.remote(so) for a in self.actors]
+            pending = [a.execute.remote(so) for a in self.workers]
             out = self.runner.run(so)
             self.ray.get(pending)
             out.failed.update(failed)

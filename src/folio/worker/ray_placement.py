@@ -7,15 +7,18 @@ The group is PACKed: as few nodes as hold it. Ranks then take the bundles
 node by node (the driver's node first), so that the T ranks of a stage's
 tensor-parallel group share a node and pipeline stages are what spans nodes
 (a group that cannot stay on one node is logged: it works, over the
-network). A rank's local rank, its place among the ranks on its node,
-picks its GPU (`cuda:<local rank>`; Ray is told not to narrow
-CUDA_VISIBLE_DEVICES, so every rank sees its node's GPUs alike).
+network). On CUDA each rank takes the GPU Ray reserved for its bundle
+(`ray.get_gpu_ids()`; Ray is told not to narrow CUDA_VISIBLE_DEVICES, so the
+ids are the node's own); rank 0's bundle is held by a small actor that tells
+the engine's process which GPU is its own. A rank's local rank (its place
+among the ranks on its node) is reported in the log.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 logger = logging.getLogger("folio")
 
@@ -55,9 +58,30 @@ def place_ranks(bundle_nodes: list[str], tp: int) -> RankPlacement:
     return RankPlacement(order, node_of_rank, local, split)
 
 
+def device_index(gpu_id: int, visible: Optional[str]) -> int:
+    """The CUDA device index of the node's GPU `gpu_id` in a process whose
+    CUDA_VISIBLE_DEVICES is `visible` (None: every GPU, in the node's order)."""
+    if not visible:
+        return gpu_id
+    ids = [v.strip() for v in visible.split(",")]
+    if str(gpu_id) not in ids:
+        raise ValueError(f"GPU {gpu_id}, which Ray reserved for this rank, is not in "
+                         f"CUDA_VISIBLE_DEVICES={visible}")
+    return ids.index(str(gpu_id))
+
+
+class GpuHolder:
+    """An actor in a bundle, holding its GPU: which one Ray gave it."""
+
+    def gpu(self) -> int:
+        import ray
+        return int(ray.get_gpu_ids()[0])
+
+
 def make_placement_group(ray, world: int, cpus: int, gpu: bool):
     """The group, ready, and its RankPlacement for `tp`-rank groups; a clear
     error when the cluster cannot hold it."""
+    from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import (placement_group, placement_group_table,
                                           remove_placement_group)
     driver = ray.get_runtime_context().get_node_id()
@@ -66,12 +90,15 @@ def make_placement_group(ray, world: int, cpus: int, gpu: bool):
                          bundle_label_selector=[{"ray.io/node-id": driver}] + [{}] * (world - 1))
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except Exception:       # GetTimeoutError: the cluster lacks the resources
+    except GetTimeoutError:     # the cluster lacks the resources
         remove_placement_group(pg)
         raise ValueError(
             f"Ray could not place {world} ranks of {bundles[0]} each (the first on this "
             f"node) within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has "
             f"{ray.cluster_resources()}") from None
+    except BaseException:
+        remove_placement_group(pg)
+        raise
     nodes = placement_group_table(pg)["bundles_to_node_id"]
     return pg, [nodes[i] for i in range(world)]
 

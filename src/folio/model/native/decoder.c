@@ -76,7 +76,7 @@ typedef struct {
  * [head_dim] in the activations' dtype, or NULL; each projection's LoRA
  * slots (qkv, o, gate_up, down: lora.c's at and bt, and their width), or NULL;
  * a checkpoint's static scales of keys and values, which an fp8 cache takes
- * (0: each row's own). */
+ * (one per KV head; NULL: each row's own). */
 typedef struct {
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
