@@ -180,11 +180,11 @@ def test_cache_aware_routing_finds_more_of_the_prefix_cache(replicas):
 def test_a_replica_killed_mid_run_the_router_serves_from_the_other(replicas):
     survivor, victim = replicas
     prompts = [f"Write a short story about {w}." for w in
-               ("a lighthouse", "a fox", "the sea", "a train", "a clock", "snow")]
+               ("a lighthouse", "a fox", "the sea", "a train")]
     expected = []
     for p in prompts:
         status, _, body = http("POST", survivor.url + CHAT, {
-            "messages": [{"role": "user", "content": p}], "max_tokens": 48, "temperature": 0})
+            "messages": [{"role": "user", "content": p}], "max_tokens": 32, "temperature": 0})
         assert status == 200
         expected.append(body["choices"][0]["message"]["content"])
     router = Router([survivor.url, victim.url], "round_robin")
@@ -193,7 +193,7 @@ def test_a_replica_killed_mid_run_the_router_serves_from_the_other(replicas):
     def client() -> None:
         for p in prompts:
             got.append(http("POST", router.url + CHAT, {
-                "messages": [{"role": "user", "content": p}], "max_tokens": 48,
+                "messages": [{"role": "user", "content": p}], "max_tokens": 32,
                 "temperature": 0}))
 
     thread = threading.Thread(target=client)
