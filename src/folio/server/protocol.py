@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, 
                       model_validator)
 
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from folio.server.not_yet import NOT_YET, NOT_YET_CHAT, NOT_YET_COMPLETION
 from folio.server.response_format import ResponseFormat
 from folio.server.tools import (NamedToolChoice, Tool, ToolChoice, forced_constraint,
                                 template_tools, tool_choice_problem)
@@ -45,30 +46,6 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
-
-_NONE, _NONE_OR_EMPTY = (None,), (None, [])
-# OpenAI and vLLM fields Folio does not have -> the values that mean "not used".
-_NOT_YET: dict[str, tuple] = {
-    # vLLM's older names of structured_outputs' fields
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "guided_decoding_backend", "structural_tag",
-                     "truncate_prompt_tokens", "prompt_logprobs", "mm_processor_kwargs",
-                     "kv_transfer_params", "cache_salt", "vllm_xargs", "request_id"), _NONE),
-    **dict.fromkeys(("tools", "functions", "allowed_token_ids", "bad_words",
-                     "logits_processors"), _NONE_OR_EMPTY),
-    "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
-    "spaces_between_special_tokens": (None, True),
-    # SGLang's fields, which vllm-router writes into every request it forwards
-    "no_stop_trim": (None, False), "return_hidden_states": (None, False),
-    "separate_reasoning": (None, True), "stream_reasoning": (None, True),
-}
-_NOT_YET_COMPLETION = {**_NOT_YET, "suffix": (None, ""), "prompt_embeds": _NONE,
-                       "add_special_tokens": (None, True)}
-_NOT_YET_CHAT = {**{k: v for k, v in _NOT_YET.items() if k not in ("tools", "tool_choice")},
-                 "documents": _NONE_OR_EMPTY, "reasoning_effort": _NONE,
-                 "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE,
-                 "web_search_options": _NONE, "add_special_tokens": (None, False)}
 
 # Sampling fields a beam search does not read: its steps rank the raw
 # log-probabilities of every beam, with no sampling, penalties or stop strings.
@@ -91,7 +68,7 @@ def _refuse_not_yet(extra: dict, not_yet: dict[str, tuple]) -> None:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET
+    _not_yet: ClassVar[dict[str, tuple]] = NOT_YET
 
     @model_validator(mode="before")
     @classmethod
@@ -229,7 +206,7 @@ PromptIds = list[StrictInt]     # any size: the engine names ids outside the voc
 
 
 class CompletionRequest(_Sampling):
-    _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET_COMPLETION
+    _not_yet: ClassVar[dict[str, tuple]] = NOT_YET_COMPLETION
     prompt: Union[str, list[str], PromptIds, list[PromptIds]]
     max_tokens: Optional[Count] = 16        # 0 with echo: score the prompt, generate nothing
     echo: bool = False
@@ -301,7 +278,7 @@ class _Templated(_Request):
 
 
 class ChatCompletionRequest(_Sampling, _Templated):
-    _not_yet: ClassVar[dict[str, tuple]] = _NOT_YET_CHAT
+    _not_yet: ClassVar[dict[str, tuple]] = NOT_YET_CHAT
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: Optional[Count] = None
     max_completion_tokens: Optional[Count] = None

@@ -7,7 +7,6 @@ scheduler sends only what changed each step.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -33,8 +32,6 @@ from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_bl
 from folio.worker.pipeline_stage import PipelineStage, stage_config
 from folio.worker.spec_runner import SpecRunner
 from folio.worker.spec_verify import verify_greedy
-
-logger = logging.getLogger("folio")
 
 
 @dataclass
@@ -144,28 +141,17 @@ class ModelRunner(SpecRunner):
             ordered = sorted(so.seqs, key=lambda s: (
                 len(s.token_ids) > 1, lora_key(self.states[s.seq_id].sampling.lora)))
         draft_q = self._draft(ordered) if self.drafter else {}
-        ids, step, last_rows = self._describe(ordered)
-        if self.pipeline is not None:
-            hidden = self.pipeline.forward(ordered)     # worker/pipeline_stage.py
+        if self.pipeline is not None:   # each micro-batch described on its own
+            hidden, last_rows = self.pipeline.forward(ordered)  # worker/pipeline_stage.py
             if hidden is None:          # a later stage: its layers are done; forks
                 for s in ordered:       # start here too (their block tables)
                     for child_id, info in (s.fork_children or ()) if s.sample else ():
                         self._start_child(child_id, info, s.seq_id)
                 return ModelRunnerOutput()
-        elif self.graphs is not None and self.graphs.fits(step):
-            hidden = self.graphs.run(step, ids)
         else:
-            meta = self.attn_backend.build_metadata(step)
-            if self.loras is not None:
-                self.loras.prepare_step(lora_runs(
-                    [(self.states[s.seq_id].sampling.lora, len(s.token_ids)) for s in ordered]))
-            try:
-                hidden = self.model(self._tensor(ids), self._tensor(step.positions),
-                                    self.kv_caches, meta)
-            finally:
-                if self.loras is not None:
-                    self.loras.end_step()
-        self.num_computed_tokens_total += len(ids)
+            ids, step, last_rows = self._describe(ordered)
+            hidden = self._forward(ordered, ids, step)
+        self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
         self._score_prompts(hidden, ordered, last_rows, out)
         targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
@@ -213,6 +199,23 @@ class ModelRunner(SpecRunner):
             self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
         return out
+
+    def _forward(self, ordered: list[ScheduledSeq], ids: np.ndarray,
+                 step: StepDescription) -> torch.Tensor:
+        """The step's hidden states on one rank: replayed from a CUDA graph
+        where one fits, else the model's forward (with LoRA's runs set)."""
+        if self.graphs is not None and self.graphs.fits(step):
+            return self.graphs.run(step, ids)
+        meta = self.attn_backend.build_metadata(step)
+        if self.loras is not None:
+            self.loras.prepare_step(lora_runs(
+                [(self.states[s.seq_id].sampling.lora, len(s.token_ids)) for s in ordered]))
+        try:
+            return self.model(self._tensor(ids), self._tensor(step.positions),
+                              self.kv_caches, meta)
+        finally:
+            if self.loras is not None:
+                self.loras.end_step()
 
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
                      seq_ids: list[int], proposals: Optional[dict[int, list[int]]] = None

@@ -95,15 +95,18 @@ class PipelineStage:
             out.append(t)
         return out
 
-    def forward(self, ordered: list[ScheduledSeq]) -> Optional[torch.Tensor]:
+    def forward(self, ordered: list[ScheduledSeq]
+                ) -> tuple[Optional[torch.Tensor], Optional[list[int]]]:
         """This stage's layers over the step's micro-batches; on stage 0 the
-        final hidden states of every row, in `ordered`'s order, else None."""
+        final hidden states of every row, in `ordered`'s order, and each
+        sequence's last row among them; (None, None) on the other stages."""
         runner, plan = self.runner, self.plan
         groups = micro_batches(ordered, plan.size)
         sending: list[tuple] = []                 # (work, tensor): alive until sent
-        sizes = []
+        sizes, last_rows = [], []
         for group in groups:
-            ids, step, _ = runner._describe(group)
+            ids, step, rows = runner._describe(group)
+            last_rows += [sum(sizes) + r for r in rows]
             sizes.append(len(ids))
             carried = None if plan.is_first else self._recv(len(ids), self.carried,
                                                             self.prev, _FORWARD)
@@ -124,4 +127,4 @@ class PipelineStage:
                                 for n in sizes])
         for work, _ in sending:
             work.wait()
-        return hidden
+        return (hidden, last_rows) if hidden is not None else (None, None)
