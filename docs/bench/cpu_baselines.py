@@ -341,9 +341,10 @@ def prompts_of(model: Path) -> None:
             flags += ["--tokenizer", str(model)]
 
 
-def llama_cpp_rows(args, model: Path, tmp: Path) -> dict:
+def llama_cpp_rows(args, model: Path, tmp: Path, label: str = "") -> dict:
     """llama-server (`args.llama_isa`'s build) on `model`: 16 slots on both
-    workloads, 1 slot on one request; none where it is not built."""
+    workloads, 1 slot on one request; none where it is not built. `label`
+    follows each row's name (another file of the same model)."""
     server = ROOT / "build" / "llama.cpp" / args.llama_isa / "bin" / "llama-server"
     if not server.exists():
         print(f"  no {server}: run scripts/install_llama_cpp.sh {args.llama_isa}", flush=True)
@@ -351,11 +352,11 @@ def llama_cpp_rows(args, model: Path, tmp: Path) -> dict:
     rows = {}
     for slots in (16, 1):
         port = free_port()
-        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}"] = serve(
+        rows[f"llama.cpp ({args.llama_isa}), {slots} slot{'s' if slots > 1 else ''}{label}"] = serve(
             args, f"llama.cpp {slots}", [
                 str(server), "-m", str(model), "-t", "2", "-tb", "2", "-np", str(slots),
                 "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port),
-                "--no-webui"], port, tmp / f"llama-{slots}.log",
+                "--no-webui"], port, tmp / f"llama-{slots}{label.replace(' ', '_')}.log",
             workloads=None if slots > 1 else ["one request"])
     return rows
 

@@ -7,7 +7,9 @@ heads, 16 experts of 512 features, top-2, renormalized), saved by
 transformers and written as an F16 GGUF by tests/utils.py's write_tiny_gguf
 (llama.cpp's converter's layout; both sides then read 2 bytes a weight).
 Folio runs its experts in bf16 where the CPU has AVX512-BF16, else fp32,
-and with `-q int4` in 4-bit codes (requantized from the file's values).
+and with `-q int4` in 4-bit codes (requantized from the file's values);
+llama.cpp on the F16 file and on a Q4_0 copy its own llama-quantize makes.
+`--before DIR`: both Folio rows from an earlier checkout too.
 Workloads and the driver are cpu_baselines.py's (`folio bench serve`,
 token-id prompts, EOS ignored). The layer part times one MoE layer's
 experts on T tokens: the fused path (tokens grouped by expert, each chosen
@@ -20,12 +22,13 @@ its k experts), with the bytes of expert weights each reads.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_baselines import (before_cmd, before_env, folio_cmd, free_port,  # noqa: E402
+from cpu_baselines import (ROOT, before_cmd, before_env, folio_cmd, free_port,  # noqa: E402
                            llama_cpp_rows, model_bench_main, prompts_of, random_gguf, serve)
 
 SHAPE = dict(arch="qwen3_moe", dialect="v5", hidden_size=768, num_hidden_layers=12,
@@ -73,24 +76,38 @@ def layer_times() -> dict:
     return out
 
 
+def q4_0_copy(args, model: Path):
+    """The model quantized to Q4_0 by llama.cpp's own llama-quantize (the
+    build's, beside its server), once; None where it is not built."""
+    quantize = ROOT / "build" / "llama.cpp" / args.llama_isa / "bin" / "llama-quantize"
+    out = model.with_name(model.stem.replace("-f16", "") + "-q4_0.gguf")
+    if not out.exists() and quantize.exists():
+        subprocess.run([str(quantize), str(model), str(out), "Q4_0"], check=True,
+                       capture_output=True)
+    return out if out.exists() else None
+
+
 def one_round(args, tmp: Path) -> dict:
     model = make_model(args.keep or tmp / "model")
     prompts_of(model)
     rows: dict = {}
-    if args.before:
-        port = free_port()
-        rows["folio before (experts in the run dtype)"] = serve(
-            args, "folio before", [*before_cmd(args), "serve", "--model", str(model), "--port",
-                                   str(port)],
-            port, tmp / "folio-before.log", env=before_env(args))
-    for name, flags in {"folio (experts in the run dtype)": [],
-                        "folio -q int4 (every linear layer and expert in 4-bit codes)":
-                            ["-q", "int4"]}.items():
+    systems = {"folio (experts in the run dtype)": [],
+               "folio -q int4 (every linear layer and expert in 4-bit codes)": ["-q", "int4"]}
+    for name, flags in systems.items():
+        if args.before:
+            port = free_port()
+            rows[f"{name}, before"] = serve(
+                args, f"{name}, before", [*before_cmd(args), "serve", "--model", str(model),
+                                          *flags, "--port", str(port)],
+                port, tmp / f"folio-before-{len(rows)}.log", env=before_env(args))
         port = free_port()
         rows[name] = serve(args, name, [*folio_cmd(args), "serve", "--model", str(model),
                                         *flags, "--port", str(port)],
                            port, tmp / f"folio-{len(rows)}.log")
     rows.update(llama_cpp_rows(args, model, tmp))
+    q4_0 = q4_0_copy(args, model)
+    if q4_0 is not None:
+        rows.update(llama_cpp_rows(args, q4_0, tmp, " on the Q4_0 file"))
     print("  the layer's experts:", flush=True)
     layer = layer_times()
     rows[f"(layer timings: {layer})"] = {}

@@ -2,8 +2,9 @@
 transformers on a tiny random checkpoint it saved: the config read as each
 family spells it, the experts loaded into the stacked tensors, dense and MoE
 layers where Qwen3-MoE's config puts them, a prefix-cache hit, tensor
-parallelism 2 and prompt logprobs; a missing expert named; quantization and MoE
-GGUFs refused, the one-call native decoder declined (bf16 runs the modules)."""
+parallelism 2 and prompt logprobs; a missing expert named; `-q int8|int4`
+quantizing the experts, a quantized checkpoint refused; the one-call native
+decoder taken where the experts' kernels are native."""
 
 import json
 import random
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from folio import LLM, SamplingParams
 from folio.engine.config_builder import build_config
+from folio.model import native
 from folio.model.layers.moe import FusedMoE
 from folio.model.llama import LlamaMLP
 from folio.model.loader import load_model_config
@@ -72,19 +74,30 @@ def test_the_config_and_the_experts_are_the_checkpoints(moe_model):
         # transformers keeps them stacked the same way in memory: gate rows, then up
         assert torch.equal(ours.mlp.w13_weight, theirs.mlp.experts.gate_up_proj)
         assert torch.equal(ours.mlp.w2_weight, theirs.mlp.experts.down_proj)
-    # the CPU's one-call decoder has no experts: it declines, the modules run
+    # fp32 experts are packed for no native kernel: the one-call decoder
+    # declines them, the modules run
     assert model.model.native_decoder is None
     assert NativeDecoder.build(list(model.model.layers)) is None
 
 
-def test_bf16_on_the_cpu_runs_the_modules(moe_model):
-    """bf16 is where the one-call native decoder would take a dense model's
-    layers: for MoE layers it declines (rather than failing on their missing
-    gate_up_proj) and the modules run."""
+def test_bf16_on_the_cpu(moe_model):
+    """bf16: where the CPU has the native bf16 kernel, a MoE model packs its
+    weights for it, even on an AMX CPU (where a dense model keeps oneDNN: the
+    experts see a few rows a step); without it, every weight is kept as bf16
+    for the AVX2 kernel; either way the one-call native decoder takes its
+    layers (tests/model/test_native_decoder.py compares the two paths)."""
     _, path, _ = moe_model
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=32)
     model = llm.engine.executor.runner.model
-    assert model.model.native_decoder is None
+    # without native bf16: fp32 arithmetic on bf16-stored weights (the AVX2 kernel)
+    kind = ("bf16" if native.has_bf16_linear() else
+            "bf16_weights" if native.packs_linear_bf16w(torch.zeros(8, 8)) else None)
+    layer = model.model.layers[0]
+    kinds = {m.native_kind for pair in layer.mlp.packed_experts or () for m in pair}
+    assert kinds | {layer.self_attn.qkv_proj.quant_method.native_kind} == {kind}
+    assert (model.model.native_decoder is not None) == (kind is not None)
+    # the preference is the MoE model's alone: oneDNN again on an AMX CPU
+    assert native.prefers_onednn_bf16() == ("amx_bf16" in native._cpu_flags().split())
     # the run dtype: bf16 where the CPU multiplies it natively, else fp32 (the
     # split path, whose bf16-stored weights are the dense linear layers')
     assert model.model.layers[0].mlp.w13_weight.dtype == getattr(torch, llm.engine.config.dtype)

@@ -392,3 +392,79 @@ def test_a_pipeline_stage_carries_the_residual_into_its_one_call(monkeypatch):
     h2, r2 = second(h1, rope, split_caches[11:], meta, r1)
     assert torch.equal(h2, h) and torch.equal(r2, r)
     assert all(torch.equal(a, b) for a, b in zip(split_caches, caches))
+
+
+# tests/engine/test_moe.py's two families: Mixtral (every layer MoE, weights in
+# fp32) and Qwen3-MoE (MoE, dense, MoE; weights in the dtype, not renormalized)
+MOE = {"mixtral": dict(arch="mixtral", dialect="v5", num_local_experts=4,
+                       num_experts_per_tok=2, intermediate_size=48),
+       "qwen3_moe": dict(arch="qwen3_moe", dialect="v5", num_hidden_layers=3, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                         norm_topk_prob=False, head_dim=32),
+       # top-8 of 16, as Qwen3-MoE's own configs: eight rows summed per token
+       "qwen3_moe_k8": dict(arch="qwen3_moe", dialect="v5", num_hidden_layers=2,
+                            num_experts=16, num_experts_per_tok=8, moe_intermediate_size=32,
+                            norm_topk_prob=True, head_dim=32)}
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+@pytest.mark.parametrize("kind", [pytest.param("bf16", marks=needs_bf16_kernel),
+                                  pytest.param("split", marks=needs_avx2_kernel),
+                                  pytest.param("int4 bf16", marks=needs_quantized_kernel),
+                                  pytest.param("int4 fp32", marks=needs_quantized_kernel)])
+def test_moe_layers_in_one_call_as_in_the_modules(tmp_path, monkeypatch, arch, kind):
+    """Mixture-of-experts layers in the one call: the router (moe.c, which a
+    bf16 run's modules call too) and each chosen expert once on the step's
+    rows that chose it, summed in the modules' order; bit for bit in bf16, to
+    fp32 rounding in fp32 (the element-wise layers fused, and the modules'
+    router torch's: a near-tie could route otherwise, which these random
+    models do not meet; "split": --dtype
+    bfloat16 on a CPU without native bf16, every expert kept as bf16 for the
+    AVX2 kernel). Steps of one token (one request decoding) and of many
+    (prefill chunks beside decodes)."""
+    from folio.model.layers.moe import FusedMoE
+    if kind == "int4 bf16" and not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("no bf16 element-wise kernels here")
+    if kind == "split":
+        monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    folder = make_tiny_model(tmp_path, **MOE[arch])
+    dtype = "float32" if kind.endswith("fp32") else "bfloat16"
+    dtype = device.split_cpu_bf16(dtype, "cpu")[0]          # "split": float32
+    llm = LLM(folder, dtype="bfloat16" if kind == "split" else dtype, num_kv_blocks=64,
+              max_num_batched_tokens=48,
+              quantization="int4" if kind.startswith("int4") else None,
+              activation_quantization="none" if dtype == "float32" else "int8",
+              kv_cache_dtype="float32" if dtype == "float32" else "auto")
+    model = llm.engine.executor.runner.model.model
+    decoder = model.native_decoder
+    assert decoder is not None and decoder.quantized == kind.startswith("int4")
+    assert decoder.bf16_weights == (kind == "split")
+    assert any(isinstance(layer.mlp, FusedMoE) for layer in decoder.layers)
+    records = _record_both_paths(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)]
+    llm.generate(prompts, params)
+    llm.generate([{"prompt_token_ids": [7, 8, 9]}], params)       # steps of one token
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    assert any(tokens == 1 for tokens, *_ in records)
+    if dtype == "bfloat16":
+        assert all(r[2] and r[3] for r in records), records
+    else:
+        assert all(hidden < 1e-4 and cache < 1e-4 for *_, hidden, cache in records), records
+
+
+@needs_quantized_kernel
+def test_moe_layers_leave_the_one_call_where_their_experts_cannot(tmp_path, monkeypatch):
+    """Float experts the native kernels do not pack (fp32 here), and experts
+    split over tensor-parallel ranks, keep the modules."""
+    from folio.model.native.decoder import NativeDecoder
+    folder = make_tiny_model(tmp_path, **MOE["mixtral"])
+    llm = LLM(folder, dtype="float32", num_kv_blocks=32)
+    layers = list(llm.engine.executor.runner.model.model.layers)
+    assert layers[0].mlp.packed_experts is None
+    assert llm.engine.executor.runner.model.model.native_decoder is None
+    llm = LLM(folder, dtype="float32", num_kv_blocks=32, quantization="int4")
+    layers = list(llm.engine.executor.runner.model.model.layers)
+    assert NativeDecoder.build(layers) is not None
+    monkeypatch.setattr(layers[1].mlp, "tp", 2)
+    assert NativeDecoder.build(layers) is None

@@ -10,10 +10,11 @@ in mlp_only_layers, else a dense MLP of intermediate_size (names
 only with norm_topk_prob. Neither has shared experts. transformers' fused
 form of the experts (3-D tensors) loads too.
 
-Quantized experts are not supported yet: a quantized checkpoint or
---quantization on these models is refused (engine/config_builder.py says so
-before any weight is read; the model refuses too, for callers that build it
-directly). The CPU's one-call native decoder declines MoE layers.
+Experts stored quantized are not supported yet: a quantized checkpoint is
+refused (engine/config_builder.py says so before any weight is read; the
+model refuses too, for callers that build it directly); `--quantization
+int8|int4` quantizes the float experts at load (layers/moe.py). The CPU's one-call native decoder runs MoE layers where their
+experts are packed for a native kernel (native/decoder.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.model import native
+from folio.model.layers.linear import process_weights_after_loading
 from folio.model.layers.moe import FusedMoE
 from folio.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from folio.model.moe_config import refuse_quantized_experts
 from folio.model.qwen3 import Qwen3Attention
+from folio.model.weight_loading import load_model_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +83,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         (save_pretrained(save_original_format=False)): `mlp.experts.gate_up_proj`
         [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], split here into the
         per-expert names the layers declare (the router is `mlp.gate.weight`
-        there, which is its parameter's own name)."""
-        super().load_weights(self._per_expert(weights))
+        there, which is its parameter's own name). The decoder layers' bf16
+        weights are packed for the native kernel even on an AMX CPU
+        (native_bf16_over_amx: each expert sees a few rows a step, and the
+        one-call decoder runs them); the LM head keeps oneDNN there."""
+        load_model_weights(self, self._per_expert(weights))
+        with native.native_bf16_over_amx():
+            process_weights_after_loading(self.model.layers)
+        process_weights_after_loading(self, exclude=self.model.layers)
 
     def _per_expert(self, weights):
         style = self.layer_cls.style

@@ -9,6 +9,7 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from folio.model import native
 from folio.model.layers import moe
 from folio.model.layers.moe import (FusedMoE, dense_experts, fused_experts, reference_experts,
                                     route)
@@ -249,3 +250,47 @@ def test_a_bf16_router_on_the_cpu_multiplies_in_fp32_and_rounds_once():
     fp32 = Router(768, 16, torch.float32)
     fp32.prepare()
     assert fp32.w32 is None                      # an fp32 router is its own product
+
+
+needs_native = pytest.mark.skipif(not native.supports(torch.zeros(1)),
+                                  reason="no native CPU kernels here (no C compiler)")
+
+
+@needs_native
+@pytest.mark.parametrize("experts,top_k,tokens", [(8, 2, 1), (8, 2, 33), (16, 4, 9),
+                                                  (128, 8, 5), (5, 5, 3)])
+@pytest.mark.parametrize("renormalize,weights_in_float", [(True, True), (True, False),
+                                                          (False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_router_routes_as_the_torch_one(experts, top_k, tokens, renormalize,
+                                                   weights_in_float, dtype):
+    """native/moe.c (what a bf16 run on the CPU and the one-call decoder route
+    with) against the Router's logits through `route`: experts of the same
+    logits (bf16 logits tie often, and torch.topk orders ties as it likes;
+    moe.c takes the lower id; the experts' sum runs in expert order either
+    way), the weights in the same dtype to the last rounding (its fp32 sums run
+    in another order)."""
+    g = torch.Generator().manual_seed(experts * 10 + tokens)
+    w32 = torch.randn(experts, 96, generator=g)
+    x = torch.randn(tokens, 96, generator=g).to(dtype)
+    logits = torch.nn.functional.linear(x.float(), w32).to(dtype)
+    want_w, want_i = route(logits, top_k, renormalize, weights_in_float)
+    got_w, got_i = native.moe_route(x, w32, top_k, renormalize, weights_in_float)
+    assert torch.equal(logits.gather(1, got_i), logits.gather(1, want_i))
+    if dtype == torch.float32:          # no ties: the same experts, in the same order
+        assert torch.equal(got_i, want_i)
+    assert got_w.dtype == want_w.dtype == (torch.float32 if weights_in_float else dtype)
+    torch.testing.assert_close(got_w, want_w, **(dict(atol=1e-6, rtol=1e-5)
+                                                 if got_w.dtype == torch.float32 else {}))
+
+
+@needs_native
+def test_the_native_router_refuses_what_it_cannot_route():
+    x, w32 = torch.zeros(2, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="top_k of at most their number, got 4 and 5"):
+        native.moe_route(x, w32, 5, True, True)
+    with pytest.raises(ValueError, match="contiguous fp32 router"):
+        native.moe_route(x, w32.bfloat16(), 2, True, True)
+    # NaN logits choose no expert: k valid ids (never out of range), weight 0
+    w, ids = native.moe_route(torch.full((1, 8), float("nan")), w32, 2, False, True)
+    assert ids.tolist() == [[0, 1]] and w.tolist() == [[0.0, 0.0]]

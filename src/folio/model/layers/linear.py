@@ -89,10 +89,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedLinear]
     return packed(x, bias)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's method prepare its weights, once they are final."""
+def process_weights_after_loading(model: nn.Module, exclude: Optional[nn.Module] = None) -> None:
+    """Let every layer's method prepare its weights, once they are final (but
+    those of `exclude`'s modules, prepared already)."""
+    done = set(exclude.modules()) if exclude is not None else set()
     for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
+        if module not in done and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
 
 

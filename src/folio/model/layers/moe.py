@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from folio.model import native
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
 
@@ -199,6 +200,9 @@ class FusedMoE(nn.Module):
         # in the checkpoint's dtype, and are quantized once loaded
         from folio.model.layers.quantization.rtn import RTNConfig
         self.rtn = quant_config if isinstance(quant_config, RTNConfig) else None
+        # --dtype bfloat16 on a CPU without native bf16: fp32 experts kept as bf16
+        # for the AVX2 kernel, as the dense layers' (pack_weight's `store`)
+        self.store = None if quant_config is None else quant_config.weight_dtype
         experts_dtype = (self.rtn.load_dtype if self.rtn is not None and self.rtn.load_dtype
                          else dtype)       # the router keeps the run dtype
         self.tp = tp_size()
@@ -241,8 +245,8 @@ class FusedMoE(nn.Module):
         the CPU packed as the dense layers' are (`pack_weight`: oneDNN's layout,
         or the native kernel's; a bf16 product on an unpacked weight lays it out
         anew on every call, 2.3x the time of the packed one at one token on an AMX
-        CPU). Only those forms are kept; the stacked parameters stay, empty, for
-        their names."""
+        CPU; fp32 experts stored as bf16 under `store`). Only those forms are
+        kept; the stacked parameters stay, empty, for their names."""
         self.gate.prepare()
         if self.rtn is not None:
             packed = [(self._quantized(self.w13_weight.data[e], 0),
@@ -250,8 +254,9 @@ class FusedMoE(nn.Module):
                       for e in range(self.num_experts)]
         elif self.w13_weight.device.type == "cpu":
             from folio.model.layers.linear import pack_weight
-            packed = [(pack_weight(self.w13_weight.data[e]),
-                       pack_weight(self.w2_weight.data[e])) for e in range(self.num_experts)]
+            packed = [(pack_weight(self.w13_weight.data[e], self.store),
+                       pack_weight(self.w2_weight.data[e], self.store))
+                      for e in range(self.num_experts)]
             if any(a is None or b is None for a, b in packed):
                 return
         else:
@@ -271,8 +276,18 @@ class FusedMoE(nn.Module):
         return ExpertMatrix(IntGroups.from_codes(codes, groups, scale, self.rtn.bits,
                                                  zero=zero))
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]): a bf16 run on the CPU routes in
+        one native call (native/moe.c), which the one-call decoder makes too,
+        so that the two route alike; otherwise the Router and `route`."""
+        w32 = self.gate.w32
+        if w32 is not None and native.fuses(x) and x.dim() == 2 \
+                and self.num_experts <= native.MAX_ROUTED_EXPERTS:
+            return native.moe_route(x, w32, self.top_k, self.renormalize, self.weights_in_float)
+        return route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.weights_in_float)
+        weights, ids = self.route(x)
         w13, w2, packed = self.w13_weight, self.w2_weight, self.packed_experts
         if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             out = fused_experts(x, w13, w2, weights, ids, packed)

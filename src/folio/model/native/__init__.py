@@ -14,6 +14,7 @@
   above (wrapped in `decoder.py`).
 - `lora.c`: LoRA of several adapters in one step, grouped by adapter
   (wrapped in `lora.py`).
+- `moe.c`: a mixture-of-experts layer's router (product, softmax, top-k).
 
 The C sources ship with the package; they are compiled once per machine (the
 cache key includes the sources and the CPU's flags, since they are built with
@@ -24,6 +25,7 @@ ctypes, which releases the GIL. Without a compiler the torch layers are used.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -43,7 +45,8 @@ logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c",
-            _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c"]
+            _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c",
+            _DIR / "moe.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -140,6 +143,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_attention_vector_width": (ctypes.c_int, []),
         "folio_lora": (ctypes.c_int, [p, i64, p, i64, i32, p, p, i32, p, i64, i64, i64, i64,
                                       i32]),
+        "folio_moe_route": (ctypes.c_int, [p, i64, i32, p, i32, i64, i64, i32, i32, i32, p, p,
+                                           i32]),
         "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
                                          i64, i64, i32, i32]),
     }
@@ -193,8 +198,30 @@ def has_bf16_linear() -> bool:
 
 
 def prefers_onednn_bf16() -> bool:
-    """CPUs with AMX keep oneDNN for bf16 products: it multiplies on the AMX tiles."""
-    return "amx_bf16" in _cpu_flags().split()
+    """CPUs with AMX keep oneDNN for bf16 products: it multiplies on the AMX
+    tiles; not while a model that asked for the native kernel packs its
+    weights (`native_bf16_over_amx`)."""
+    return "amx_bf16" in _cpu_flags().split() and not _over_amx
+
+
+_over_amx = 0       # models packing inside native_bf16_over_amx()
+
+
+@contextlib.contextmanager
+def native_bf16_over_amx():
+    """bf16 weights packed inside this block (by any thread of the process)
+    take the native kernel, and so the one-call decoder, even on an AMX CPU:
+    a mixture of experts' experts see a few rows a step (T * k / E), where
+    the AMX tiles do not fill (docs/benchmarks.md, "A mixture of experts in
+    the one-call decoder")."""
+    global _over_amx
+    with _lock:
+        _over_amx += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _over_amx -= 1
 
 
 def packs_linear(weight: torch.Tensor) -> bool:
@@ -304,6 +331,34 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
             positions, int(quantize_x), torch.get_num_threads()):
         raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
     return out
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+              weights_in_float: bool, lib: Optional[ctypes.CDLL] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's routing of x [T, H] (fp32 or bf16) by router [E, H] (fp32):
+    (weights [T, k], expert ids [T, k]), as layers/moe.py's route of the
+    Router's logits gives them (moe.c says how they round); the weights in
+    fp32 where `weights_in_float`, else in x's dtype. `lib`: the tests' other
+    builds."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    experts = router.shape[0]
+    if router.dtype != torch.float32 or router.shape[1] != hidden or not router.is_contiguous():
+        raise ValueError(f"moe_route takes a contiguous fp32 router of [E, {hidden}], got "
+                         f"{router.dtype} {tuple(router.shape)}")
+    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    if (lib or load()).folio_moe_route(
+            x.data_ptr(), hidden, _DTYPE_CODES[x.dtype], router.data_ptr(), experts, hidden,
+            tokens, top_k, int(renormalize), int(weights_in_float), weights.data_ptr(),
+            ids.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"moe_route takes 1 to {MAX_ROUTED_EXPERTS} experts and a top_k of "
+                         f"at most their number, got {experts} and {top_k}")
+    return (weights if weights_in_float else weights.to(x.dtype)), ids
+
+
+MAX_ROUTED_EXPERTS = 1024       # moe.c's FOLIO_MAX_EXPERTS
 
 
 def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,

@@ -20,10 +20,14 @@
  *   fp32); the element-wise kernels as for the dtype.
  * LoRA adapters (lora.c) run after each projection that has slots, over the
  * step's runs of rows of one adapter, as the modules' layers run them.
+ * A mixture-of-experts layer (Mixtral, Qwen3-MoE) runs its router (moe.c)
+ * and each chosen expert once on all of the step's rows that chose it, as
+ * layers/moe.py's fused_experts does (moe_block).
  * The final norm and the LM head stay in torch.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -51,6 +55,9 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
 int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int dtype,
                const void *at, const void *bt, int w_dtype, const int64_t *runs, int64_t nruns,
                int64_t in, int64_t out, int64_t width, int num_threads);
+int folio_moe_route(const void *x, int64_t x_stride, int dtype, const float *router,
+                    int experts, int64_t hidden, int64_t tokens, int top_k, int renormalize,
+                    int weights_in_float, float *weights, int64_t *ids, int num_threads);
 int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
                           const int64_t *block_tables, int64_t max_blocks,
                           const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
@@ -67,6 +74,16 @@ typedef struct {
     int64_t groups, positions;
     int bits, zeros;
 } folio_qweight;
+
+/* A MoE layer in place of the MLP: its router's weight in fp32 and each
+ * expert's two projections as `linear` takes a weight (w13: gate rows then
+ * up rows, [2 * intermediate][hidden]; w2: [hidden][intermediate]). */
+typedef struct {
+    const float *router;                      /* [experts][hidden] */
+    const void *const *w13, *const *w2;       /* [experts] */
+    int64_t intermediate;
+    int experts, top_k, renormalize, weights_in_float;
+} folio_moe;
 
 /* One layer's weights: norms [hidden] and the qkv bias (or NULL: no other
  * projection has one here) in the activations' dtype (fp32 for quantized
@@ -87,6 +104,7 @@ typedef struct {
     const float *kv_scale[2];                 /* a checkpoint's fp8 scales of keys and
                                                  values, one per KV head; NULL: each
                                                  row's own */
+    const folio_moe *moe;                     /* NULL: a dense MLP (gate_up, down) */
 } folio_layer;
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
@@ -206,6 +224,85 @@ static int lora(const folio_step *s, const folio_layer *w, int j, const void *x,
                       s->num_threads) != 0;
 }
 
+/* A MoE layer's output into out [t][hidden] from its normed input x: the
+ * step's t * k (token, expert) rows grouped by expert (counting sort, each
+ * expert's rows in token order), each chosen expert run once on its rows
+ * (gathered), each row's output weighted and rounded to the run dtype, the
+ * rows added to their tokens in fp32 in ascending expert order and rounded
+ * once: the sum fused_experts makes (torch's index_add_ adds bf16 rows so);
+ * nonzero if memory could not be had. A token takes an expert at most once
+ * (moe.c), so an expert has at most t rows. */
+static int moe_block(const folio_step *s, const folio_moe *m, const void *x, void *out) {
+    const int64_t t = s->tokens, h = s->hidden, inter = m->intermediate, k = m->top_k;
+    const int64_t rows = t * k;
+    const int dtype = s->dtype;
+    const size_t elt = dtype ? sizeof(uint16_t) : sizeof(float);
+    float *weights = malloc(sizeof(float) * (size_t)rows);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)rows);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)rows);
+    int64_t *start = calloc((size_t)m->experts + 1, sizeof(int64_t));
+    float *acc = calloc((size_t)(t * h), sizeof(float));
+    char *xs = malloc(elt * (size_t)(t * h)), *ys = malloc(elt * (size_t)(t * h));
+    char *gate_up = malloc(elt * (size_t)(t * 2 * inter));
+    char *act = malloc(elt * (size_t)(t * inter));
+    int failed = !weights || !ids || !order || !start || !acc || !xs || !ys || !gate_up || !act;
+    if (!failed)
+        failed = folio_moe_route(x, h, dtype, m->router, m->experts, h, t, m->top_k,
+                                 m->renormalize, m->weights_in_float, weights, ids,
+                                 s->num_threads);
+    if (!failed) {
+        for (int64_t r = 0; r < rows; r++) start[ids[r] + 1]++;
+        for (int e = 0; e < m->experts; e++) start[e + 1] += start[e];
+        int64_t *next = malloc(sizeof(int64_t) * (size_t)m->experts);
+        failed = next == NULL;
+        if (!failed) {
+            memcpy(next, start, sizeof(int64_t) * (size_t)m->experts);
+            for (int64_t r = 0; r < rows; r++) order[next[ids[r]]++] = r;
+            free(next);
+        }
+    }
+    for (int e = 0; e < m->experts && !failed; e++) {
+        const int64_t first = start[e], n = start[e + 1] - first;
+        if (n == 0) continue;
+        const int threads = n * h >= 32768 ? s->num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++)
+            memcpy(xs + elt * (size_t)(i * h),
+                   (const char *)x + elt * (size_t)(order[first + i] / k * h), elt * (size_t)h);
+        if (linear(s, xs, h, m->w13[e], 0, gate_up, n, 2 * inter, h)) {
+            failed = 1;
+            break;
+        }
+        folio_silu_mul(gate_up, act, n, inter, dtype, s->num_threads);
+        if (linear(s, act, inter, m->w2[e], 0, ys, n, h, inter)) {
+            failed = 1;
+            break;
+        }
+        /* the expert's rows are distinct tokens: their sums in parallel */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            const float w = weights[order[first + i]];
+            float *sum = acc + order[first + i] / k * h;
+            for (int64_t d = 0; d < h; d++) {
+                const int64_t j = i * h + d;
+                const float y = dtype ? bf16_to_float(((const uint16_t *)ys)[j])
+                                      : ((const float *)ys)[j];
+                sum[d] += round_to(y * w, dtype);
+            }
+        }
+    }
+    if (!failed)
+        for (int64_t j = 0; j < t * h; j++) {
+            if (dtype)
+                ((uint16_t *)out)[j] = float_to_bf16(acc[j]);
+            else
+                ((float *)out)[j] = acc[j];
+        }
+    free(weights), free(ids), free(order), free(start), free(acc);
+    free(xs), free(ys), free(gate_up), free(act);
+    return failed;
+}
+
 int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_step *s) {
     const int64_t t = s->tokens, h = s->hidden, inter = s->intermediate;
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
@@ -256,6 +353,10 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
         if (lora(s, w, 1, s->attn, q_size, x, h, q_size, h)) return 1;
         folio_add_rmsnorm(x, s->residual, w->post_norm, s->normed, t, h, s->eps, dtype, 1,
                           threads);
+        if (w->moe) {
+            if (moe_block(s, w->moe, s->normed, x)) return 1;
+            continue;
+        }
         if (linear(s, s->normed, h, w->gate_up, 0, s->gate_up, t, 2 * inter, h)) return 1;
         if (lora(s, w, 2, s->normed, h, s->gate_up, 2 * inter, h, 2 * inter)) return 1;
         folio_silu_mul(s->gate_up, s->act, t, inter, dtype, threads);

@@ -1,10 +1,12 @@
 """Every decoder layer of a step in one native call (`decoder.c`).
 
 `NativeDecoder.build(layers)` says whether the decoder layers of a loaded
-Llama-family model (Qwen3's per-head q/k norms included) can take this path:
-every projection packed for one of the native linear kernels, one
-tensor-parallel rank, no bias but on qkv, LoRA slots (if any) the native
-grouped kernel's, run after each projection. Three kinds:
+Llama-family model (Qwen3's per-head q/k norms included; Mixtral's and
+Qwen3-MoE's MoE layers, whose router and chosen experts run in the call
+too) can take this path: every projection (and expert) packed for one of the
+native linear kernels, one tensor-parallel rank, no bias but on qkv, LoRA
+slots (if any) the native grouped kernel's, run after each projection.
+Three kinds:
 
 - bf16 (weights packed for the AVX512-BF16 kernel): the modules call the same
   kernels in the same order, so the two give bit-identical hidden states
@@ -12,7 +14,8 @@ grouped kernel's, run after each projection. Three kinds:
 - fp32 activations with bf16-stored weights (the AVX2 kernel, `--dtype
   bfloat16` on CPUs without native bf16): the one call also fuses the
   element-wise layers, which the modules keep in torch in fp32, so the two agree
-  to fp32 rounding (tested);
+  to fp32 rounding (tested; a MoE layer's router is torch's in the modules and
+  moe.c's here, so a near-tie of two experts' logits may route otherwise);
 - quantized weights (4- or 8-bit `IntGroups`, native/qlinear.c), with bf16
   activations (bit-identical to the modules, which call the same kernels) or
   fp32 ones (the element-wise layers fused as above); int8 activations at
@@ -30,6 +33,7 @@ from typing import Optional
 import torch
 
 from folio.model import native
+from folio.model.layers.moe import FusedMoE
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -38,7 +42,14 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
                                         "gate_up", "down", "kv_cache", "q_norm", "k_norm")] + [
         ("lora_at", _p * 4), ("lora_bt", _p * 4), ("lora_width", _i64 * 4),
-        ("kv_scale", _p * 2)]
+        ("kv_scale", _p * 2), ("moe", _p)]
+
+
+class _MoE(ctypes.Structure):
+    """decoder.c's folio_moe: a MoE layer's router and experts."""
+    _fields_ = [("router", _p), ("w13", _p), ("w2", _p), ("intermediate", _i64),
+                ("experts", _i32), ("top_k", _i32), ("renormalize", _i32),
+                ("weights_in_float", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -68,6 +79,15 @@ class _QWeight(ctypes.Structure):
                    groups=groups, positions=positions, bits=bits, zeros=zeros)
 
 
+def _projections(layer) -> tuple:
+    """A layer's projections the one call runs as such: qkv, o, and a dense
+    MLP's gate_up and down (a MoE layer's experts are its folio_moe)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, FusedMoE):
+        return attn.qkv_proj, attn.o_proj
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -84,10 +104,12 @@ class NativeDecoder:
                       "int": layers[0].input_layernorm.weight.dtype}[kind]
         self._keep: list = []           # the ctypes structs and fp32 biases the table points to
         first = layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = first.self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = attn.o_proj.out_features
-        self.intermediate = mlp.gate_up_proj.out_features // 2
+        # the dense MLPs' (a MoE layer's experts have scratch of their own in decoder.c)
+        self.intermediate = max((layer.mlp.gate_up_proj.out_features // 2 for layer in layers
+                                 if not isinstance(layer.mlp, FusedMoE)), default=0)
         self.eps = first.input_layernorm.eps
         self.scale = attn.attn.scale
         # folio_qlinear's mode, as the modules' layers take it (IntGroupsLinear)
@@ -95,7 +117,7 @@ class NativeDecoder:
                            if self.quantized else 0)
         self._tables: dict[tuple[int, ...], ctypes.Array] = {}
         # LoRA (model/lora/layers.py): the step's runs of rows by adapter
-        slots = [p.lora for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        slots = [p.lora for layer in layers for p in _projections(layer)
                  if p.lora is not None]
         self.lora_context = slots[0].context if slots else None
         self.lora_dtype = native.dtype_code(slots[0].at.dtype) if slots else 0
@@ -108,7 +130,8 @@ class NativeDecoder:
         if not layers or any(t.device.type != "cpu" for t in layers[0].parameters()) \
                 or native.load() is None:
             return None
-        kinds = set()
+        kinds, modes = set(), set()     # the weights' kernels; quantized ones' activations
+        dtype = layers[0].input_layernorm.weight.dtype
         for layer in layers:
             # Llama's layer shape only (a family with other norms or activations,
             # Gemma's, says so); the one call attends over the whole context
@@ -117,12 +140,23 @@ class NativeDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             if getattr(attn.attn, "sliding_window", None) is not None:
                 return None
-            if not hasattr(mlp, "gate_up_proj"):     # a MoE block: the one call has no experts
+            if isinstance(mlp, FusedMoE):
+                # experts packed for a native kernel (or quantized), on one rank,
+                # in the mode of the layers' activations
+                if mlp.packed_experts is None or mlp.tp != 1 \
+                        or mlp.num_experts > native.MAX_ROUTED_EXPERTS:
+                    return None
+                experts = [m for pair in mlp.packed_experts for m in pair]
+                kinds.update(m.native_kind for m in experts)
+                modes.update(m.quantize_x(dtype) for m in experts if m.native_kind == "int")
+            elif not hasattr(mlp, "gate_up_proj"):
                 return None
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            projections = _projections(layer)
             # each weight method says whether, and with which kernel, the one
             # call can run its layer
             kinds.update(p.quant_method.native_kind for p in projections)
+            modes.update(p.quant_method.quantize_x(dtype) for p in projections
+                         if p.quant_method.native_kind == "int")
             if attn.attn.native_kind != "paged_cpu":     # the attention must be the kernel's
                 return None
             if attn.o_proj.tp != 1 or attn.o_proj.bias is not None:
@@ -132,11 +166,14 @@ class NativeDecoder:
             # LoRA slots: the one call runs the native grouped kernel's
             if any(p.lora is not None and p.lora.kernel != "native" for p in projections):
                 return None
-        if len(kinds) != 1 or None in kinds:
+        if len(kinds) != 1 or None in kinds or len(modes) > 1:
+            return None
+        # one dense MLP size (decoder.c sizes every dense layer by it)
+        if len({layer.mlp.gate_up_proj.out_features for layer in layers
+                if not isinstance(layer.mlp, FusedMoE)}) > 1:
             return None
         kind = kinds.pop()
-        if kind == "int" and layers[0].input_layernorm.weight.dtype not in (torch.float32,
-                                                                           torch.bfloat16):
+        if kind == "int" and dtype not in (torch.float32, torch.bfloat16):
             return None
         return cls(layers, kind)
 
@@ -154,6 +191,31 @@ class NativeDecoder:
             return weights.data_ptr()
         keep.append(_QWeight.of(weights))
         return ctypes.addressof(keep[-1])
+
+    def _moe(self, mlp: FusedMoE, keep: list) -> int:
+        """decoder.c's folio_moe of a MoE layer (its structs kept in `keep`)."""
+        def pointers(matrices):
+            array = (_p * len(matrices))()
+            for i, m in enumerate(matrices):
+                weights = m.native_weight()
+                if self.quantized:
+                    keep.append(_QWeight.of(weights))
+                    array[i] = ctypes.addressof(keep[-1])
+                else:
+                    array[i] = weights.data_ptr()
+            keep.append(array)
+            return ctypes.addressof(array)
+
+        router = mlp.gate.w32 if mlp.gate.w32 is not None else mlp.gate.weight.detach().float()
+        keep.append(router.contiguous())
+        moe = _MoE(router=keep[-1].data_ptr(),
+                   w13=pointers([pair[0] for pair in mlp.packed_experts]),
+                   w2=pointers([pair[1] for pair in mlp.packed_experts]),
+                   intermediate=mlp.intermediate, experts=mlp.num_experts, top_k=mlp.top_k,
+                   renormalize=int(mlp.renormalize),
+                   weights_in_float=int(mlp.weights_in_float))
+        keep.append(moe)
+        return ctypes.addressof(moe)
 
     def _bias(self, bias, keep: list) -> Optional[int]:
         """The qkv bias as the step's kernel reads it (fp32 for quantized ones)."""
@@ -174,8 +236,11 @@ class NativeDecoder:
                 entry.qkv = self._weight(attn.qkv_proj, keep)
                 entry.qkv_bias = self._bias(attn.qkv_proj.bias, keep)
                 entry.o = self._weight(attn.o_proj, keep)
-                entry.gate_up = self._weight(mlp.gate_up_proj, keep)
-                entry.down = self._weight(mlp.down_proj, keep)
+                if isinstance(mlp, FusedMoE):
+                    entry.moe = self._moe(mlp, keep)
+                else:
+                    entry.gate_up = self._weight(mlp.gate_up_proj, keep)
+                    entry.down = self._weight(mlp.down_proj, keep)
                 entry.kv_cache = cache.data_ptr()
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
@@ -185,8 +250,7 @@ class NativeDecoder:
                     keep.extend(s.float().contiguous() for s in scales)
                     entry.kv_scale[0], entry.kv_scale[1] = (keep[-2].data_ptr(),
                                                             keep[-1].data_ptr())
-                for j, p in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                       mlp.down_proj)):
+                for j, p in enumerate(_projections(layer)):
                     if p.lora is not None:
                         entry.lora_at[j], entry.lora_bt[j] = (p.lora.at.data_ptr(),
                                                               p.lora.bt.data_ptr())
