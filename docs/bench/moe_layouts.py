@@ -1,12 +1,14 @@
-"""A MoE model's bf16 weights in oneDNN's layout or the native kernel's, on
-an AMX CPU (issue 29): offline, one process per layout, side by side in one
-run. The native layout is what a MoE model takes now (the one-call decoder
-runs its layers); oneDNN's is what a dense model keeps on AMX (the modules
-run). Measured: one request decoding (256 in, 256 out), 32 requests at once
-(200 in, 128 out), and a prompt's prefill alone (512 and 2,000 tokens, best
-of 3), on moe_speed.py's model (make it first: `moe_speed.py --keep DIR`).
+"""A model's bf16 weights in oneDNN's layout or the native kernel's, on an
+AMX CPU (issue 29): offline, one process per layout, side by side in one
+run. In the native layout the one-call decoder runs the layers; in oneDNN's
+the modules run. Measured: one request decoding (256 in, 256 out), 32
+requests at once (200 in, 128 out), and a prompt's prefill alone (512 and
+2,000 tokens, best of 3). MODEL: moe_speed.py's (make it first:
+`moe_speed.py --keep DIR`), or any other (`-q none` on the default model's
+GGUF: its weights as bf16).
 
     .venv/bin/python docs/bench/moe_layouts.py DIR/qwen3moe-f16.gguf
+    .venv/bin/python docs/bench/moe_layouts.py SmolLM2-135M-Instruct none
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ import sys
 import time
 
 
-def measure(model: str, layout: str) -> dict:
+def measure(model: str, layout: str, quantization) -> dict:
     import contextlib
 
     from folio.model import native
-    if layout == "onednn":      # a dense model's choice on AMX: no native packing
+    if layout == "onednn":      # every bf16 weight in oneDNN's layout
         native.native_bf16_over_amx = contextlib.nullcontext
+        native.prefers_onednn_bf16 = lambda: True
+    else:                       # every bf16 weight in the native kernel's
+        native.prefers_onednn_bf16 = lambda: False
     from folio import LLM, SamplingParams
-    llm = LLM(model, max_model_len=4096, max_num_batched_tokens=2048)
+    llm = LLM(model, max_model_len=4096, max_num_batched_tokens=2048, dtype="bfloat16",
+              quantization=quantization)
     out = {"one-call decoder": llm.engine.executor.runner.model.model.native_decoder is not None}
     greedy = dict(temperature=0, ignore_eos=True)
     one = {"prompt_token_ids": list(range(3, 259))}
@@ -50,14 +56,15 @@ def measure(model: str, layout: str) -> dict:
 
 def main() -> None:
     if sys.argv[1] == "--one":
-        print(json.dumps(measure(sys.argv[2], sys.argv[3])))
+        print(json.dumps(measure(sys.argv[2], sys.argv[3], sys.argv[4] or None)))
         return
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
     print("CPU flags:", " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16",
                                                "amx_bf16") if f in flags))
     print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     for layout in ("onednn", "native"):
-        done = subprocess.run([sys.executable, __file__, "--one", sys.argv[1], layout],
+        done = subprocess.run([sys.executable, __file__, "--one", sys.argv[1], layout,
+                               sys.argv[2] if len(sys.argv) > 2 else ""],
                               capture_output=True, text=True, check=True)
         print(layout, done.stdout.strip().splitlines()[-1], flush=True)
 

@@ -75,7 +75,8 @@ def kernel_choices(dtype: str) -> dict[str, str]:
         linear = (f"AVX2 kernel: fp32 arithmetic on {store}-stored weights ({asked} on a CPU "
                   "without native bf16)")
     elif native.packs_linear(t):
-        linear = "native bf16 kernel (AVX512-BF16)"
+        linear = "native bf16 kernel (AVX512-BF16" + (
+            "; many rows on the AMX tiles)" if native.has_amx_linear() else ")")
     elif pack_onednn(t) is not None:
         linear = "oneDNN packed weights" + (" (AMX)" if "amx_bf16" in cpu_info()[1] else "")
     elif dtype == "bfloat16":

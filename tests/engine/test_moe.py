@@ -82,8 +82,9 @@ def test_the_config_and_the_experts_are_the_checkpoints(moe_model):
 
 def test_bf16_on_the_cpu(moe_model):
     """bf16: where the CPU has the native bf16 kernel, a MoE model packs its
-    weights for it, even on an AMX CPU (where a dense model keeps oneDNN: the
-    experts see a few rows a step); without it, every weight is kept as bf16
+    weights for it, even on an AMX CPU whose native kernel has no AMX path
+    (where a dense model keeps oneDNN: the experts see a few rows a step);
+    without it, every weight is kept as bf16
     for the AVX2 kernel; either way the one-call native decoder takes its
     layers (tests/model/test_native_decoder.py compares the two paths)."""
     _, path, _ = moe_model
@@ -96,8 +97,10 @@ def test_bf16_on_the_cpu(moe_model):
     kinds = {m.native_kind for pair in layer.mlp.packed_experts or () for m in pair}
     assert kinds | {layer.self_attn.qkv_proj.quant_method.native_kind} == {kind}
     assert (model.model.native_decoder is not None) == (kind is not None)
-    # the preference is the MoE model's alone: oneDNN again on an AMX CPU
-    assert native.prefers_onednn_bf16() == ("amx_bf16" in native._cpu_flags().split())
+    # the preference is the MoE model's alone: oneDNN again on an AMX CPU whose
+    # native kernel has no AMX path
+    assert native.prefers_onednn_bf16() == ("amx_bf16" in native._cpu_flags().split()
+                                            and not native.has_amx_linear())
     # the run dtype: bf16 where the CPU multiplies it natively, else fp32 (the
     # split path, whose bf16-stored weights are the dense linear layers')
     assert model.model.layers[0].mlp.w13_weight.dtype == getattr(torch, llm.engine.config.dtype)

@@ -126,11 +126,17 @@ def test_a_build_without_avx512_compiles_and_offers_no_linear_kernel():
     assert lib is not None and lib.folio_linear_available() == 0
 
 
-def test_an_amx_cpu_keeps_onednn_for_bf16(monkeypatch):
+def test_an_amx_cpu_keeps_onednn_only_where_the_kernel_has_no_amx_path(monkeypatch):
     """The engine's own choice (the fixture above set aside): the native kernel
-    where it builds, except on AMX CPUs, where oneDNN multiplies on the tiles."""
+    where it builds, on AMX CPUs too when it multiplies on the tiles itself
+    (else oneDNN, which does)."""
     monkeypatch.undo()
     amx = "amx_bf16" in native._cpu_flags().split()
-    assert native.prefers_onednn_bf16() == amx
+    if amx and native.has_bf16_linear():        # built here with -march=native: it has it
+        assert native.has_amx_linear()
+    elif not amx:
+        assert not native.has_amx_linear()
+    assert native.prefers_onednn_bf16() == (amx and not native.has_amx_linear())
     packed = pack_weight(torch.randn(32, 64).bfloat16())
-    assert getattr(packed, "native", False) == (native.has_bf16_linear() and not amx)
+    assert getattr(packed, "native", False) == (native.has_bf16_linear()
+                                                and not native.prefers_onednn_bf16())

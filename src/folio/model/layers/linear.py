@@ -13,10 +13,12 @@ weight and F.linear. Once loaded, a bf16 weight on the CPU is repacked once
 (`pack_weight`) and the layer handed over to the method of that packed copy
 (`quantization/repacked.py`): a plain-layout weight is reordered inside every
 matmul call, which at decode batch sizes costs as much as the multiplication
-(measured in docs/benchmarks.md). Where the CPU has AVX512-BF16 (and no AMX),
-the weight is packed for the native kernel, which at decode sizes reads the
-weights about twice as fast as oneDNN; its sums run in another order, so it
-matches `F.linear` to the last bf16 rounding (tested). Otherwise oneDNN's
+(measured in docs/benchmarks.md). Where the CPU has AVX512-BF16, the weight
+is packed for the native kernel, which at decode sizes reads the weights
+about twice as fast as oneDNN (on an AMX CPU it multiplies many rows on the
+tiles; where it was built without that path, oneDNN keeps AMX CPUs); its sums
+run in another order, so it matches `F.linear` to the last bf16 rounding
+(tested). Otherwise oneDNN's
 blocked layout, bit-identical to `F.linear`.
 """
 

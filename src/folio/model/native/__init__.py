@@ -4,7 +4,8 @@
   (wrapped in `attention.py`).
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
   greedy sampling.
-- `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16.
+- `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16 (many rows on
+  the AMX tiles where the CPU has them).
 - `linear_avx2.c`: an fp32 linear layer whose weights are stored as bf16, on
   CPUs with AVX2 and FMA (half the bytes of fp32 weights per step).
 - `qlinear.c`: the linear layer of 4- and 8-bit quantized weights (codes,
@@ -134,6 +135,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
         "folio_linear_available": (ctypes.c_int, []),
+        "folio_linear_amx": (ctypes.c_int, []),
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
         "folio_linear_bf16w_available": (ctypes.c_int, []),
         "folio_linear_bf16w": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
@@ -197,11 +199,20 @@ def has_bf16_linear() -> bool:
     return lib is not None and bool(lib.folio_linear_available())
 
 
+def has_amx_linear() -> bool:
+    """Whether the native bf16 kernel multiplies many rows on the AMX tiles
+    (built for a CPU with AMX, by a compiler that knows it, and the OS lets
+    this process use them)."""
+    lib = load()
+    return lib is not None and bool(lib.folio_linear_amx())
+
+
 def prefers_onednn_bf16() -> bool:
-    """CPUs with AMX keep oneDNN for bf16 products: it multiplies on the AMX
-    tiles; not while a model that asked for the native kernel packs its
-    weights (`native_bf16_over_amx`)."""
-    return "amx_bf16" in _cpu_flags().split() and not _over_amx
+    """CPUs with AMX keep oneDNN for bf16 products where the native kernel has
+    no AMX path of its own (oneDNN's multiplies on the tiles); not while a
+    model that asked for the native kernel packs its weights
+    (`native_bf16_over_amx`)."""
+    return "amx_bf16" in _cpu_flags().split() and not has_amx_linear() and not _over_amx
 
 
 _over_amx = 0       # models packing inside native_bf16_over_amx()

@@ -4,8 +4,9 @@ Once loaded, a plain float weight on the CPU may be repacked
 (`layers.linear.pack_weight` picks which) and its layer handed over to one of
 these, each owning only its packed copy:
 
-- `NativeBF16Linear`: the native kernel's tiles (CPUs with AVX512-BF16, no
-  AMX), about twice as fast as oneDNN at decode sizes; its sums run in another
+- `NativeBF16Linear`: the native kernel's tiles (CPUs with AVX512-BF16; on
+  AMX ones where the kernel multiplies many rows on the AMX tiles itself),
+  about twice as fast as oneDNN at decode sizes; its sums run in another
   order, so it matches F.linear to the last bf16 rounding (tested);
 - `OneDNNLinear`: oneDNN's blocked layout, bit-identical to F.linear (a
   plain-layout weight is reordered inside every matmul call, which at decode
