@@ -11,10 +11,11 @@ llama-quantize (scripts/install_llama_cpp.sh builds both). Workloads and the
 driver are cpu_baselines.py's (`folio bench serve`, token-id prompts, EOS
 ignored): one request, 256 in / 256 out; and 32 requests at once. Also the
 file's size, the bytes Folio holds (`folio bench weights`) and the machine's
-memory bandwidth.
+memory bandwidth. `--before DIR`: the codes' row (and the bytes held) from an
+earlier checkout too.
 
     .venv/bin/python docs/bench/kquant_speed.py [--rounds N] [--save FILE] [--keep DIR]
-        [--llama-isa native|avx2|avx512]
+        [--llama-isa native|avx2|avx512] [--before DIR]
 """
 
 from __future__ import annotations
@@ -25,36 +26,47 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_baselines import (ROOT, env_for, folio_cmd, free_port,  # noqa: E402
+from cpu_baselines import (ROOT, before_cmd, before_env, env_for, folio_cmd,  # noqa: E402
+                           free_port,
                            llama_cpp_rows, model_bench_main, prompts_of, random_gguf,
                            serve)
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
-QUANTIZE = ROOT / "build" / "llama.cpp" / "native" / "bin" / "llama-quantize"
 
 
-def make_model(folder: Path) -> Path:
+def make_model(folder: Path, isa: str) -> Path:
     out = folder / "llama-q4_k_m.gguf"
     if not out.exists():
         f32 = random_gguf(folder, {"arch": "llama", **SHAPE}, "F32", "f32.gguf")
-        subprocess.run([str(QUANTIZE), str(f32), str(out), "Q4_K_M"], check=True,
+        quantize = ROOT / "build" / "llama.cpp" / isa / "bin" / "llama-quantize"
+        subprocess.run([str(quantize), str(f32), str(out), "Q4_K_M"], check=True,
                        capture_output=True)
         f32.unlink()
     return out
 
 
 def one_round(args, tmp: Path) -> dict:
-    model = make_model(args.keep or tmp / "model")
+    model = make_model(args.keep or tmp / "model", args.llama_isa)
     prompts_of(model)
     rows: dict = {}
-    weights = subprocess.run([*folio_cmd(args), "bench", "weights", "--json", "--model",
-                              str(model), "--num-kv-blocks", "64"], capture_output=True,
-                             text=True, check=True, env=env_for(args))
-    held = json.loads(weights.stdout.strip().splitlines()[-1])["loaded"]["bytes"]["total"]
-    rows[f"(file {model.stat().st_size / 1e6:.0f} MB, Folio holds {held / 1e6:.0f} MB)"] = {}
-    print(f"  file {model.stat().st_size / 1e6:.1f} MB, Folio holds {held / 1e6:.1f} MB",
-          flush=True)
+    folios = {"": (folio_cmd(args), env_for(args))}
+    if args.before:
+        folios[", before"] = (before_cmd(args), before_env(args))
+    for which, (cmd, env) in folios.items():
+        weights = subprocess.run([*cmd, "bench", "weights", "--json", "--model", str(model),
+                                  "--num-kv-blocks", "64"], capture_output=True, text=True,
+                                 check=True, env=env)
+        held = json.loads(weights.stdout.strip().splitlines()[-1])["loaded"]["bytes"]["total"]
+        size = f"file {model.stat().st_size / 1e6:.1f} MB, Folio{which} holds {held / 1e6:.1f} MB"
+        rows[f"({size})"] = {}
+        print(f"  {size}", flush=True)
+    if args.before:
+        port = free_port()
+        rows["folio, Q4_K_M codes, before"] = serve(
+            args, "folio, before", [*before_cmd(args), "serve", "--model", str(model),
+                                    "--dtype", "float32", "--port", str(port)],
+            port, tmp / "folio-before.log", env=before_env(args))
     for name, flags in {"folio, Q4_K_M codes (default)": ["--dtype", "float32"],
                         "folio -q none (dequantized, as before)": ["--dtype", "bfloat16",
                                                                     "-q", "none"]}.items():

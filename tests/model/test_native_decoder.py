@@ -5,6 +5,8 @@ path (fp32 activations, bf16-stored weights: --dtype bfloat16 on a CPU without
 native bf16) the modules keep torch's fp32 element-wise ops, so the two agree
 to fp32 rounding."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -184,10 +186,11 @@ needs_quantized_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(
 
 @needs_quantized_kernel
 @pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q8_0", "llama"),
-                                        ("Q4_1", "qwen3")])
+                                        ("Q4_1", "qwen3"), ("Q4_K_M", "llama")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype, arch, dtype):
-    """Quantized projections (a GGUF kept in its codes): bf16 runs call the
+    """Quantized projections (a GGUF kept in its codes; Q4_K_M: llama.cpp's file,
+    4- and 6-bit codes under two-level scales): bf16 runs call the
     same kernels in the same order both ways (bit for bit); fp32 ones (and
     bfloat16 asked on a CPU without native bf16, which runs fp32) fuse the
     element-wise layers the modules keep in torch (fp32 rounding), so they run
@@ -195,8 +198,11 @@ def test_quantized_one_call_agrees_with_the_modules(tmp_path, monkeypatch, qtype
     that fp32 rounding moves across a rounding tie moves by a whole step."""
     if dtype == "bfloat16" and not native.fuses(torch.zeros(1, dtype=torch.bfloat16)):
         pytest.skip("no bf16 element-wise kernels here")
-    folder = make_tiny_model(tmp_path / "hf", arch=arch, intermediate_size=128)
-    path = write_tiny_gguf(folder, tmp_path / "m.gguf", qtype)
+    if qtype == "Q4_K_M":
+        path = str(Path(__file__).parent.parent / "fixtures" / "gguf" / "tiny-llama-Q4_K_M.gguf")
+    else:
+        folder = make_tiny_model(tmp_path / "hf", arch=arch, intermediate_size=128)
+        path = write_tiny_gguf(folder, tmp_path / "m.gguf", qtype)
     fp32 = device.split_cpu_bf16(dtype, "cpu")[0] == "float32"
     # an fp32 run keeps an fp32 cache here (the bf16-cache test is below)
     llm = LLM(path, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48,

@@ -22,25 +22,32 @@ def split_blocks(t, form: tuple[int, int]) -> dict[str, torch.Tensor]:
     """A packed tensor [rows, in] -> its codes, scales and offsets as
     layers/quantization/gguf.py reads them (w = code * scale + offset), in the
     held `form` (bits, group) of its layer: a part of wider codes or smaller
-    groups than its own gets its codes one per byte, each scale repeated."""
+    groups than its own gets its codes one per byte, each scale repeated. A
+    K-quant's also give each group its super-block's d and offset multiplier
+    (qsuperscales, qsuperoffsets: -dmin, or Q6_K's -32 d), whose int8
+    multiples the scales and offsets are."""
     kind = t.tensor_type.name
     rows, cols = int(t.shape[1]), int(t.shape[0])          # ne order
     size, per_block = BLOCK_BYTES[kind]
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // per_block, -1)
     if blocks.shape[2] != size:
         raise ValueError(f"{t.name}: {kind} blocks of {blocks.shape[2]} bytes, expected {size}")
-    codes, scales, offsets = _KIND_SPLITS[kind](blocks)          # [rows, blocks, ...]
+    codes, scales, offsets, *supers = _KIND_SPLITS[kind](blocks)   # [rows, blocks, ...]
     codes = codes.reshape(rows, cols)
     bits, group = form
     repeat = KINDS[kind][1] // group
-    scales = np.repeat(scales.reshape(rows, -1), repeat, axis=1)
-    offsets = np.repeat(offsets.reshape(rows, -1), repeat, axis=1)
+    per_group = lambda a: np.repeat(a.reshape(rows, -1), repeat, axis=1)
     if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
-    return {"qcodes": as_tensor(codes.astype(np.uint8)),
-            "qscales": as_tensor(scales.astype(np.float32)),
-            "qoffsets": as_tensor(offsets.astype(np.float32))}
+    as_tensor = lambda a: torch.from_numpy(
+        np.ascontiguousarray(a, dtype=np.float32).reshape(rows, -1))
+    parts = {"qcodes": torch.from_numpy(np.ascontiguousarray(codes.astype(np.uint8))),
+             "qscales": as_tensor(per_group(scales)), "qoffsets": as_tensor(per_group(offsets))}
+    if supers:      # a K-quant: each group's super-block's d and offset multiplier
+        per_block = 256 // group
+        for name, value in zip(("qsuperscales", "qsuperoffsets"), supers):
+            parts[name] = as_tensor(np.repeat(value.reshape(rows, -1), per_block, axis=1))
+    return parts
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -80,7 +87,7 @@ def _low_nibbles_by_32(qs: np.ndarray) -> np.ndarray:
 def _q4_k(blocks: np.ndarray):
     d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
     sc, mn = _k_scales(blocks[..., 4:16])
-    return _low_nibbles_by_32(blocks[..., 16:144]), d * sc, -(dmin * mn)
+    return _low_nibbles_by_32(blocks[..., 16:144]), d * sc, -(dmin * mn), d, -dmin
 
 
 def _q5_k(blocks: np.ndarray):
@@ -91,7 +98,7 @@ def _q5_k(blocks: np.ndarray):
     qh = blocks[..., 16:48]
     high = np.stack([(qh >> j) & 1 for j in range(8)], axis=-2)          # [..., 8, 32]
     codes = _low_nibbles_by_32(blocks[..., 48:176]) | (high.reshape(*qh.shape[:-1], 256) << 4)
-    return codes, d * sc, -(dmin * mn)
+    return codes, d * sc, -(dmin * mn), d, -dmin
 
 
 def _q6_k(blocks: np.ndarray):
@@ -109,7 +116,7 @@ def _q6_k(blocks: np.ndarray):
             nibbles = low[..., 32 * (c % 2):32 * (c % 2) + 32]
             nibbles = nibbles & 0xF if c < 2 else nibbles >> 4
             halves.append(nibbles | (((high >> (2 * c)) & 3) << 4))
-    return np.concatenate(halves, axis=-1), d * sc, -32 * d * sc
+    return np.concatenate(halves, axis=-1), d * sc, -32 * d * sc, d, -32 * d
 
 
 _KIND_SPLITS = {"Q4_0": _legacy, "Q4_1": _legacy, "Q8_0": _legacy,

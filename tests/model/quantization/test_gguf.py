@@ -77,7 +77,8 @@ def test_a_fused_layer_runs_packed_only_if_each_projection_is_packable():
     assert isinstance(config.get_linear_method(None, "model.layers.0.mlp.gate_up_proj"),
                       PlainLinearMethod)                                 # Q5_0 is not packed
     down = config.get_linear_method(None, "model.layers.0.mlp.down_proj")
-    assert (down.kind, down.bits, down.group) == ("Q6_K", 8, 16)
+    assert (down.kind, down.bits, down.group) == ("Q6_K", 6, 16)
+    assert down.two_level and not qkv.two_level      # a K-quant's int8s under their d
 
 
 def test_tensor_parallel_2_gives_the_same_tokens_and_logprobs(tiny_ggufs):

@@ -58,7 +58,7 @@ def lib(request):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
                                                  (100, 96, -1, True), (33, 64, 16, True),
                                                  (17, 128, 128, False), (24, 80, 20, False)])
@@ -103,13 +103,13 @@ def test_strided_rows_leading_dimensions_and_no_rows(lib):
     assert native.qlinear(x[:0], w, lib=lib).shape == (0, 3, 40)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("group", [32, 20])
 def test_the_packed_form_dequantizes_to_the_formula(bits, act_order, group):
     """w = q * scale + offset (offset = -zero * scale), in the caller's order of
     the input features whatever order the packing keeps them in; groups of 20
-    padded to 24 positions."""
+    padded to 24 positions (6 bits: to 32, whole pairs of octets)."""
     count = 96 // group + (96 % group > 0)
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 1 << bits, (37, 96), generator=g)
@@ -123,10 +123,74 @@ def test_the_packed_form_dequantizes_to_the_formula(bits, act_order, group):
     assert torch.equal(w.dequantize(), expect)
     assert (w.perm is not None) == (act_order or group == 20)
     lengths = [min(group, 96 - i * group) for i in range(count)]       # 20 x 4 and 16
-    assert w.positions == sum(-(-n // 8) * 8 for n in lengths)
+    unit = 16 if bits == 6 else 8
+    assert w.positions == sum(-(-n // unit) * unit for n in lengths)
     per_weight = bits / 8 + 4 / group          # codes; float16 scale and zero per group
     assert w.nbytes <= 48 * w.positions * per_weight + (w.positions * 8 if w.perm is not None
                                                       else 0) + 64
+
+
+def _two_level_weights(n, k, bits, group, shared, seed=0):
+    """Random K-quant-like weights: each scale an int8 times its super-block's
+    (256 inputs) float16 d, each offset an int8 (shared: the scale's own) times
+    its float16 e."""
+    g = torch.Generator().manual_seed(seed)
+    per, count = 256 // group, k // group
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g)
+    groups = torch.arange(k) // group
+    d, e = ((torch.randn(n, count // per, generator=g) * 0.01).half().float()
+            .repeat_interleave(per, 1) for _ in range(2))
+    sc = torch.randint(-128, 128, (n, count), generator=g).float()
+    om = sc if shared else torch.randint(0, 64, (n, count), generator=g).float()
+    w = IntGroups.from_codes(codes, groups, sc * d, bits, offset=om * e, supers=(d, e, per))
+    return w, codes.float() * (sc * d)[:, groups] + (om * e)[:, groups]
+
+
+@pytest.mark.parametrize("bits,group,shared", [(4, 32, False), (6, 16, True), (6, 16, False),
+                                               (8, 32, False)])
+def test_two_level_scales_are_held_as_int8_and_a_float16_pair_a_super_block(bits, group,
+                                                                            shared):
+    """A K-quant's scales (Q4_K: d sc and -dmin m; Q6_K: d sc and -32 d sc,
+    one int8 serving both) are held as the int8s and a float16 pair per 256
+    inputs, the values exactly (fp32 products), rows looked up as a whole."""
+    w, exact = _two_level_weights(40, 512, bits, group, shared)
+    assert w.supers is not None and (w.offsets is None) == shared
+    assert w.scales.dtype == torch.int8 and w.supers.shape == (3, 2, 2, 16)
+    assert torch.equal(w.dequantize(), exact)
+    rows = torch.tensor([[3, 39], [0, 17]])
+    assert torch.equal(w.dequantize_rows(rows), exact[rows])
+    per_weight = bits / 8 + (1 if shared else 2) / group + 4 / 256
+    assert w.nbytes <= 48 * 512 * per_weight + 4 * (512 // group + 1)      # and the bounds
+    # values that are not so are held as float16 scales and offsets
+    g = torch.arange(512) // group
+    s, o = torch.rand(40, 512 // group), torch.rand(40, 512 // group)
+    flat = IntGroups.from_codes(torch.zeros(40, 512), g, s, bits, offset=o,
+                                supers=(torch.ones_like(s), torch.ones_like(o), 256 // group))
+    assert flat.supers is None and flat.scales.dtype == torch.float16
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,shared", [(4, 32, False), (6, 16, True), (6, 32, False)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_two_level_scales_in_every_mode(lib, bits, group, shared, rows):
+    """The kernel's two-level scales (an int8 times a float16 per super-block)
+    against the exact product: fp32 to an fp32 sum's error, int16 and int8
+    activations within their rounding (as above), bf16 to its own."""
+    w, dense = _two_level_weights(40, 512, bits, group, shared, seed=rows)
+    g = torch.Generator().manual_seed(rows + 3)
+    x, b = torch.randn(rows, 512, generator=g), torch.randn(40, generator=g)
+    exact = F.linear(x.double(), dense.double(), b.double())
+    sums = 4 * 512 * 2 ** -23 * F.linear(x.double().abs(), dense.double().abs()) + 1e-6
+    got = native.qlinear(x, w, b, lib=lib)
+    assert bool(((got.double() - exact).abs() <= sums).all())
+    for mode, steps in ((1, 32767), (2, 127)):
+        step = x.abs().max(dim=1, keepdim=True).values.double() / steps
+        bound = 0.5 * step * dense.double().abs().sum(1) + sums
+        got = native.qlinear(x, w, b, quantize_x=mode, lib=lib)
+        assert bool(((got.double() - exact).abs() <= bound).all()), mode
+    got = native.qlinear(x.bfloat16(), w, b, lib=lib)
+    exact = F.linear(x.bfloat16().double(), dense.double(), b.double())
+    assert bool(((got.double() - exact).abs() <= sums + exact.abs() * 2 ** -8).all())
 
 
 def test_bad_codes_groups_and_widths_are_refused():
@@ -155,7 +219,7 @@ def test_unpacking_int32_words_in_both_orders():
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
                                                  (100, 96, -1, True), (33, 80, 20, True)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
@@ -184,7 +248,7 @@ def test_int16_activations_stay_within_their_rounding(lib, bits, n, k, group, ac
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
                                                  (100, 96, -1, True), (33, 80, 20, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])

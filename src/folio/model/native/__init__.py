@@ -147,8 +147,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
                                       i32]),
         "folio_moe_route": (ctypes.c_int, [p, i64, i32, p, i32, i64, i64, i32, i32, i32, p, p,
                                            i32]),
-        "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, p, i64,
-                                         i64, i64, i32, i32]),
+        "folio_qlinear": (ctypes.c_int, [p, i64, i32, p, p, i32, p, p, i32, p, i64, p, i64,
+                                         p, p, i64, i64, i64, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -320,8 +320,8 @@ QLINEAR_INT8_AT_FEW_ROWS = 3
 
 def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
             quantize_x: int = 0, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) with W an `IntGroups` (4- or 8-bit codes,
-    float16 scales and offsets per group): [..., N] in x's dtype.
+    """x [..., K] @ W^T (+ bias) with W an `IntGroups` (4-, 6- or 8-bit codes,
+    a scale and offset per group): [..., N] in x's dtype.
     `quantize_x`: 0 (or False) fp32 arithmetic on the codes; 1 (or True) x
     quantized to int16 per block of 32 positions and multiplied as integers;
     2 the same in int8 (fewest instructions, x's int8 rounding); 3
@@ -336,10 +336,14 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
     out = torch.empty(*lead, n, dtype=x.dtype)
     if bias is not None:
         bias = bias.float().contiguous()
-    if x2.shape[0] and (lib or load()).folio_qlinear(
-            x2.data_ptr(), x2.stride(0), _DTYPE_CODES[x.dtype], *weights,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n,
-            positions, int(quantize_x), torch.get_num_threads()):
+    failed = x2.shape[0] and (lib or load()).folio_qlinear(
+        x2.data_ptr(), x2.stride(0), _DTYPE_CODES[x.dtype], *weights,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n,
+        positions, int(quantize_x), torch.get_num_threads())
+    if failed == 2:
+        raise ValueError(f"two-level scales in super-groups of {w.per_super} groups: "
+                         "the kernel takes a power of two")
+    if failed:
         raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
     return out
 

@@ -14,7 +14,7 @@
  * - dtype 0: fp32 activations and KV cache, bf16-stored weights packed for
  *   folio_linear_bf16w (AVX2 + FMA). The module path keeps torch's fp32
  *   element-wise ops there, so the two agree to fp32 rounding, not bit for bit.
- * - quantized: 4- or 8-bit weights (folio_qweight, for folio_qlinear), with
+ * - quantized: 4-, 6- or 8-bit weights (folio_qweight, for folio_qlinear), with
  *   bf16 or fp32 activations, in the mode the modules' layers take
  *   (quantize_x: int8 at decode batch sizes, else int16 for bf16 and float for
  *   fp32); the element-wise kernels as for the dtype.
@@ -49,7 +49,8 @@ void folio_linear_bf16w(const float *x, int64_t x_stride, const uint16_t *packed
                         int num_threads);
 int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *perm,
                   const uint8_t *codes, int bits, const uint16_t *scales,
-                  const uint16_t *offsets, int zeros, const int32_t *bounds, int64_t groups,
+                  const uint16_t *offsets, int zeros, const uint16_t *supers,
+                  int64_t per_super, const int32_t *bounds, int64_t groups,
                   const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
                   int quantize_x, int num_threads);
 int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int dtype,
@@ -69,9 +70,9 @@ int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void 
 typedef struct {
     const int64_t *perm;
     const uint8_t *codes;
-    const uint16_t *scales, *offsets;
+    const uint16_t *scales, *offsets, *supers;
     const int32_t *bounds;
-    int64_t groups, positions;
+    int64_t groups, positions, per_super;
     int bits, zeros;
 } folio_qweight;
 
@@ -204,7 +205,8 @@ static int linear(const folio_step *s, const void *x, int64_t x_stride, const vo
     if (s->quantized) {
         const folio_qweight *q = w;
         return folio_qlinear(x, x_stride, s->dtype, q->perm, q->codes, q->bits, q->scales,
-                             q->offsets, q->zeros, q->bounds, q->groups, bias, out, m, n,
+                             q->offsets, q->zeros, q->supers, q->per_super, q->bounds,
+                             q->groups, bias, out, m, n,
                              q->positions, s->quantize_x, s->num_threads);
     }
     if (s->dtype)

@@ -16,7 +16,7 @@ Three kinds:
   element-wise layers, which the modules keep in torch in fp32, so the two agree
   to fp32 rounding (tested; a MoE layer's router is torch's in the modules and
   moe.c's here, so a near-tie of two experts' logits may route otherwise);
-- quantized weights (4- or 8-bit `IntGroups`, native/qlinear.c), with bf16
+- quantized weights (4-, 6- or 8-bit `IntGroups`, native/qlinear.c), with bf16
   activations (bit-identical to the modules, which call the same kernels) or
   fp32 ones (the element-wise layers fused as above); int8 activations at
   decode batch sizes or not, as the layers' --activation-quantization says.
@@ -68,15 +68,17 @@ class _Step(ctypes.Structure):
 
 class _QWeight(ctypes.Structure):
     """decoder.c's folio_qweight: a quantized projection (int_groups.IntGroups)."""
-    _fields_ = [("perm", _p), ("codes", _p), ("scales", _p), ("offsets", _p), ("bounds", _p),
-                ("groups", _i64), ("positions", _i64), ("bits", _i32), ("zeros", _i32)]
+    _fields_ = [("perm", _p), ("codes", _p), ("scales", _p), ("offsets", _p), ("supers", _p),
+                ("bounds", _p), ("groups", _i64), ("positions", _i64), ("per_super", _i64),
+                ("bits", _i32), ("zeros", _i32)]
 
     @classmethod
     def of(cls, weights) -> "_QWeight":
-        (perm, codes, bits, scales, offsets, zeros, bounds, groups), (_, positions) = \
-            weights.kernel_args
-        return cls(perm=perm, codes=codes, scales=scales, offsets=offsets, bounds=bounds,
-                   groups=groups, positions=positions, bits=bits, zeros=zeros)
+        (perm, codes, bits, scales, offsets, zeros, supers, per_super, bounds, groups), \
+            (_, positions) = weights.kernel_args
+        return cls(perm=perm, codes=codes, scales=scales, offsets=offsets, supers=supers,
+                   bounds=bounds, groups=groups, positions=positions, per_super=per_super,
+                   bits=bits, zeros=zeros)
 
 
 def _projections(layer) -> tuple:

@@ -1,11 +1,15 @@
-/* The linear layer of 4- and 8-bit quantized weights: out = x W^T (+ bias),
- * x and out fp32 or bf16, W as unsigned integer codes with a float16 scale
- * and offset per (output feature, group of input features):
+/* The linear layer of 4-, 6- and 8-bit quantized weights: out = x W^T (+ bias),
+ * x and out fp32 or bf16, W as unsigned integer codes with a scale and
+ * offset per (output feature, group of input features):
  *
  *     w[n][k] = q[n][k] * scale[n][g(k)] + offset[n][g(k)]
  *
- * (with `zeros`, the offsets array holds integer zero points z and
- * offset = -z * scale, exact in fp32).
+ * held as float16 (with `zeros`, the offsets array holds integer zero points
+ * z and offset = -z * scale, exact in fp32), or in two levels, as a GGUF
+ * K-quant holds them (`supers`): int8 scales and offsets (offsets NULL: the
+ * scales' int8s serve both, Q6_K's offset being -32 d sc) each times its
+ * super-group's float16 pair, [tiles][supers][2][16], per_super groups a
+ * super-group; the products are exact in fp32.
  *
  * Layout (folio.model.layers.quantization.int_groups, which says why): output
  * features in tiles of 16; input features in "positions": group order, each
@@ -15,7 +19,11 @@
  *   4 bits: [tiles][octets][16][4] bytes, byte b of a word holding positions
  *           b (low nibble) and b + 4 (high nibble) of the octet;
  *   8 bits: [tiles][octets][2][16][4] bytes, the words of positions 0..3,
- *           then of 4..7.
+ *           then of 4..7;
+ *   6 bits: per pair of octets, [2][16][4] bytes of their low nibbles (the
+ *           4-bit layout) and [16][4] of their top 2 bits (byte_words), made
+ *           into the 8-bit form's words as they are read (groups are padded
+ *           to whole pairs of octets).
  * So one 64-byte load gives a tile's codes for 8 positions (4 bits) or 4
  * (8 bits), and either a shift and a mask make 16 lanes of one position's
  * codes (the float path) or a mask makes four positions' bytes per lane, the
@@ -81,9 +89,13 @@ typedef __m512i ivec;
 #define vstore(p, v) _mm512_storeu_ps(p, v)
 #define vhalf(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define iload(p) _mm512_loadu_si512((const void *)(p))
+#define istore(p, v) _mm512_storeu_si512((void *)(p), v)
 #define iset1(v) _mm512_set1_epi32(v)
 #define iand(a, b) _mm512_and_si512(a, b)
+#define ior(a, b) _mm512_or_si512(a, b)
 #define isrl(a, n) _mm512_srli_epi32(a, n)
+#define isll(a, n) _mm512_slli_epi32(a, n)
+#define vsmall(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define izero() _mm512_setzero_si512()
 #define iadd(a, b) _mm512_add_epi32(a, b)
 #define itof(a) _mm512_cvtepi32_ps(a)
@@ -123,9 +135,13 @@ typedef __m256i ivec;
 #define vstore(p, v) _mm256_storeu_ps(p, v)
 #define vhalf(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define iload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define istore(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #define iset1(v) _mm256_set1_epi32(v)
 #define iand(a, b) _mm256_and_si256(a, b)
+#define ior(a, b) _mm256_or_si256(a, b)
 #define isrl(a, n) _mm256_srli_epi32(a, n)
+#define isll(a, n) _mm256_slli_epi32(a, n)
+#define vsmall(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define izero() _mm256_setzero_si256()
 #define iadd(a, b) _mm256_add_epi32(a, b)
 #define itof(a) _mm256_cvtepi32_ps(a)
@@ -149,6 +165,8 @@ typedef __m256i ivec;
 #endif
 
 #define VPT (16 / VL)      /* vectors per tile of 16 output features */
+/* the kernels' switch keys: code width, then rows x 8 + tiles (both under 8) */
+#define BITS_KEY(b) ((b) == 4 ? 0 : (b) == 6 ? 64 : 128)
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -170,15 +188,18 @@ typedef struct {
     const int8_t *x8;              /* int8 path: [m][kp] in position order */
     const int32_t *x8sum;          /* [m][blocks]: each block's sum of x8 */
     const uint8_t *codes;
-    const uint16_t *scales, *offsets;
+    const void *scales, *offsets;   /* float16; with supers int8 (offsets NULL: the scales') */
+    const uint16_t *supers;         /* two-level scales: float16 [tiles][supers][2][16] */
     const int32_t *bounds;
     const float *bias;
     void *out;
-    int64_t m, n, kp, groups, blocks;
-    int bits, dtype, zeros;
+    int64_t m, n, kp, groups, blocks, supers_n;
+    int bits, dtype, zeros, super_shift;     /* per_super = 1 << super_shift */
+    int64_t code_tile0;             /* the tile `codes` starts at (a widened copy's) */
 } job;
 
-static inline int64_t tile_bytes(const job *J) { return J->kp * (J->bits == 4 ? 8 : 16); }
+/* bytes of a tile's codes: 16 output features x kp positions x bits / 8 */
+static inline int64_t tile_bytes(const job *J) { return J->kp * 2 * J->bits; }
 
 static inline __attribute__((always_inline)) void store_row(const job *J, int64_t row,
                                                             int64_t col, vec v) {
@@ -205,9 +226,38 @@ static inline __attribute__((always_inline)) void store_row(const job *J, int64_
 static inline __attribute__((always_inline)) void group_scale(const job *J, int64_t tile,
                                                               int64_t g, int v, vec *s, vec *o) {
     const int64_t at = (tile * J->groups + g) * 16 + v * VL;
-    *s = vhalf(J->scales + at);
-    *o = vhalf(J->offsets + at);
+    if (J->supers) {        /* the group's int8 times its super-group's float16: exact */
+        const uint16_t *d = J->supers + (tile * J->supers_n + (g >> J->super_shift)) * 32 +
+                            v * VL;
+        const int8_t *sc = (const int8_t *)J->scales + at;
+        *s = vmul(vhalf(d), vsmall(sc));
+        *o = vmul(vhalf(d + 16), vsmall(J->offsets ? (const int8_t *)J->offsets + at : sc));
+        return;
+    }
+    *s = vhalf((const uint16_t *)J->scales + at);
+    *o = vhalf((const uint16_t *)J->offsets + at);
     if (J->zeros) *o = vsub(vzero(), vmul(*o, *s));
+}
+
+/* An octet of 6- or 8-bit codes of one tile vector as 8-bit words: w[0] a
+ * byte each of positions 0..3, w[1] of 4..7. 6 bits: per pair of octets, the
+ * two octets' low nibbles as 4-bit words, then a word of their top 2 bits,
+ * byte b holding (from its low bits) those of positions b and b + 4 of the
+ * first octet, then of the second. */
+static inline __attribute__((always_inline)) void byte_words(const uint8_t *tile, int64_t octet,
+                                                             int v, const int bits, ivec *w) {
+    if (bits == 8) {
+        w[0] = iload(tile + octet * 128 + v * VL * 4);
+        w[1] = iload(tile + octet * 128 + 64 + v * VL * 4);
+        return;
+    }
+    const uint8_t *pair = tile + (octet >> 1) * 192 + v * VL * 4;
+    const ivec lo = iload(pair + (octet & 1) * 64), m4 = iset1(0x0f0f0f0f),
+               m2 = iset1(0x30303030);
+    ivec hi = iload(pair + 128);
+    if (octet & 1) hi = isrl(hi, 4);
+    w[0] = ior(iand(lo, m4), iand(isll(hi, 4), m2));
+    w[1] = ior(iand(isrl(lo, 4), m4), iand(isll(hi, 2), m2));
 }
 
 /* Codes of 8 positions of one tile vector (lanes = VL output features) as
@@ -223,12 +273,12 @@ static inline __attribute__((always_inline)) void widen_octet(const uint8_t *til
         }
     } else {
         const ivec m8 = iset1(0xff);
+        ivec c[2];
+        byte_words(tile, octet, v, bits, c);
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const ivec c = iload(tile + octet * 128 + h * 64 + v * VL * 4);
+        for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
-            for (int b = 0; b < 4; b++) w[4 * h + b] = itof(iand(isrl(c, 8 * b), m8));
-        }
+            for (int b = 0; b < 4; b++) w[4 * h + b] = itof(iand(isrl(c[h], 8 * b), m8));
     }
 }
 
@@ -330,17 +380,21 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
 static void ftile_group(const job *J, int64_t t0, int nt) {
     const int mr = (int)J->m;
 #define FOLIO_FBLOCK(B, R, T) \
-    case (B == 4 ? 0 : 64) + R * 8 + T: fblock(J, 0, t0, B, R, T); break;
-    switch ((J->bits == 4 ? 0 : 64) + mr * 8 + nt) {
+    case BITS_KEY(B) + R * 8 + T: fblock(J, 0, t0, B, R, T); break;
+    switch (BITS_KEY(J->bits) + mr * 8 + nt) {
 #if MR == 4 && NT == 3
         FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1) FOLIO_FBLOCK(4, 4, 1)
         FOLIO_FBLOCK(4, 1, 2) FOLIO_FBLOCK(4, 2, 2) FOLIO_FBLOCK(4, 3, 2) FOLIO_FBLOCK(4, 4, 2)
         FOLIO_FBLOCK(4, 1, 3) FOLIO_FBLOCK(4, 2, 3) FOLIO_FBLOCK(4, 3, 3) FOLIO_FBLOCK(4, 4, 3)
+        FOLIO_FBLOCK(6, 1, 1) FOLIO_FBLOCK(6, 2, 1) FOLIO_FBLOCK(6, 3, 1) FOLIO_FBLOCK(6, 4, 1)
+        FOLIO_FBLOCK(6, 1, 2) FOLIO_FBLOCK(6, 2, 2) FOLIO_FBLOCK(6, 3, 2) FOLIO_FBLOCK(6, 4, 2)
+        FOLIO_FBLOCK(6, 1, 3) FOLIO_FBLOCK(6, 2, 3) FOLIO_FBLOCK(6, 3, 3) FOLIO_FBLOCK(6, 4, 3)
         FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1) FOLIO_FBLOCK(8, 4, 1)
         FOLIO_FBLOCK(8, 1, 2) FOLIO_FBLOCK(8, 2, 2) FOLIO_FBLOCK(8, 3, 2) FOLIO_FBLOCK(8, 4, 2)
         FOLIO_FBLOCK(8, 1, 3) FOLIO_FBLOCK(8, 2, 3) FOLIO_FBLOCK(8, 3, 3) FOLIO_FBLOCK(8, 4, 3)
 #else
         FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1)
+        FOLIO_FBLOCK(6, 1, 1) FOLIO_FBLOCK(6, 2, 1) FOLIO_FBLOCK(6, 3, 1)
         FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1)
 #endif
     }
@@ -432,9 +486,62 @@ static void dtile_group(const job *J, int64_t t0, int nt, const float *wf) {
     }
 }
 
+/* With more rows than one register block, the integer paths' scale and
+ * offset vectors of each group of tiles t0 .. t0 + nt (of `width` tiles at
+ * most) once, for all of the row blocks: scratch [groups][2][width * VPT]. */
+static const vec *hold_scales(const job *J, int64_t t0, int nt, int width, vec *scratch) {
+    for (int64_t g = 0; g < J->groups; g++)
+        for (int j = 0; j < nt; j++)
+            for (int v = 0; v < VPT; v++)
+                group_scale(J, t0 + j, g, v, scratch + (2 * g) * width * VPT + j * VPT + v,
+                            scratch + (2 * g + 1) * width * VPT + j * VPT + v);
+    return scratch;
+}
+
+/* Group g's scale and offset vectors of tiles t0 .. t0 + nt: hold_scales's
+ * (held, `width` tiles a group), or computed. */
+static inline __attribute__((always_inline)) void scales_of(const job *J, const vec *held,
+                                                            int width, int64_t t0, int64_t g,
+                                                            int nt, vec *s, vec *o) {
+#pragma GCC unroll 2
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+        for (int v = 0; v < VPT; v++) {
+            const int at = j * VPT + v;
+            if (held) {
+                s[at] = held[(2 * g) * width * VPT + at];
+                o[at] = held[(2 * g + 1) * width * VPT + at];
+            } else {
+                group_scale(J, t0 + j, g, v, s + at, o + at);
+            }
+        }
+}
+
+/* And 6-bit codes: those of tiles t0 .. t0 + nt widened once into the 8-bit
+ * layout at out (nt * kp * 16 bytes), which every row block then reads as
+ * bytes (J8: the job on them). The unpacking is then once a step, not once a
+ * row block. */
+static const job *widen_codes(const job *J, int64_t t0, int nt, uint8_t *out, job *J8) {
+    const int64_t stride = tile_bytes(J), octets = J->kp / 8;
+    for (int j = 0; j < nt; j++)
+        for (int64_t o = 0; o < octets; o++)
+            for (int v = 0; v < VPT; v++) {
+                ivec w[2];
+                byte_words(J->codes + (t0 + j - J->code_tile0) * stride, o, v, 6, w);
+                istore(out + (j * octets + o) * 128 + v * VL * 4, w[0]);
+                istore(out + (j * octets + o) * 128 + 64 + v * VL * 4, w[1]);
+            }
+    *J8 = *J;
+    J8->codes = out;
+    J8->bits = 8;
+    J8->code_tile0 = t0;
+    return J8;
+}
+
 /* ---------------------------------------------------------------- int16 path */
 
 static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r0, int64_t t0,
+                                                         const vec *held,
                                                          const uint8_t *prefetch,
                                                          const int bits, const int mr,
                                                          const int nt) {
@@ -448,10 +555,7 @@ static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r
     int64_t blk = 0;
     for (int64_t g = 0; g < J->groups; g++) {
         vec s[QNT * VPT], o[QNT * VPT];
-#pragma GCC unroll 2
-        for (int j = 0; j < nt; j++)
-#pragma GCC unroll 2
-            for (int v = 0; v < VPT; v++) group_scale(J, t0 + j, g, v, s + j * VPT + v, o + j * VPT + v);
+        scales_of(J, held, QNT, t0, g, nt, s, o);
         for (int64_t p0 = J->bounds[g]; p0 < J->bounds[g + 1]; p0 += 32, blk++) {
             const int64_t p1 = p0 + 32 < J->bounds[g + 1] ? p0 + 32 : J->bounds[g + 1];
             ivec iacc[4][QMR][QNT * VPT];
@@ -465,19 +569,21 @@ static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r
                 /* four pairs of positions per octet: (0,2) (1,3) (4,6) (5,7),
                  * as the codes' int16 lanes come out of their words */
                 ivec c[QNT * VPT][2];
-                const int64_t at = (p / 8) * (bits == 4 ? 64 : 128);
+                const int64_t at = (p / 8) * 16 * bits;      /* about where the octet is */
 #pragma GCC unroll 2
                 for (int j = 0; j < nt; j++) {
-                    const uint8_t *t = J->codes + (t0 + j) * stride;
+                    const uint8_t *t = J->codes + (t0 + j - J->code_tile0) * stride;
 #pragma GCC unroll 2
                     for (int v = 0; v < VPT; v++) {
-                        c[j * VPT + v][0] = iload(t + at + v * VL * 4);
-                        if (bits == 8) c[j * VPT + v][1] = iload(t + at + 64 + v * VL * 4);
+                        if (bits == 4)
+                            c[j * VPT + v][0] = iload(t + at + v * VL * 4);
+                        else
+                            byte_words(t, p / 8, v, bits, c[j * VPT + v]);
                     }
                     /* the next group of tiles into L2 while this one runs */
                     if (prefetch) {
                         _mm_prefetch((const char *)(prefetch + j * stride + at), _MM_HINT_T1);
-                        if (bits == 8)
+                        if (bits > 4)
                             _mm_prefetch((const char *)(prefetch + j * stride + at + 64),
                                          _MM_HINT_T1);
                     }
@@ -531,20 +637,30 @@ static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r
 }
 
 /* `next`: the codes of the next group of tiles (or NULL), prefetched. */
-static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next) {
+static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, vec *scratch,
+                        uint8_t *codes8) {
+    const vec *held = J->m > QMR && scratch ? hold_scales(J, t0, nt, QNT, scratch) : 0;
+    job J8;
+    if (J->bits == 6 && J->m > QMR && codes8) {
+        J = widen_codes(J, t0, nt, codes8, &J8);
+        next = 0;
+    }
     for (int64_t r = 0; r < J->m; r += QMR) {
         const int mr = J->m - r < QMR ? (int)(J->m - r) : QMR;
         const uint8_t *pf = r == 0 ? next : 0;
 #define FOLIO_QBLOCK(B, R, T) \
-    case (B == 4 ? 0 : 64) + R * 8 + T: qblock(J, r, t0, pf, B, R, T); break;
-        switch ((J->bits == 4 ? 0 : 64) + mr * 8 + nt) {
+    case BITS_KEY(B) + R * 8 + T: qblock(J, r, t0, held, pf, B, R, T); break;
+        switch (BITS_KEY(J->bits) + mr * 8 + nt) {
 #if QMR == 4 && QNT == 2
             FOLIO_QBLOCK(4, 1, 1) FOLIO_QBLOCK(4, 2, 1) FOLIO_QBLOCK(4, 3, 1) FOLIO_QBLOCK(4, 4, 1)
             FOLIO_QBLOCK(4, 1, 2) FOLIO_QBLOCK(4, 2, 2) FOLIO_QBLOCK(4, 3, 2) FOLIO_QBLOCK(4, 4, 2)
+            FOLIO_QBLOCK(6, 1, 1) FOLIO_QBLOCK(6, 2, 1) FOLIO_QBLOCK(6, 3, 1) FOLIO_QBLOCK(6, 4, 1)
+            FOLIO_QBLOCK(6, 1, 2) FOLIO_QBLOCK(6, 2, 2) FOLIO_QBLOCK(6, 3, 2) FOLIO_QBLOCK(6, 4, 2)
             FOLIO_QBLOCK(8, 1, 1) FOLIO_QBLOCK(8, 2, 1) FOLIO_QBLOCK(8, 3, 1) FOLIO_QBLOCK(8, 4, 1)
             FOLIO_QBLOCK(8, 1, 2) FOLIO_QBLOCK(8, 2, 2) FOLIO_QBLOCK(8, 3, 2) FOLIO_QBLOCK(8, 4, 2)
 #else
             FOLIO_QBLOCK(4, 1, 1) FOLIO_QBLOCK(4, 2, 1)
+            FOLIO_QBLOCK(6, 1, 1) FOLIO_QBLOCK(6, 2, 1)
             FOLIO_QBLOCK(8, 1, 1) FOLIO_QBLOCK(8, 2, 1)
 #endif
         }
@@ -564,12 +680,15 @@ static inline __attribute__((always_inline)) ivec bstep(ivec acc, ivec w, ivec x
 #else
     if (bits == 4)                       /* pairs into int16: at most 2 x 15 x 127 */
         return iadd16(acc, imaddubs(w, xv));
+    if (bits == 6)                       /* pairs at most 2 x 63 x 128: into int32 at once */
+        return iadd(acc, imadd16(imaddubs(w, xv), iset16(1)));
     /* w = q - 128 (signed): |w| times x with w's sign, at most 2 x 128 x 127 a pair */
     return iadd(acc, imadd16(imaddubs(iabs8(w), isign8(xv, w)), iset16(1)));
 #endif
 }
 
 static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r0, int64_t t0,
+                                                         const vec *held,
                                                          const int bits, const int mr,
                                                          const int nt) {
     const int64_t kp = J->kp, stride = tile_bytes(J);
@@ -584,11 +703,7 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
     int64_t blk = 0;
     for (int64_t g = 0; g < J->groups; g++) {
         vec s[INT * VPT], o[INT * VPT];
-#pragma GCC unroll 2
-        for (int j = 0; j < nt; j++)
-#pragma GCC unroll 2
-            for (int v = 0; v < VPT; v++)
-                group_scale(J, t0 + j, g, v, s + j * VPT + v, o + j * VPT + v);
+        scales_of(J, held, INT, t0, g, nt, s, o);
         for (int64_t p0 = J->bounds[g]; p0 < J->bounds[g + 1]; p0 += 32, blk++) {
             const int64_t p1 = p0 + 32 < J->bounds[g + 1] ? p0 + 32 : J->bounds[g + 1];
             ivec iacc[2][IMR][INT * VPT];
@@ -601,20 +716,23 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             for (int64_t p = p0; p < p1; p += 8) {
                 /* each lane's word: positions 0..3 of the octet (lo), 4..7 (hi) */
                 ivec w[2][INT * VPT];
-                const int64_t at = (p >> 3) * (bits == 4 ? 64 : 128);
 #pragma GCC unroll 2
                 for (int j = 0; j < nt; j++)
 #pragma GCC unroll 2
                     for (int v = 0; v < VPT; v++) {
-                        const uint8_t *t = J->codes + (t0 + j) * stride + at + v * VL * 4;
+                        const uint8_t *t = J->codes + (t0 + j - J->code_tile0) * stride +
+                                           (p >> 3) * 64 + v * VL * 4;
                         if (bits == 4) {
                             const ivec c = iload(t), m4 = iset1(0x0f0f0f0f);
                             w[0][j * VPT + v] = iand(c, m4);
                             w[1][j * VPT + v] = iand(isrl(c, 4), m4);
                         } else {
-                            w[0][j * VPT + v] = iload(t);
-                            w[1][j * VPT + v] = iload(t + 64);
-                            if (!VNNI8) {
+                            ivec b[2];
+                            byte_words(J->codes + (t0 + j - J->code_tile0) * stride, p >> 3,
+                                       v, bits, b);
+                            w[0][j * VPT + v] = b[0];
+                            w[1][j * VPT + v] = b[1];
+                            if (!VNNI8 && bits == 8) {
                                 w[0][j * VPT + v] = ixor(w[0][j * VPT + v], iset1((int)0x80808080));
                                 w[1][j * VPT + v] = ixor(w[1][j * VPT + v], iset1((int)0x80808080));
                             }
@@ -645,7 +763,7 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                         sum = imadd16(sum, iset16(1));
                     } else {
                         if (chains == 2) sum = iadd(sum, iacc[1][r][j]);
-                        if (!VNNI8) sum = iadd(sum, iset1(back));             /* q = w + 128 */
+                        if (!VNNI8 && bits == 8) sum = iadd(sum, iset1(back));  /* q = w + 128 */
                     }
                     acc[r][j] = vfma(itof(sum), vmul(s[j], xs), acc[r][j]);
                 }
@@ -665,19 +783,25 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
-static void itile_group(const job *J, int64_t t0, int nt) {
+static void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t *codes8) {
+    const vec *held = J->m > IMR && scratch ? hold_scales(J, t0, nt, INT, scratch) : 0;
+    job J8;
+    if (J->bits == 6 && J->m > IMR && codes8) J = widen_codes(J, t0, nt, codes8, &J8);
     for (int64_t r = 0; r < J->m; r += IMR) {
         const int mr = J->m - r < IMR ? (int)(J->m - r) : IMR;
 #define FOLIO_IBLOCK(B, R, T) \
-    case (B == 4 ? 0 : 64) + R * 8 + T: iblock(J, r, t0, B, R, T); break;
-        switch ((J->bits == 4 ? 0 : 64) + mr * 8 + nt) {
+    case BITS_KEY(B) + R * 8 + T: iblock(J, r, t0, held, B, R, T); break;
+        switch (BITS_KEY(J->bits) + mr * 8 + nt) {
 #if INT == 2
             FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
             FOLIO_IBLOCK(4, 1, 2) FOLIO_IBLOCK(4, 2, 2) FOLIO_IBLOCK(4, 3, 2) FOLIO_IBLOCK(4, 4, 2)
+            FOLIO_IBLOCK(6, 1, 1) FOLIO_IBLOCK(6, 2, 1) FOLIO_IBLOCK(6, 3, 1) FOLIO_IBLOCK(6, 4, 1)
+            FOLIO_IBLOCK(6, 1, 2) FOLIO_IBLOCK(6, 2, 2) FOLIO_IBLOCK(6, 3, 2) FOLIO_IBLOCK(6, 4, 2)
             FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1) FOLIO_IBLOCK(8, 4, 1)
             FOLIO_IBLOCK(8, 1, 2) FOLIO_IBLOCK(8, 2, 2) FOLIO_IBLOCK(8, 3, 2) FOLIO_IBLOCK(8, 4, 2)
 #else
             FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
+            FOLIO_IBLOCK(6, 1, 1) FOLIO_IBLOCK(6, 2, 1) FOLIO_IBLOCK(6, 3, 1) FOLIO_IBLOCK(6, 4, 1)
             FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1) FOLIO_IBLOCK(8, 4, 1)
 #endif
         }
@@ -708,19 +832,24 @@ int folio_qlinear_int8_rows(int bits) {
     (void)bits;
     return FOLIO_INT8_EVERY_ROW;
 #else
-    return bits == 4 ? FOLIO_INT8_EVERY_ROW : 32;
+    return bits == 4 ? FOLIO_INT8_EVERY_ROW : 32;      /* 6 bits: assumed like 8 */
 #endif
 }
 
 /* out [m][n] (contiguous, x's dtype: 0 fp32, 1 bf16) = x [m][k] (rows
  * x_stride apart) @ W^T + bias (fp32 or NULL); kp positions (perm: the input
  * feature of each, -1 padding; NULL: position = feature, kp = k). Returns
- * nonzero if scratch memory could not be had (out is not all written then). */
+ * 1 if scratch memory could not be had, 2 if per_super is not a power of two
+ * (out is not all written then). */
 int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *perm,
                   const uint8_t *codes, int bits, const uint16_t *scales,
-                  const uint16_t *offsets, int zeros, const int32_t *bounds, int64_t groups,
+                  const uint16_t *offsets, int zeros, const uint16_t *supers,
+                  int64_t per_super, const int32_t *bounds, int64_t groups,
                   const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
                   int quantize_x, int num_threads) {
+    int super_shift = 0;        /* two-level scales: super-groups of a power of two groups */
+    while (supers && ((int64_t)1 << super_shift) < per_super) super_shift++;
+    if (supers && ((int64_t)1 << super_shift) != per_super) return 2;
     if (quantize_x == 3)        /* int8 where it wins; else int16 for bf16, float for fp32 */
         quantize_x = m <= folio_qlinear_int8_rows(bits) ? 2 : dtype == 1;
     int64_t blocks = 0;
@@ -737,8 +866,9 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
     int32_t *x8sum = quantize_x == 2 ? (int32_t *)(xscale + m * blocks) : 0;
     int8_t *x8 = quantize_x == 2 ? (int8_t *)(x8sum + m * blocks) : 0;
     const int64_t tiles = (n + 15) / 16;
-    job J = {xf, xsum, xq, xscale, x8, x8sum, codes, scales, offsets, bounds, bias, out,
-             m, n, kp, groups, blocks, bits, dtype, zeros};
+    job J = {xf, xsum, xq, xscale, x8, x8sum, codes, scales, offsets, supers, bounds, bias, out,
+             m, n, kp, groups, blocks, supers ? (groups + per_super - 1) / per_super : 0,
+             bits, dtype, zeros, super_shift, 0};
     const float limit = quantize_x == 2 ? 127.0f : 32767.0f;
     /* the group sums serve the int16 path and the few-row float one, not the panel */
     const int sums = quantize_x || m <= MR;
@@ -814,13 +944,24 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
         }
         const int id = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t first = tiles * id / count, last = tiles * (id + 1) / count;
+        /* the integer paths' scales held once for all row blocks (none: each
+         * row block computes them again) */
+        void *held = 0, *codes8 = 0;
+        const int width = quantize_x == 2 ? INT : QNT;
+        if (quantize_x && m > (quantize_x == 2 ? IMR : QMR)) {
+            if (posix_memalign(&held, 64, sizeof(vec) * 2 * (size_t)(groups * width * VPT)))
+                held = 0;
+            if (bits == 6) codes8 = malloc((size_t)(width * kp * 16));
+        }
         if (quantize_x == 2) {
             for (int64_t t = first; t < last; t += INT)
-                itile_group(&J, t, last - t < INT ? (int)(last - t) : INT);
+                itile_group(&J, t, last - t < INT ? (int)(last - t) : INT, (vec *)held,
+                            (uint8_t *)codes8);
         } else if (quantize_x) {
             for (int64_t t = first; t < last; t += QNT)
                 qtile_group(&J, t, last - t < QNT ? (int)(last - t) : QNT,
-                            t + 2 * QNT <= last ? codes + (t + QNT) * tile_bytes(&J) : 0);
+                            t + 2 * QNT <= last ? codes + (t + QNT) * tile_bytes(&J) : 0,
+                            (vec *)held, (uint8_t *)codes8);
         } else if (m <= MR) {
             for (int64_t t = first; t < last; t += NT)
                 ftile_group(&J, t, last - t < NT ? (int)(last - t) : NT);
@@ -837,6 +978,8 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
             }
             free(wf);
         }
+        free(held);
+        free(codes8);
     }
     free(xf);
     return failed;
@@ -854,9 +997,11 @@ int folio_qlinear_int8_rows(int bits) {
 
 int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *perm,
                   const uint8_t *codes, int bits, const uint16_t *scales,
-                  const uint16_t *offsets, int zeros, const int32_t *bounds, int64_t groups,
+                  const uint16_t *offsets, int zeros, const uint16_t *supers,
+                  int64_t per_super, const int32_t *bounds, int64_t groups,
                   const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
                   int quantize_x, int num_threads) {
+    (void)supers; (void)per_super;
     (void)x; (void)x_stride; (void)dtype; (void)perm; (void)codes; (void)bits; (void)scales;
     (void)offsets; (void)zeros; (void)bounds; (void)groups; (void)bias; (void)out; (void)m;
     (void)n; (void)kp; (void)quantize_x; (void)num_threads;

@@ -9,24 +9,29 @@ min) under the super-block's float16 d (and dmin): Q4_K and Q5_K, 8
 sub-blocks of 32 with 6-bit scales sc and mins m, w = q d sc - dmin m with
 4- and 5-bit q; Q6_K, 16 sub-blocks of 16 with int8 scales, w = d sc (q -
 32) with 6-bit q. The loader (`model/gguf_loader.py`) splits each packed
-tensor into three checkpoint tensors the layers' loader can shard like any
-other (rows are output features; blocks run along the input):
+tensor into checkpoint tensors the layers' loader can shard like any other
+(rows are output features; blocks run along the input):
 
 - `qcodes` uint8 [out, in * bits / 8]: unsigned codes as held (`KINDS`), for
   4 bits two per byte, input feature 2j in the low nibble of byte j and
   2j + 1 in the high one; Q8_0's signed bytes are offset by 128; Q5_K's and
   Q6_K's 5- and 6-bit codes one per byte;
 - `qscales` [out, in / group]: d, or a K-quant sub-block's d sc;
-- `qoffsets` [out, in / group]: -8 d, m, -128 d, -dmin m or -32 d sc.
+- `qoffsets` [out, in / group]: -8 d, m, -128 d, -dmin m or -32 d sc;
+- K-quants: `qsuperscales` and `qsuperoffsets` [out, in / group], each
+  group's super-block's d and -dmin (Q6_K: -32 d).
 
 So w = q * scale + offset for all of them, as the gguf package dequantizes
-them (its products and sums are exact in fp32). The packed form keeps scales
-and offsets in float16: exact for the legacy types, whose d and m are
-float16; a K-quant's d sc and dmin m (up to 17 significant bits) are rounded
-to float16 there, 2^-12 of each at most, far below the 4-bit codes' own
-step. Q5_K and Q6_K are held in the 8-bit form (their codes one per byte),
-so a Q4_K_M file (Q4_K, with Q6_K for some tensors) is held at about 5 bits
-a weight for its Q4_K tensors and 10 for its Q6_K ones. Which tensors are
+them (its products and sums are exact in fp32). The legacy types' scales and
+offsets are held in float16 (exact: their d and m are float16). A K-quant's
+are held as the file holds them: the sub-blocks' integers as int8 (sc, and m;
+Q6_K's one sc serves both) and per super-block the float16 d and offset
+multiplier, the kernel's products of the two exact in fp32
+(`IntGroups.from_codes(supers=...)`); Q5_K's and Q6_K's codes in 6 bits.
+So a Q4_K_M file is held at about its size: Q4_K at 4.63 bits a weight
+(the file's 4.5), Q6_K at 6.56 (6.56), a fused layer that mixes the two
+(Q4_K_M's attn_v beside Q4_K q and k) at 7.1 (one form a layer: 6-bit
+codes in groups of 16). Which tensors are
 kept packed is decided once, when the config is read
 (`gguf_loader.packed_linear_tensors`: a fused layer's projections must share
 one packable type); the others (Q2_K, Q3_K, ...) are dequantized to float at
@@ -49,7 +54,8 @@ from folio.model.layers.quantization.int_groups import IntCheckpointMethod, IntG
 
 # the types kept packed: (bits of the codes as held, input features per group)
 KINDS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32),
-         "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+         "Q4_K": (4, 32), "Q5_K": (6, 32), "Q6_K": (6, 16)}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")     # scales in two levels: int8s under a super-block's d
 
 
 def held_form(kinds) -> tuple[int, int]:
@@ -99,11 +105,12 @@ class GGUFConfig(QuantizationConfig):
 class GGUFLinearMethod(IntCheckpointMethod):
     """Offsets rather than zero points: its own `dequantize` and `int_groups`."""
 
-    checkpoint_tensors = ("qcodes", "qscales", "qoffsets")
-
     def __init__(self, kinds: list[str], prefix: str):
         self.kind, self.prefix = "+".join(dict.fromkeys(kinds)), prefix
         self.bits, self.group = held_form(kinds)
+        self.two_level = all(k in K_QUANTS for k in kinds)
+        self.checkpoint_tensors = ("qcodes", "qscales", "qoffsets") + (
+            ("qsuperscales", "qsuperoffsets") if self.two_level else ())
 
     def create_weights(self, layer, in_features, out_features, dtype):
         if in_features % self.group:
@@ -112,7 +119,7 @@ class GGUFLinearMethod(IntCheckpointMethod):
         per_byte = 8 // self.bits
         weight_param(layer, "qcodes", (out_features, in_features // per_byte), torch.uint8,
                      output_dim=0, input_dim=1, packed_dim=1, pack_factor=per_byte)
-        for name in ("qscales", "qoffsets"):
+        for name in self.checkpoint_tensors[1:]:
             weight_param(layer, name, (out_features, in_features // self.group),
                          torch.float32, output_dim=0, input_dim=1)
 
@@ -131,5 +138,8 @@ class GGUFLinearMethod(IntCheckpointMethod):
     def int_groups(self, layer) -> IntGroups:
         codes = self._codes(layer)
         groups = torch.arange(codes.shape[1]) // self.group
+        supers = None
+        if self.two_level:      # held so where a rank's inputs are whole super-blocks
+            supers = (layer.qsuperscales.data, layer.qsuperoffsets.data, 256 // self.group)
         return IntGroups.from_codes(codes, groups, layer.qscales.data, self.bits,
-                                    offset=layer.qoffsets.data)
+                                    offset=layer.qoffsets.data, supers=supers)

@@ -84,6 +84,10 @@ def _qlinear_kernel(x_ptr, perm_ptr, codes_ptr, scales_ptr, offsets_ptr, bounds_
 def qlinear(x: torch.Tensor, w, bias: torch.Tensor | None = None, dot_fp32: bool = False,
             block_m: int = 16, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
     """x [..., K] times the IntGroups weight `w` (+ bias) -> [..., N], in x's dtype."""
+    if w.bits not in (4, 8) or w.supers is not None:     # packed so only for the CPU
+        raise NotImplementedError("the Triton kernel reads 4- and 8-bit codes with float16 "
+                                  "scales; this weight is held in the CPU kernel's 6-bit or "
+                                  "two-level form")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
