@@ -5,7 +5,9 @@
 # tests/utils.py's write_tiny_gguf, then quantized by llama.cpp's own
 # llama-quantize (built from the pinned source of scripts/install_llama_cpp.sh)
 # to Q4_K_M (Q4_K, with Q6_K where llama.cpp keeps more bits) and Q5_K_M
-# (Q5_K and Q6_K): the files people download, made as they are made.
+# (Q5_K and Q6_K): the files people download, made as they are made. And a
+# tiny random Qwen3-MoE (hidden 256, 2 layers of 4 experts of 256 features,
+# top-2 renormalized as llama.cpp runs it) to Q4_K_M: its experts' K-quants.
 #
 #     scripts/make_kquant_fixtures.sh [OUT_DIR]
 #
@@ -26,10 +28,16 @@ work = sys.argv[1]
 hf = make_tiny_model(f"{work}/hf", arch="llama", hidden_size=256, intermediate_size=512,
                      seed=0)
 write_tiny_gguf(hf, f"{work}/tiny-llama-F32.gguf")
+moe = make_tiny_model(f"{work}/moe", arch="qwen3_moe", dialect="v5", hidden_size=256,
+                      num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=256, mlp_only_layers=[], norm_topk_prob=True,
+                      seed=0)
+write_tiny_gguf(moe, f"{work}/tiny-qwen3moe-F32.gguf")
 EOF
-for kind in Q4_K_M Q5_K_M; do
-    "$QUANTIZE" "$WORK/tiny-llama-F32.gguf" "$OUT/tiny-llama-$kind.gguf" "$kind" \
-        > "$WORK/$kind.log" 2>&1 || { tail -20 "$WORK/$kind.log" >&2; exit 1; }
+for model in tiny-llama:Q4_K_M tiny-llama:Q5_K_M tiny-qwen3moe:Q4_K_M; do
+    name="${model%%:*}" kind="${model##*:}"
+    "$QUANTIZE" "$WORK/$name-F32.gguf" "$OUT/$name-$kind.gguf" "$kind" \
+        > "$WORK/$name-$kind.log" 2>&1 || { tail -20 "$WORK/$name-$kind.log" >&2; exit 1; }
 done
 rm -rf "$WORK"
 ls -l "$OUT"

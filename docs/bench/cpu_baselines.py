@@ -361,10 +361,13 @@ def llama_cpp_rows(args, model: Path, tmp: Path, label: str = "") -> dict:
     return rows
 
 
-def model_bench_main(doc: str, one_round) -> None:
+def model_bench_main(doc: str, one_round, extra=None) -> None:
     """The main of a script that makes its own model (--keep DIR: once, there)
-    and runs it beside llama.cpp (--llama-isa: which build)."""
+    and runs it beside llama.cpp (--llama-isa: which build); `extra(parser)`
+    adds the script's own flags."""
     p = bench_parser(doc)
+    if extra is not None:
+        extra(p)
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="make the model here once and reuse it (default: a temporary folder)")
     p.add_argument("--llama-isa", default="native",

@@ -85,22 +85,35 @@ def test_greedy_tokens_alone_and_batched_and_logprobs_are_transformers(moe_gguf)
                           atol=2e-4)
 
 
-def test_a_quantized_file_keeps_its_attention_in_codes_and_reads_its_experts(moe_gguf,
-                                                                             tmp_path):
-    """Q8_0 throughout: the attention's and dense layers' weights stay packed and
-    (MoE) the experts and router arrive dequantized; the tokens and logprobs are
-    those of the same file read all dequantized (`-q none`: the gguf package's
-    values), whose MoE the F32 tests above check against transformers.
-    (transformers' own GGUF reader does not read these files' experts.)"""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_quantized_file_keeps_its_weights_and_experts_in_codes(moe_gguf, tmp_path, qtype):
+    """Q8_0 (or Q4_1) throughout: the attention's and dense layers' weights and
+    (MoE) every expert's two matrices stay packed, no float expert held (the
+    router arrives dequantized, F32 as llama.cpp writes it); the tokens and
+    logprobs are those of the same file read all dequantized (`-q none`: the
+    gguf package's values), whose MoE the F32 tests above check against
+    transformers. (transformers' own GGUF reader does not read these files'
+    experts.)"""
+    from folio.model.layers.moe import ExpertMatrix, FusedMoE
     from folio.model.layers.quantization.int_groups import IntGroupsLinear
     name, _, _ = moe_gguf
+    if qtype == "Q4_1" and name not in ("mixtral", "qwen3_moe"):
+        pytest.skip("the 4-bit codes of the dense models are tested in test_gguf.py")
     sizes = {"intermediate_size": 64} if name == "mixtral" else \
         {"head_dim": 32, "query_pre_attn_scalar": 32} if name == "gemma3" else {}  # whole blocks
     folder = make_tiny_model(tmp_path / "hf", **{**MODELS[name], **sizes})
-    path = write_tiny_gguf(folder, tmp_path / "q8.gguf", "Q8_0")
+    path = write_tiny_gguf(folder, tmp_path / "q.gguf", qtype)
     packed = LLM(path, dtype="float32", num_kv_blocks=32, activation_quantization="none")
     model = packed.engine.executor.runner.model
     assert isinstance(model.model.layers[0].self_attn.o_proj.quant_method, IntGroupsLinear)
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert bool(moes) == (name in ("mixtral", "qwen3_moe"))
+    for moe in moes:
+        experts = [m for pair in moe.packed_experts for m in pair]
+        assert len(experts) == 2 * moe.num_experts
+        assert all(isinstance(m, ExpertMatrix) and m.weights.bits == int(qtype[1])
+                   for m in experts)
+        assert all(p.numel() == 0 for n, p in moe.named_parameters() if not n.startswith("gate"))
     floats = LLM(path, dtype="float32", num_kv_blocks=32, quantization="none")
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     for prompt in _prompts(3, seed=9):
@@ -144,3 +157,14 @@ def test_llama_cpp_gives_the_same_tokens_on_the_same_file(tmp_path):
                 # llama.cpp keeps its KV cache in float16: a near-tie may go either way
                 assert_greedy_parity(list(ours), list(theirs), gaps, f"{name} {i}",
                                      tie_gap=LLAMA_CPP_TIE_GAP)
+
+
+def test_tensor_parallel_2_splits_the_experts_codes(tmp_path):
+    """At tensor-parallel size 2 each rank holds its slice of every expert's
+    codes (gate and up rows; down's columns, whole Q4_1 blocks of 32 a rank)
+    and the two give one rank's tokens and logprobs."""
+    from tests.model.quantization.checkpoints import assert_tensor_parallel_2_matches
+    folder = make_tiny_model(tmp_path / "hf", **{**MODELS["qwen3_moe"],
+                                                  "moe_intermediate_size": 64})
+    path = write_tiny_gguf(folder, tmp_path / "q.gguf", "Q4_1")
+    assert_tensor_parallel_2_matches(path, _prompts(3, seed=4))

@@ -27,7 +27,8 @@ def split_blocks(t, form: tuple[int, int]) -> dict[str, torch.Tensor]:
     (qsuperscales, qsuperoffsets: -dmin, or Q6_K's -32 d), whose int8
     multiples the scales and offsets are."""
     kind = t.tensor_type.name
-    rows, cols = int(t.shape[1]), int(t.shape[0])          # ne order
+    cols = int(t.shape[0])                                  # ne order; experts' rows stacked
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
     size, per_block = BLOCK_BYTES[kind]
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // per_block, -1)
     if blocks.shape[2] != size:

@@ -198,9 +198,9 @@ def _phi3(reader, config: ModelConfig) -> ModelConfig:
 def _with_experts(reader, config: ModelConfig, arch: str, experts: int) -> ModelConfig:
     """A mixture of experts' fields: Mixtral's GGUFs say "llama" with an expert
     count. llama.cpp renormalizes the top-k weights of both (norm_topk_prob); a
-    layer without a router (ffn_gate_inp) is dense. The experts are dequantized
-    at load (they are not `_proj` weights, so never packed); the attention's
-    packable weights stay in their codes."""
+    layer without a router (ffn_gate_inp) is dense. Experts of a packable type
+    stay in their codes as the linear layers' do (FusedMoE's GGUF tensors);
+    others are dequantized at load."""
     name = "MixtralForCausalLM" if arch == "llama" else config.architecture
     if name not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         raise ValueError(f"GGUF architecture {arch!r} with {experts} experts is not supported")
@@ -273,7 +273,18 @@ def packed_linear_tensors(reader) -> dict[str, str]:
             continue
         if all(types.get(part) in KINDS for part in _siblings(name)):
             packed[name] = kind
+    # a MoE layer's stacked experts, where all three matrices are packable
+    for name, kind in types.items():
+        if ".mlp.experts." in name and kind in KINDS and all(
+                types.get(part) in KINDS for part in _expert_matrices(name)):
+            packed[name] = kind
     return packed
+
+
+def _expert_matrices(name: str) -> list[str]:
+    """The stacked expert weights of the MoE layer that holds weight `name`."""
+    layer = name.split(".mlp.", 1)[0]
+    return [f"{layer}.mlp.experts.{p}.weight" for p in ("gate", "up", "down")]
 
 
 def quantized_tensor_types(path: str) -> list[str]:
@@ -339,6 +350,13 @@ def iter_gguf_weights(model_config: ModelConfig, keep=None) -> Iterator[tuple[st
             if packed[name] != t.tensor_type.name:
                 raise ValueError(f"{model_config.path}: {t.name} changed type since the "
                                  "config was read")
+            if ".mlp.experts." in name:         # gate and up share w13's held form
+                down = name.endswith(".down.weight")
+                parts = split_blocks(t, held_form([packed[n] for n in (
+                    _expert_matrices(name)[2:] if down else _expert_matrices(name)[:2])]))
+                items = _packed_expert_names(model_config, name, parts)
+                yield from items
+                continue
             parts = split_blocks(t, held_form([packed[n] for n in _siblings(name)]))
             module = name[:-len(".weight")]
             items = [(f"{module}.{part}", value) for part, value in parts.items()]
@@ -354,6 +372,19 @@ def iter_gguf_weights(model_config: ModelConfig, keep=None) -> Iterator[tuple[st
             elif permuted and ".self_attn.k_proj." in key:
                 tensor = _unpermute_rows(tensor, model_config.num_key_value_heads)
             yield key, tensor
+
+
+def _packed_expert_names(model_config: ModelConfig, name: str, parts: dict) -> list:
+    """A stacked expert weight kept in its codes: each of its tensors
+    (split_blocks', [E * out, ...]) one per expert, under the expert's name as
+    `_expert_names` gives it (...experts.{e}.gate_proj.qcodes)."""
+    experts = model_config.num_experts
+    items = []
+    for part, value in parts.items():
+        per_expert = value.view(experts, -1, value.shape[1])
+        weights = _expert_names(model_config, name, per_expert)
+        items += [(f"{key[:-len('.weight')]}.{part}", t) for key, t in weights]
+    return items
 
 
 def _expert_names(model_config: ModelConfig, name: str, tensor: torch.Tensor) -> list:

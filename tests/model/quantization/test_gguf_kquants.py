@@ -144,3 +144,38 @@ def test_logits_are_transformers_on_the_files_exact_values(loaded, kernel, monke
     reference = load_reference_model(path, dtype=torch.float32)
     assert_logits_match(llm, reference, PROMPTS, 2e-4)
     assert_greedy_tokens_equal(llm, reference, PROMPTS, Path(path).name)
+
+
+def test_a_moes_k_quant_experts_are_held_in_their_codes_exactly():
+    """tests/fixtures/gguf/tiny-qwen3moe-Q4_K_M.gguf (llama-quantize's, by
+    scripts/make_kquant_fixtures.sh): every expert's gate-and-up and down held
+    in its codes under the file's two-level scales, their values the gguf
+    package's dequantization exactly, no float expert held; the tokens and
+    logprobs those of the same file read all dequantized (`-q none`)."""
+    from folio import SamplingParams
+    from folio.model.layers.moe import ExpertMatrix, FusedMoE
+    path = str(FIXTURES / "tiny-qwen3moe-Q4_K_M.gguf")
+    types = _types(path)
+    assert {types[f"blk.{i}.ffn_{p}_exps.weight"] for i in (0, 1) for p in
+            ("gate", "up", "down")} <= {"Q4_K", "Q6_K"}
+    llm = LLM(path, dtype="float32", **FP32, num_kv_blocks=32)
+    tensors = {t.name: t for t in gguf_loader.gguf_reader(path).tensors}
+    for i, layer in enumerate(llm.engine.executor.runner.model.model.layers):
+        moe = layer.mlp
+        assert isinstance(moe, FusedMoE)
+        gate, up, down = (gguf_blocks.dequantize(tensors[f"blk.{i}.ffn_{p}_exps.weight"])
+                          for p in ("gate", "up", "down"))          # [E, out, in]
+        for e, (w13, w2) in enumerate(moe.packed_experts):
+            assert isinstance(w13, ExpertMatrix) and isinstance(w2, ExpertMatrix)
+            assert w13.weights.supers is not None and w2.weights.supers is not None
+            assert torch.equal(w13.weights.dequantize(), torch.cat([gate[e], up[e]]))
+            assert torch.equal(w2.weights.dequantize(), down[e])
+        assert all(p.numel() == 0 for n, p in moe.named_parameters() if not n.startswith("gate"))
+    floats = LLM(path, dtype="float32", **FP32, num_kv_blocks=32, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    for prompt in PROMPTS:
+        a, b = (m.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+                for m in (llm, floats))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert pa.keys() == pb.keys() and all(abs(pa[t] - pb[t]) < 2e-4 for t in pa)

@@ -18,7 +18,9 @@ per-token loop the tests hold both to. On the CPU, once loaded, each expert's
 two matrices are packed as the dense layers' are (`packed_experts`); under
 `--quantization int8|int4` (on any device) they are quantized instead, round
 to nearest as rtn.py quantizes every linear layer, and run on IntGroups'
-kernels, their activations as `--activation-quantization` says.
+kernels, their activations as `--activation-quantization` says; a GGUF's
+packable experts arrive in their codes (gguf.py's tensors, stacked by expert:
+`_gguf_tensors`) and run on the same kernels, never held as floats.
 
 Tensor parallelism splits I: each rank holds a slice of every expert's gate,
 up and down (column-parallel w13, row-parallel w2) and the partial outputs are
@@ -228,6 +230,40 @@ class FusedMoE(nn.Module):
         self.packed_experts: Optional[list] = None     # process_weights_after_loading's
         self.w13_weight.weight_loader = self._load_w13
         self.w2_weight.weight_loader = self._load_w2
+        # a GGUF's experts kept in their codes: each matrix's tensors as gguf.py
+        # reads a linear layer's (qcodes, qscales, ...), stacked by expert
+        methods = getattr(quant_config, "expert_methods", None)
+        self.gguf = methods(checkpoint_prefix.rsplit(".", 1)[0]) if methods else None
+        if self.gguf is not None:
+            self._gguf_tensors(hidden, checkpoint_prefix, names)
+
+    def _gguf_tensors(self, hidden: int, prefix: str, names: tuple[str, str, str]) -> None:
+        """The stacked experts' GGUF tensors in place of the float ones: w13_<t>
+        [E, 2 I, columns] and w2_<t> [E, H, columns], t each of gguf.py's
+        checkpoint tensors, filled from `{prefix}.experts.{e}.{name}.<t>`."""
+        self.w13_weight.checkpoint_names = self.w2_weight.checkpoint_names = {}
+        self.w13_weight.data = self.w2_weight.data = torch.empty(0)
+        n, experts = self.intermediate, self.num_experts
+        for matrix, method, inputs in (("w13", self.gguf[0], hidden), ("w2", self.gguf[1], n)):
+            if inputs % method.group or inputs % (8 // method.bits):
+                raise ValueError(f"{method.prefix}: {inputs} input features per rank do not "
+                                 f"split into {method.kind}'s groups of {method.group}")
+            rows = 2 * n if matrix == "w13" else hidden
+            for t in method.checkpoint_tensors:
+                columns = inputs // (8 // method.bits) if t == "qcodes" else inputs // method.group
+                param = nn.Parameter(torch.empty(experts, rows, columns,
+                                                 dtype=torch.uint8 if t == "qcodes"
+                                                 else torch.float32), requires_grad=False)
+                if matrix == "w13":
+                    param.checkpoint_names = {
+                        (e, part): f"{prefix}.experts.{e}.{names[part]}.{t}"
+                        for e in range(experts) for part in (0, 1)}
+                    param.weight_loader = self._load_w13
+                else:
+                    param.checkpoint_names = {e: f"{prefix}.experts.{e}.{names[2]}.{t}"
+                                              for e in range(experts)}
+                    param.weight_loader = self._load_w2
+                self.register_parameter(f"{matrix}_{t}", param)
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
         """Expert e's gate (part 0) or up (part 1) [I, H]: this rank's rows."""
@@ -236,8 +272,8 @@ class FusedMoE(nn.Module):
         _copy(param.data[e, part * n:(part + 1) * n], loaded.narrow(0, tp_rank() * n, n))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, e: int) -> None:
-        """Expert e's down [H, I]: this rank's columns."""
-        n = self.intermediate
+        """Expert e's down [H, I] (or a GGUF tensor of it): this rank's columns."""
+        n = param.shape[2]
         _copy(param.data[e], loaded.narrow(1, tp_rank() * n, n))
 
     def process_weights_after_loading(self) -> None:
@@ -248,6 +284,17 @@ class FusedMoE(nn.Module):
         CPU; fp32 experts stored as bf16 under `store`). Only those forms are
         kept; the stacked parameters stay, empty, for their names."""
         self.gate.prepare()
+        if self.gguf is not None:
+            tensors = [{t: getattr(self, f"{matrix}_{t}") for t in method.checkpoint_tensors}
+                       for matrix, method in zip(("w13", "w2"), self.gguf)]
+            self.packed_experts = [
+                tuple(ExpertMatrix(method.held({t: p.data[e] for t, p in named.items()}))
+                      for method, named in zip(self.gguf, tensors))
+                for e in range(self.num_experts)]
+            for named in tensors:
+                for p in named.values():
+                    p.data = torch.empty(0, dtype=p.dtype)
+            return
         if self.rtn is not None:
             packed = [(self._quantized(self.w13_weight.data[e], 0),
                        self._quantized(self.w2_weight.data[e], tp_rank() * self.intermediate))

@@ -31,7 +31,9 @@ multiplier, the kernel's products of the two exact in fp32
 So a Q4_K_M file is held at about its size: Q4_K at 4.63 bits a weight
 (the file's 4.5), Q6_K at 6.56 (6.56), a fused layer that mixes the two
 (Q4_K_M's attn_v beside Q4_K q and k) at 7.1 (one form a layer: 6-bit
-codes in groups of 16). Which tensors are
+codes in groups of 16). A MoE layer's stacked experts are kept so too,
+each expert's gate and up (one form) and down a packed form of their own
+(`expert_methods`, read by layers/moe.py). Which tensors are
 kept packed is decided once, when the config is read
 (`gguf_loader.packed_linear_tensors`: a fused layer's projections must share
 one packable type); the others (Q2_K, Q3_K, ...) are dequantized to float at
@@ -95,6 +97,17 @@ class GGUFConfig(QuantizationConfig):
             return GGUFLinearMethod(kinds, prefix)
         return PlainLinearMethod(self.weight_dtype)
 
+    def expert_methods(self, layer_prefix: str):
+        """A MoE layer's (gate and up, down) methods where its stacked experts
+        (`{layer_prefix}.mlp.experts.{gate,up,down}.weight`) are kept packed,
+        else None."""
+        kinds = [self.packed.get(f"{layer_prefix}.mlp.experts.{p}.weight")
+                 for p in ("gate", "up", "down")]
+        if None in kinds:
+            return None
+        return (GGUFLinearMethod(kinds[:2], f"{layer_prefix}.mlp.experts.gate_up"),
+                GGUFLinearMethod(kinds[2:], f"{layer_prefix}.mlp.experts.down"))
+
     def get_embedding_method(self, layer: nn.Module, prefix: str):
         """`token_embd` (and an untied `output`) of a packable type: rows of
         the table are output features, its blocks run along the hidden size."""
@@ -136,10 +149,17 @@ class GGUFLinearMethod(IntCheckpointMethod):
                 + layer.qoffsets.data[:, groups])
 
     def int_groups(self, layer) -> IntGroups:
-        codes = self._codes(layer)
+        return self.held({name: getattr(layer, name).data for name in self.checkpoint_tensors})
+
+    def held(self, tensors: dict[str, torch.Tensor]) -> IntGroups:
+        """The packed form of one matrix's loaded tensors (`checkpoint_tensors`
+        by name; a layer's, or one expert's of a MoE layer)."""
+        codes = tensors["qcodes"]
+        if self.bits == 4:
+            codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
         groups = torch.arange(codes.shape[1]) // self.group
         supers = None
         if self.two_level:      # held so where a rank's inputs are whole super-blocks
-            supers = (layer.qsuperscales.data, layer.qsuperoffsets.data, 256 // self.group)
-        return IntGroups.from_codes(codes, groups, layer.qscales.data, self.bits,
-                                    offset=layer.qoffsets.data, supers=supers)
+            supers = (tensors["qsuperscales"], tensors["qsuperoffsets"], 256 // self.group)
+        return IntGroups.from_codes(codes, groups, tensors["qscales"], self.bits,
+                                    offset=tensors["qoffsets"], supers=supers)
