@@ -7,7 +7,9 @@
 # to Q4_K_M (Q4_K, with Q6_K where llama.cpp keeps more bits) and Q5_K_M
 # (Q5_K and Q6_K): the files people download, made as they are made. And a
 # tiny random Qwen3-MoE (hidden 256, 2 layers of 4 experts of 256 features,
-# top-2 renormalized as llama.cpp runs it) to Q4_K_M: its experts' K-quants.
+# top-2 renormalized as llama.cpp runs it) to Q4_K_M: its experts' K-quants,
+# and attn_k / attn_v Q8_0, as llama-quantize makes them itself for models of
+# 8 experts (Mixtral), so that a fused q/k/v mixes Q4_K with Q8_0.
 #
 #     scripts/make_kquant_fixtures.sh [OUT_DIR]
 #
@@ -36,7 +38,9 @@ write_tiny_gguf(moe, f"{work}/tiny-qwen3moe-F32.gguf")
 EOF
 for model in tiny-llama:Q4_K_M tiny-llama:Q5_K_M tiny-qwen3moe:Q4_K_M; do
     name="${model%%:*}" kind="${model##*:}"
-    "$QUANTIZE" "$WORK/$name-F32.gguf" "$OUT/$name-$kind.gguf" "$kind" \
+    extra=()
+    [ "$name" = tiny-qwen3moe ] && extra=(--tensor-type attn_k=q8_0 --tensor-type attn_v=q8_0)
+    "$QUANTIZE" "${extra[@]}" "$WORK/$name-F32.gguf" "$OUT/$name-$kind.gguf" "$kind" \
         > "$WORK/$name-$kind.log" 2>&1 || { tail -20 "$WORK/$name-$kind.log" >&2; exit 1; }
 done
 rm -rf "$WORK"

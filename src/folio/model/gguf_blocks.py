@@ -18,14 +18,15 @@ BLOCK_BYTES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32),
                 "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
-def split_blocks(t, form: tuple[int, int]) -> dict[str, torch.Tensor]:
+def split_blocks(t, form: tuple[int, int], two_level: bool = True) -> dict[str, torch.Tensor]:
     """A packed tensor [rows, in] -> its codes, scales and offsets as
     layers/quantization/gguf.py reads them (w = code * scale + offset), in the
     held `form` (bits, group) of its layer: a part of wider codes or smaller
     groups than its own gets its codes one per byte, each scale repeated. A
     K-quant's also give each group its super-block's d and offset multiplier
     (qsuperscales, qsuperoffsets: -dmin, or Q6_K's -32 d), whose int8
-    multiples the scales and offsets are."""
+    multiples the scales and offsets are, where its layer is held in two
+    levels (`two_level`: every part of it a K-quant)."""
     kind = t.tensor_type.name
     cols = int(t.shape[0])                                  # ne order; experts' rows stacked
     rows = int(np.prod([int(d) for d in t.shape[1:]]))
@@ -44,7 +45,7 @@ def split_blocks(t, form: tuple[int, int]) -> dict[str, torch.Tensor]:
         np.ascontiguousarray(a, dtype=np.float32).reshape(rows, -1))
     parts = {"qcodes": torch.from_numpy(np.ascontiguousarray(codes.astype(np.uint8))),
              "qscales": as_tensor(per_group(scales)), "qoffsets": as_tensor(per_group(offsets))}
-    if supers:      # a K-quant: each group's super-block's d and offset multiplier
+    if supers and two_level:    # each group's super-block's d and offset multiplier
         per_block = 256 // group
         for name, value in zip(("qsuperscales", "qsuperoffsets"), supers):
             parts[name] = as_tensor(np.repeat(value.reshape(rows, -1), per_block, axis=1))

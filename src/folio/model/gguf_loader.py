@@ -33,7 +33,8 @@ import torch
 from folio.config import ModelConfig
 from folio.model.registry import ARCHITECTURES
 from folio.model.gguf_blocks import dequantize, split_blocks
-from folio.model.layers.quantization.gguf import FUSED, KINDS, held_form, shard_names
+from folio.model.layers.quantization.gguf import (FUSED, KINDS, held_form, shard_names,
+                                                  two_level)
 
 # general.architecture -> HF class: model/registry.py's entries (Mistral GGUFs
 # say "llama": the same graph)
@@ -352,12 +353,13 @@ def iter_gguf_weights(model_config: ModelConfig, keep=None) -> Iterator[tuple[st
                                  "config was read")
             if ".mlp.experts." in name:         # gate and up share w13's held form
                 down = name.endswith(".down.weight")
-                parts = split_blocks(t, held_form([packed[n] for n in (
-                    _expert_matrices(name)[2:] if down else _expert_matrices(name)[:2])]))
-                items = _packed_expert_names(model_config, name, parts)
-                yield from items
+                kinds = [packed[n] for n in (_expert_matrices(name)[2:] if down
+                                             else _expert_matrices(name)[:2])]
+                parts = split_blocks(t, held_form(kinds), two_level(kinds))
+                yield from _packed_expert_names(model_config, name, parts)
                 continue
-            parts = split_blocks(t, held_form([packed[n] for n in _siblings(name)]))
+            kinds = [packed[n] for n in _siblings(name)]
+            parts = split_blocks(t, held_form(kinds), two_level(kinds))
             module = name[:-len(".weight")]
             items = [(f"{module}.{part}", value) for part, value in parts.items()]
         else:

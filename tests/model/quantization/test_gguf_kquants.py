@@ -123,7 +123,7 @@ def test_every_linear_layer_is_held_in_its_codes(loaded):
 def test_the_bytes_held_are_about_the_files(loaded):
     """Q4_K: 4-bit codes, two int8s a group of 32 and a float16 pair a block
     of 256 (4.63 bits a weight, the file's 4.5); Q6_K: 6-bit codes, an int8 a
-    group of 16 and the pair (6.56, the file's 6.56); Q5_K in the 6-bit form
+    group of 16 and the pair (6.63, the file's 6.56); Q5_K in the 6-bit form
     (6.63, the file's 5.5). Q4_K_M's fused q/k/v of Q4_K and Q6_K parts is held
     in one form (6 bits in groups of 16), the rest of its 5% over the file."""
     kind, path, llm = loaded
@@ -150,8 +150,12 @@ def test_a_moes_k_quant_experts_are_held_in_their_codes_exactly():
     """tests/fixtures/gguf/tiny-qwen3moe-Q4_K_M.gguf (llama-quantize's, by
     scripts/make_kquant_fixtures.sh): every expert's gate-and-up and down held
     in its codes under the file's two-level scales, their values the gguf
-    package's dequantization exactly, no float expert held; the tokens and
-    logprobs those of the same file read all dequantized (`-q none`)."""
+    package's dequantization exactly, no float expert held. Its attn_k and
+    attn_v are Q8_0 (as llama.cpp makes 8-expert files), so the fused q/k/v
+    mixes Q4_K with Q8_0: held in 8 bits with float16 scales. The tokens and
+    logprobs are those of the same file read all dequantized (`-q none`),
+    within the float16 rounding of that one layer's Q4_K scales (0.013 at
+    most here, on logprobs of about -10)."""
     from folio import SamplingParams
     from folio.model.layers.moe import ExpertMatrix, FusedMoE
     path = str(FIXTURES / "tiny-qwen3moe-Q4_K_M.gguf")
@@ -161,6 +165,11 @@ def test_a_moes_k_quant_experts_are_held_in_their_codes_exactly():
     llm = LLM(path, dtype="float32", **FP32, num_kv_blocks=32)
     tensors = {t.name: t for t in gguf_loader.gguf_reader(path).tensors}
     for i, layer in enumerate(llm.engine.executor.runner.model.model.layers):
+        assert (types[f"blk.{i}.attn_q.weight"], types[f"blk.{i}.attn_k.weight"]) == (
+            "Q4_K", "Q8_0")
+        qkv = layer.self_attn.qkv_proj.quant_method.weights
+        assert qkv.bits == 8 and qkv.supers is None
+        assert layer.self_attn.o_proj.quant_method.weights.supers is not None
         moe = layer.mlp
         assert isinstance(moe, FusedMoE)
         gate, up, down = (gguf_blocks.dequantize(tensors[f"blk.{i}.ffn_{p}_exps.weight"])
@@ -178,4 +187,4 @@ def test_a_moes_k_quant_experts_are_held_in_their_codes_exactly():
                 for m in (llm, floats))
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            assert pa.keys() == pb.keys() and all(abs(pa[t] - pb[t]) < 2e-4 for t in pa)
+            assert pa.keys() == pb.keys() and all(abs(pa[t] - pb[t]) < 0.05 for t in pa)

@@ -12,10 +12,10 @@ sub-blocks of 32 with 6-bit scales sc and mins m, w = q d sc - dmin m with
 tensor into checkpoint tensors the layers' loader can shard like any other
 (rows are output features; blocks run along the input):
 
-- `qcodes` uint8 [out, in * bits / 8]: unsigned codes as held (`KINDS`), for
-  4 bits two per byte, input feature 2j in the low nibble of byte j and
-  2j + 1 in the high one; Q8_0's signed bytes are offset by 128; Q5_K's and
-  Q6_K's 5- and 6-bit codes one per byte;
+- `qcodes` uint8 [out, in / (8 // bits)]: unsigned codes (`KINDS` gives
+  each type's bits), for 4 bits two per byte, input feature 2j in the low
+  nibble of byte j and 2j + 1 in the high one, else one per byte (Q8_0's
+  signed bytes offset by 128; Q5_K's and Q6_K's 5- and 6-bit codes);
 - `qscales` [out, in / group]: d, or a K-quant sub-block's d sc;
 - `qoffsets` [out, in / group]: -8 d, m, -128 d, -dmin m or -32 d sc;
 - K-quants: `qsuperscales` and `qsuperoffsets` [out, in / group], each
@@ -27,9 +27,12 @@ offsets are held in float16 (exact: their d and m are float16). A K-quant's
 are held as the file holds them: the sub-blocks' integers as int8 (sc, and m;
 Q6_K's one sc serves both) and per super-block the float16 d and offset
 multiplier, the kernel's products of the two exact in fp32
-(`IntGroups.from_codes(supers=...)`); Q5_K's and Q6_K's codes in 6 bits.
+(`IntGroups.from_codes(supers=...)`; where a tensor-parallel rank's inputs
+are not whole super-blocks of 256, float16 ones); Q5_K's and Q6_K's codes
+in 6 bits. A layer that mixes a K-quant with a legacy type (llama.cpp's
+Mixtral files keep attn_k and attn_v Q8_0) holds float16 scales.
 So a Q4_K_M file is held at about its size: Q4_K at 4.63 bits a weight
-(the file's 4.5), Q6_K at 6.56 (6.56), a fused layer that mixes the two
+(the file's 4.5), Q6_K at 6.63 (the file's 6.56), a fused layer that mixes the two
 (Q4_K_M's attn_v beside Q4_K q and k) at 7.1 (one form a layer: 6-bit
 codes in groups of 16). A MoE layer's stacked experts are kept so too,
 each expert's gate and up (one form) and down a packed form of their own
@@ -63,9 +66,16 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")     # scales in two levels: int8s under a su
 def held_form(kinds) -> tuple[int, int]:
     """(bits, group) a layer of these parts is held in: one form for the fused
     layer, the widest codes and the smallest groups among them (a Q4_K part
-    beside a Q6_K one, as Q4_K_M's attn_v is, is held in 8 bits and groups of
+    beside a Q6_K one, as Q4_K_M's attn_v is, is held in 6 bits and groups of
     16, each group of 32's scale twice: the same values)."""
     return max(KINDS[k][0] for k in kinds), min(KINDS[k][1] for k in kinds)
+
+
+def two_level(kinds) -> bool:
+    """Whether a layer of these parts holds its scales in two levels (every
+    part a K-quant; a fused layer of a K-quant beside a legacy type, as
+    llama.cpp's Mixtral files' Q4_K q beside Q8_0 k and v, holds float16 ones)."""
+    return all(k in K_QUANTS for k in kinds)
 
 
 # our fused projections -> the checkpoint projections they hold
@@ -121,7 +131,7 @@ class GGUFLinearMethod(IntCheckpointMethod):
     def __init__(self, kinds: list[str], prefix: str):
         self.kind, self.prefix = "+".join(dict.fromkeys(kinds)), prefix
         self.bits, self.group = held_form(kinds)
-        self.two_level = all(k in K_QUANTS for k in kinds)
+        self.two_level = two_level(kinds)
         self.checkpoint_tensors = ("qcodes", "qscales", "qoffsets") + (
             ("qsuperscales", "qsuperoffsets") if self.two_level else ())
 
