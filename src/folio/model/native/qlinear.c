@@ -22,8 +22,9 @@
  *           then of 4..7;
  *   6 bits: per pair of octets, [2][16][4] bytes of their low nibbles (the
  *           4-bit layout) and [16][4] of their top 2 bits (byte_words), made
- *           into the 8-bit form's words as they are read (groups are padded
- *           to whole pairs of octets).
+ *           into the 8-bit form's words as they are read by the int8 path at
+ *           few rows, else first widened once a call into the 8-bit layout
+ *           (widen_codes; groups are padded to whole pairs of octets).
  * So one 64-byte load gives a tile's codes for 8 positions (4 bits) or 4
  * (8 bits), and either a shift and a mask make 16 lanes of one position's
  * codes (the float path) or a mask makes four positions' bytes per lane, the
@@ -342,7 +343,7 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
 #pragma GCC unroll 2
                 for (int v = 0; v < VPT; v++) {
                     vec w[8];
-                    widen_octet(J->codes + (t0 + j) * stride, p / 8, v, bits, w);
+                    widen_octet(J->codes + (t0 + j - J->code_tile0) * stride, p / 8, v, bits, w);
 #pragma GCC unroll 4
                     for (int r = 0; r < mr; r++) {
                         const float *xr = J->x + (r0 + r) * kp + p;
@@ -377,8 +378,15 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
 }
 
 /* Up to MR rows against the tiles t0 .. t0 + nt. */
-static void ftile_group(const job *J, int64_t t0, int nt) {
+static const job *widen_codes(const job *J, int64_t t0, int nt, uint8_t *out, job *J8);
+
+/* 6-bit codes are widened to bytes first (codes8, widen_codes): the float
+ * and int16 paths have no 6-bit blocks of their own (each width is a set of
+ * unrolled blocks to compile; 6-bit ones run mostly on the int8 path). */
+static void ftile_group(const job *J, int64_t t0, int nt, uint8_t *codes8) {
     const int mr = (int)J->m;
+    job J8;
+    if (J->bits == 6) J = widen_codes(J, t0, nt, codes8, &J8);
 #define FOLIO_FBLOCK(B, R, T) \
     case BITS_KEY(B) + R * 8 + T: fblock(J, 0, t0, B, R, T); break;
     switch (BITS_KEY(J->bits) + mr * 8 + nt) {
@@ -386,15 +394,11 @@ static void ftile_group(const job *J, int64_t t0, int nt) {
         FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1) FOLIO_FBLOCK(4, 4, 1)
         FOLIO_FBLOCK(4, 1, 2) FOLIO_FBLOCK(4, 2, 2) FOLIO_FBLOCK(4, 3, 2) FOLIO_FBLOCK(4, 4, 2)
         FOLIO_FBLOCK(4, 1, 3) FOLIO_FBLOCK(4, 2, 3) FOLIO_FBLOCK(4, 3, 3) FOLIO_FBLOCK(4, 4, 3)
-        FOLIO_FBLOCK(6, 1, 1) FOLIO_FBLOCK(6, 2, 1) FOLIO_FBLOCK(6, 3, 1) FOLIO_FBLOCK(6, 4, 1)
-        FOLIO_FBLOCK(6, 1, 2) FOLIO_FBLOCK(6, 2, 2) FOLIO_FBLOCK(6, 3, 2) FOLIO_FBLOCK(6, 4, 2)
-        FOLIO_FBLOCK(6, 1, 3) FOLIO_FBLOCK(6, 2, 3) FOLIO_FBLOCK(6, 3, 3) FOLIO_FBLOCK(6, 4, 3)
         FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1) FOLIO_FBLOCK(8, 4, 1)
         FOLIO_FBLOCK(8, 1, 2) FOLIO_FBLOCK(8, 2, 2) FOLIO_FBLOCK(8, 3, 2) FOLIO_FBLOCK(8, 4, 2)
         FOLIO_FBLOCK(8, 1, 3) FOLIO_FBLOCK(8, 2, 3) FOLIO_FBLOCK(8, 3, 3) FOLIO_FBLOCK(8, 4, 3)
 #else
         FOLIO_FBLOCK(4, 1, 1) FOLIO_FBLOCK(4, 2, 1) FOLIO_FBLOCK(4, 3, 1)
-        FOLIO_FBLOCK(6, 1, 1) FOLIO_FBLOCK(6, 2, 1) FOLIO_FBLOCK(6, 3, 1)
         FOLIO_FBLOCK(8, 1, 1) FOLIO_FBLOCK(8, 2, 1) FOLIO_FBLOCK(8, 3, 1)
 #endif
     }
@@ -641,7 +645,7 @@ static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, v
                         uint8_t *codes8) {
     const vec *held = J->m > QMR && scratch ? hold_scales(J, t0, nt, QNT, scratch) : 0;
     job J8;
-    if (J->bits == 6 && J->m > QMR && codes8) {
+    if (J->bits == 6) {                 /* as ftile_group */
         J = widen_codes(J, t0, nt, codes8, &J8);
         next = 0;
     }
@@ -654,13 +658,10 @@ static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, v
 #if QMR == 4 && QNT == 2
             FOLIO_QBLOCK(4, 1, 1) FOLIO_QBLOCK(4, 2, 1) FOLIO_QBLOCK(4, 3, 1) FOLIO_QBLOCK(4, 4, 1)
             FOLIO_QBLOCK(4, 1, 2) FOLIO_QBLOCK(4, 2, 2) FOLIO_QBLOCK(4, 3, 2) FOLIO_QBLOCK(4, 4, 2)
-            FOLIO_QBLOCK(6, 1, 1) FOLIO_QBLOCK(6, 2, 1) FOLIO_QBLOCK(6, 3, 1) FOLIO_QBLOCK(6, 4, 1)
-            FOLIO_QBLOCK(6, 1, 2) FOLIO_QBLOCK(6, 2, 2) FOLIO_QBLOCK(6, 3, 2) FOLIO_QBLOCK(6, 4, 2)
             FOLIO_QBLOCK(8, 1, 1) FOLIO_QBLOCK(8, 2, 1) FOLIO_QBLOCK(8, 3, 1) FOLIO_QBLOCK(8, 4, 1)
             FOLIO_QBLOCK(8, 1, 2) FOLIO_QBLOCK(8, 2, 2) FOLIO_QBLOCK(8, 3, 2) FOLIO_QBLOCK(8, 4, 2)
 #else
             FOLIO_QBLOCK(4, 1, 1) FOLIO_QBLOCK(4, 2, 1)
-            FOLIO_QBLOCK(6, 1, 1) FOLIO_QBLOCK(6, 2, 1)
             FOLIO_QBLOCK(8, 1, 1) FOLIO_QBLOCK(8, 2, 1)
 #endif
         }
@@ -947,13 +948,21 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
         /* the integer paths' scales held once for all row blocks (none: each
          * row block computes them again) */
         void *held = 0, *codes8 = 0;
-        const int width = quantize_x == 2 ? INT : QNT;
-        if (quantize_x && m > (quantize_x == 2 ? IMR : QMR)) {
-            if (posix_memalign(&held, 64, sizeof(vec) * 2 * (size_t)(groups * width * VPT)))
-                held = 0;
-            if (bits == 6) codes8 = malloc((size_t)(width * kp * 16));
+        const int width = quantize_x == 2 ? INT : quantize_x ? QNT : NT;
+        const int many = m > (quantize_x == 2 ? IMR : QMR);
+        if (quantize_x && many &&
+            posix_memalign(&held, 64, sizeof(vec) * 2 * (size_t)(groups * width * VPT)))
+            held = 0;
+        /* 6-bit codes as bytes: the int8 path's for many rows, the int16 and
+         * few-row float paths' always (the panel path widens as it dequantizes) */
+        const int widen = bits == 6 && (quantize_x == 2 ? many : quantize_x || m <= MR);
+        if (widen && !(codes8 = malloc((size_t)(width * kp * 16)))) {
+#pragma omp atomic write
+            failed = 1;
         }
-        if (quantize_x == 2) {
+        if (widen && !codes8) {
+            /* nothing: failed is set */
+        } else if (quantize_x == 2) {
             for (int64_t t = first; t < last; t += INT)
                 itile_group(&J, t, last - t < INT ? (int)(last - t) : INT, (vec *)held,
                             (uint8_t *)codes8);
@@ -964,7 +973,7 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                             (vec *)held, (uint8_t *)codes8);
         } else if (m <= MR) {
             for (int64_t t = first; t < last; t += NT)
-                ftile_group(&J, t, last - t < NT ? (int)(last - t) : NT);
+                ftile_group(&J, t, last - t < NT ? (int)(last - t) : NT, (uint8_t *)codes8);
         } else {
             float *wf = (float *)malloc(sizeof(float) * (size_t)(DNT * kp * 16));
             if (!wf) {
