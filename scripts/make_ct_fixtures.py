@@ -44,14 +44,30 @@ KV_VARIANTS = {
 }
 
 
-def main(out: Path, names: list[str]) -> None:
+def compress(source: str, recipe, target: Path) -> None:
+    """oneshot `recipe` on the bfloat16 model at `source` (like the gptqmodel
+    fixtures, and most real checkpoints), calibrated on `calibration()`,
+    saved compressed to `target` with its reference logits."""
     from datasets import Dataset
     from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    data = calibration()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(source),
+            dataset=Dataset.from_list(data), recipe=recipe,
+            num_calibration_samples=len(data), max_seq_length=64,
+            shuffle_calibration_samples=False, output_dir=str(target),
+            save_compressed=True)
+    reference(target)
+    print(f"{target.name}: {sum(f.stat().st_size for f in target.iterdir()) // 1024} KiB",
+          flush=True)
+
+
+def main(out: Path, names: list[str]) -> None:
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     out.mkdir(parents=True, exist_ok=True)
-    data = calibration()
     recipes = {name: (GPTQModifier, weights, None) for name, weights in VARIANTS.items()}
     recipes.update({name: (QuantizationModifier, weights, kv)
                     for name, (weights, kv) in KV_VARIANTS.items()})
@@ -60,23 +76,11 @@ def main(out: Path, names: list[str]) -> None:
         for name, (modifier, weights, kv) in recipes.items():
             if names and name not in names:
                 continue
-            torch.manual_seed(0)
-            # bfloat16 like the gptqmodel fixtures (and most real checkpoints)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
             extra = {"kv_cache_scheme": kv} if kv else {}
             recipe = modifier(
                 config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
                 ignore=["lm_head"], **extra)
-            target = out / name
-            oneshot(model=model, tokenizer=AutoTokenizer.from_pretrained(source),
-                    dataset=Dataset.from_list(data), recipe=recipe,
-                    num_calibration_samples=len(data), max_seq_length=64,
-                    shuffle_calibration_samples=False, output_dir=str(target),
-                    save_compressed=True)
-            reference(target)
-            print(f"{name}: {sum(f.stat().st_size for f in target.iterdir()) // 1024} KiB",
-                  flush=True)
-
+            compress(source, recipe, out / name)
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])

@@ -276,10 +276,6 @@ def plan(args) -> dict:
     if args.gpu_hour_price is not None:
         gpu["hour_price"] = args.gpu_hour_price
     name, m = model_shape(args.model, catalog)
-    if m.moe_layers and args.quantization in ("awq", "gptq"):
-        raise ValueError(f"{name} is a mixture of experts, and checkpoints whose experts are "
-                         f"stored quantized ({args.quantization}) are not supported yet; plan "
-                         "it with --quantization none, int8 or int4")
     seq = args.prompt_len + args.output_len
     tp, f = tensor_parallel(args, name, m, gpu, seq)
     batch = min(MAX_SEQS, f["max_batch"])

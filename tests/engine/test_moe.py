@@ -3,10 +3,10 @@ transformers on a tiny random checkpoint it saved: the config read as each
 family spells it, the experts loaded into the stacked tensors, dense and MoE
 layers where Qwen3-MoE's config puts them, a prefix-cache hit, tensor
 parallelism 2 and prompt logprobs; a missing expert named; `-q int8|int4`
-quantizing the experts, a quantized checkpoint refused; the one-call native
+quantizing the experts (checkpoints whose experts are stored quantized:
+tests/model/quantization/test_moe_checkpoints.py); the one-call native
 decoder taken where the experts' kernels are native."""
 
-import json
 import random
 import shutil
 
@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from folio import LLM, SamplingParams
-from folio.engine.config_builder import build_config
 from folio.model import native
 from folio.model.layers.moe import FusedMoE
 from folio.model.llama import LlamaMLP
@@ -184,19 +183,6 @@ def test_quantization_flags_quantize_the_experts(moe_model):
         assert held < full * share and moe.w13_weight.numel() == 0       # fp32: 4 bytes
         drift[method] = (prompt_logprobs(llm, ids) - prompt_logprobs(floats, ids)).abs().max()
     assert drift["int8"] < 1.0 and drift["int8"] < drift["int4"], drift
-
-
-def test_a_quantized_checkpoint_is_refused(moe_model, tmp_path):
-    _, path, _ = moe_model
-    folder = tmp_path / "gptq"
-    shutil.copytree(path, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                  "desc_act": False, "sym": True}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized experts are not supported yet "
-                                         "\\(quantization 'gptq'\\)"):
-        build_config(str(folder))
 
 
 def test_mixtral_length_is_capped_at_its_window(tmp_path):

@@ -12,12 +12,13 @@ from safetensors import safe_open
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quant"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-GPTQ = [n for n in NAMES if n.startswith("gptq-")]
+GPTQ = [n for n in NAMES if n.startswith("gptq-w")]
 
 
 def test_the_fixtures_are_there():
-    assert NAMES == ["awq-w4-g32", "ct-w4a16-asym-g32", "ct-w4a16-g32", "ct-w8a16-channel",
-                     "ct-w8a16-kv-fp8", "ct-w8a16-kv-fp8-head",
+    assert NAMES == ["awq-mixtral-w4-g32", "awq-w4-g32", "ct-qwen3moe-w4a16-g32",
+                     "ct-w4a16-asym-g32", "ct-w4a16-g32", "ct-w8a16-channel",
+                     "ct-w8a16-kv-fp8", "ct-w8a16-kv-fp8-head", "gptq-qwen3moe-w4-g32",
                      "gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",
                      "gptq-w8-g32-sym"]
 

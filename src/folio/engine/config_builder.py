@@ -20,7 +20,6 @@ from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import (float_weight_methods, get_quantization_config,
                                              quantization_class)
 from folio.model.loader import load_model_config
-from folio.model.moe_config import refuse_quantized_experts
 # through the module: tests stand in for what the CPU can do (device.split_cpu_bf16)
 from folio.worker import device as devices
 
@@ -130,7 +129,6 @@ def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
         draft = load_model_config(spec.model)
         if spec.quantization is not None:
             draft = with_quantization_flag(draft, spec.quantization)
-        refuse_quantized_experts(draft)
         get_quantization_config(draft.quantization, draft.quantization_config,
                                 weight_dtype=weight_dtype)
     except (OSError, ValueError) as e:
@@ -177,7 +175,6 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if quantization is not None:
         model_config = with_quantization_flag(model_config, quantization)
     # named choices fail here, before any worker starts or weight is read
-    refuse_quantized_experts(model_config)
     get_quantization_config(model_config.quantization, model_config.quantization_config,
                             weight_dtype=weight_dtype)
     if attention_backend is not None:

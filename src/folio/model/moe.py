@@ -10,17 +10,18 @@ in mlp_only_layers, else a dense MLP of intermediate_size (names
 only with norm_topk_prob. Neither has shared experts. transformers' fused
 form of the experts (3-D tensors) loads too.
 
-Experts stored quantized are not supported yet: a quantized checkpoint is
-refused (engine/config_builder.py says so before any weight is read; the
-model refuses too, for callers that build it directly); `--quantization
-int8|int4` quantizes the float experts at load (layers/moe.py). The CPU's one-call native decoder runs MoE layers where their
-experts are packed for a native kernel (native/decoder.py).
+Experts stored quantized (GPTQ, AWQ, compressed-tensors checkpoints) load
+through their format's linear method, one layer per expert matrix, and are
+kept in IntGroups' codes; a GGUF's packable experts likewise;
+`--quantization int8|int4` quantizes the float experts at load (layers/moe.py).
+The CPU's one-call native decoder runs MoE layers where their experts are
+packed for a native kernel or held as IntGroups (native/decoder.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -30,7 +31,6 @@ from folio.model import native
 from folio.model.layers.linear import process_weights_after_loading
 from folio.model.layers.moe import FusedMoE
 from folio.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from folio.model.moe_config import refuse_quantized_experts
 from folio.model.qwen3 import Qwen3Attention
 from folio.model.weight_loading import load_model_weights
 
@@ -41,6 +41,10 @@ class _MoEStyle:
     checkpoint_block: str                   # the MoE block's name under model.layers.N
     names: tuple[str, str, str]             # the experts' (gate, up, down) tensor names
     weights_in_float: bool                  # top-k weights applied in fp32 (else the dtype)
+    # another spelling of the block and its experts that checkpoints use,
+    # read as this one (gptqmodel saves Mixtral's experts as transformers 5
+    # holds them: mlp.experts.E.gate_proj/up_proj/down_proj, router mlp.gate)
+    alias: Optional[tuple[str, tuple[str, str, str]]] = None
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
@@ -63,11 +67,6 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
 class MoEForCausalLM(LlamaForCausalLM):
     layer_cls: type[MoEDecoderLayer]
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str, quant_config=None,
-                 attn_backend=None):
-        refuse_quantized_experts(cfg)
-        super().__init__(cfg, dtype, device, quant_config, attn_backend)
 
     @classmethod
     def shape(cls, cfg: ModelConfig):
@@ -95,7 +94,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def _per_expert(self, weights):
         style = self.layer_cls.style
         gate, up, down = style.names
-        for name, tensor in weights:
+        for name, tensor in self._unaliased(weights):
             base, _, kind = name.rpartition(".experts.")
             if not base or kind not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
                 yield name, tensor
@@ -110,8 +109,29 @@ class MoEForCausalLM(LlamaForCausalLM):
                     yield f"{experts}.{e}.{up}.weight", u
 
 
+    def _unaliased(self, weights):
+        """The style's alias spelling of a MoE block's tensors, renamed to its own."""
+        style = self.layer_cls.style
+        if style.alias is None:
+            yield from weights
+            return
+        block, names = style.alias
+        renames = dict(zip(names, style.names))
+        ours, theirs = f".{style.checkpoint_block}.", f".{block}."
+        for name, tensor in weights:
+            if f"{theirs}gate." in name:
+                name = name.replace(f"{theirs}gate.", f"{ours}gate.")
+            elif f"{theirs}experts." in name:
+                head, _, rest = name.partition(f"{theirs}experts.")
+                e, leaf, tail = (rest.split(".", 2) + ["", ""])[:3]
+                if leaf in renames:
+                    name = f"{head}{ours}experts.{e}.{renames[leaf]}.{tail}"
+            yield name, tensor
+
+
 class MixtralDecoderLayer(MoEDecoderLayer):
-    style = _MoEStyle("block_sparse_moe", ("w1", "w3", "w2"), weights_in_float=True)
+    style = _MoEStyle("block_sparse_moe", ("w1", "w3", "w2"), weights_in_float=True,
+                      alias=("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
 class MixtralForCausalLM(MoEForCausalLM):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from folio.config import ModelConfig
 from folio.model.loader import config_size
 
 
@@ -51,14 +50,3 @@ def qwen3_moe_fields(cfg: dict[str, Any], num_layers: int, source: str) -> dict[
                 decoder_sparse_step=_positive(cfg, ("decoder_sparse_step",), source, 1),
                 mlp_only_layers=tuple(dense))
 
-
-def refuse_quantized_experts(cfg: ModelConfig) -> None:
-    """A ValueError naming what is not supported yet, for a quantized MoE model:
-    checkpoints whose experts are stored quantized (GPTQ, AWQ,
-    compressed-tensors). A GGUF's experts stay in their codes where their type
-    is packable (else dequantized); `--quantization int8|int4` quantizes the
-    float experts at load, as it does every linear layer (layers/moe.py)."""
-    if cfg.num_experts and cfg.quantization not in (None, "none", "gguf", "int8", "int4"):
-        raise ValueError(f"{cfg.architecture}: quantized experts are not supported yet "
-                         f"(quantization {cfg.quantization!r}); run the float checkpoint "
-                         "without --quantization")

@@ -20,7 +20,10 @@ two matrices are packed as the dense layers' are (`packed_experts`); under
 to nearest as rtn.py quantizes every linear layer, and run on IntGroups'
 kernels, their activations as `--activation-quantization` says; a GGUF's
 packable experts arrive in their codes (gguf.py's tensors, stacked by expert:
-`_gguf_tensors`) and run on the same kernels, never held as floats.
+`_gguf_tensors`) and run on the same kernels, never held as floats; a
+checkpoint whose experts are stored quantized (GPTQ, AWQ, compressed-tensors)
+loads them through per-expert layers of its format's method and keeps their
+IntGroups (expert_weights.py, which says how every expert matrix is held).
 
 Tensor parallelism splits I: each rank holds a slice of every expert's gate,
 up and down (column-parallel w13, row-parallel w2) and the partial outputs are
@@ -39,7 +42,7 @@ from torch import nn
 from folio.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from folio.model import native
 from folio.model.layers.activation import silu_and_mul
-from folio.model.layers.quantization.int_groups import IntGroupsLinear
+from folio.model.layers.expert_weights import ExpertMatrix, checkpoint_experts, prepared
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -236,6 +239,14 @@ class FusedMoE(nn.Module):
         self.gguf = methods(checkpoint_prefix.rsplit(".", 1)[0]) if methods else None
         if self.gguf is not None:
             self._gguf_tensors(hidden, checkpoint_prefix, names)
+        # a checkpoint whose experts are stored quantized (GPTQ, AWQ,
+        # compressed-tensors): each expert's two matrices are linear layers of
+        # the format's own method, until loaded
+        self.experts: Optional[nn.ModuleList] = None
+        if quant_config is not None and not quant_config.loads_float_weights \
+                and methods is None:
+            self._checkpoint_experts(hidden, intermediate, dtype, quant_config,
+                                     checkpoint_prefix, names)
 
     def _gguf_tensors(self, hidden: int, prefix: str, names: tuple[str, str, str]) -> None:
         """The stacked experts' GGUF tensors in place of the float ones: w13_<t>
@@ -264,6 +275,15 @@ class FusedMoE(nn.Module):
                                               for e in range(experts)}
                     param.weight_loader = self._load_w2
                 self.register_parameter(f"{matrix}_{t}", param)
+
+    def _checkpoint_experts(self, hidden: int, intermediate: int, dtype: torch.dtype,
+                            quant_config, prefix: str, names: tuple[str, str, str]) -> None:
+        """Each expert's matrices as linear layers of the format's method
+        (expert_weights.checkpoint_experts); the float stacks are not made."""
+        self.w13_weight.checkpoint_names = self.w2_weight.checkpoint_names = {}
+        self.w13_weight.data = self.w2_weight.data = torch.empty(0)
+        self.experts = checkpoint_experts(self.num_experts, hidden, intermediate, dtype,
+                                          quant_config, prefix, names)
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
         """Expert e's gate (part 0) or up (part 1) [I, H]: this rank's rows."""
@@ -294,6 +314,11 @@ class FusedMoE(nn.Module):
             for named in tensors:
                 for p in named.values():
                     p.data = torch.empty(0, dtype=p.dtype)
+            return
+        if self.experts is not None:
+            self.packed_experts = [tuple(prepared(layer) for layer in (x.gate_up_proj, x.down_proj))
+                                   for x in self.experts]
+            self.experts = None         # only the packed forms are kept
             return
         if self.rtn is not None:
             packed = [(self._quantized(self.w13_weight.data[e], 0),
@@ -343,13 +368,6 @@ class FusedMoE(nn.Module):
         else:
             out = dense_packed_experts(x, w13, w2, weights, ids, packed)
         return all_reduce(out, self.tp)
-
-
-class ExpertMatrix(IntGroupsLinear):
-    """One quantized expert matrix, called as the packed products are: (x, bias)."""
-
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return self.apply(None, x, bias)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -79,7 +79,9 @@ def two_level(kinds) -> bool:
 
 
 # our fused projections -> the checkpoint projections they hold
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# (w1_w3: a Mixtral expert's gate and up, layers/moe.py's checkpoint experts)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "w1_w3": ("w1", "w3")}
 
 
 def shard_names(prefix: str) -> list[str]:
