@@ -35,7 +35,8 @@ cat "$OUT/machine.txt"
 # memory sizing, the GPU benchmark's own dry run.
 # (GPU_TESTS, space-separated, replaces the list.) Whole engines first, kernels last.
 read -r -a TESTS <<< "${GPU_TESTS:-tests/worker/test_cuda_graphs.py tests/worker/test_gpu_memory.py
-    tests/model/quantization/test_triton_qlinear.py tests/engine/test_triton_backend.py
+    tests/model/quantization/test_triton_qlinear.py tests/model/layers/test_triton_moe.py
+    tests/engine/test_triton_backend.py
     tests/engine/test_gemma3.py::test_greedy_tokens_batched_under_preemption
     tests/engine/test_gemma3.py::test_prompt_logprobs_match_and_the_window_matters
     tests/worker/test_device.py tests/bench/test_gpu.py tests/model/test_triton_attention.py}"

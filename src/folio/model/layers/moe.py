@@ -13,7 +13,9 @@ once per step whatever the number of tokens that chose it; the rows are then
 weighted and scattered back to their tokens (`fused_experts`). Under CUDA graph
 capture the row counts cannot be read back, so every expert runs on every
 token and the unchosen outputs are weighted by zero (`dense_experts`: still
-each expert's weights once per step). `reference_experts` is the plain
+each expert's weights once per step). On CUDA, float experts run on the Triton
+kernel (triton_moe.py), which groups the rows on the device and so needs no
+host read, captured or not. `reference_experts` is the plain
 per-token loop the tests hold both to. On the CPU, once loaded, each expert's
 two matrices are packed as the dense layers' are (`packed_experts`); under
 `--quantization int8|int4` (on any device) they are quantized instead, round
@@ -43,6 +45,7 @@ from folio.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from folio.model import native
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.expert_weights import ExpertMatrix, checkpoint_experts, prepared
+from folio.model.layers.quantization.int_groups import has_triton
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -361,7 +364,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         w13, w2, packed = self.w13_weight, self.w2_weight, self.packed_experts
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if x.is_cuda and packed is None and has_triton():
+            # no host read: the same launch under CUDA graph capture
+            from folio.model.layers.triton_moe import triton_fused_experts
+            out = triton_fused_experts(x, w13, w2, weights, ids)
+        elif not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             out = fused_experts(x, w13, w2, weights, ids, packed)
         elif packed is None:
             out = dense_experts(x, w13, w2, weights, ids)

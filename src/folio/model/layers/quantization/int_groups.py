@@ -321,7 +321,7 @@ class IntGroupsLinear(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         w = self.weights
-        if x.is_cuda and _has_triton():
+        if x.is_cuda and has_triton():
             from folio.model.layers.quantization.triton_qlinear import qlinear
             return qlinear(x, w, bias)
         if native.runs_qlinear(x):
@@ -330,7 +330,8 @@ class IntGroupsLinear(LinearMethod):
 
 
 @functools.cache
-def _has_triton() -> bool:
+def has_triton() -> bool:
+    """Whether triton (the CUDA kernels' compiler) is installed."""
     import importlib.util
     return importlib.util.find_spec("triton") is not None
 
