@@ -86,3 +86,66 @@ def assert_prefix_hit_parity(path: str, ref_model, new_tokens: int):
     assert out.num_cached_tokens == 48
     ref, gaps = reference_greedy(ref_model, second, new_tokens, ())
     assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label="prefix hit")
+
+
+def assert_windowed_greedy_parity(llm, ref_model, prompts: list[list[int]], new_tokens: int,
+                                  label: str = "") -> None:
+    """A windowed model's greedy tokens are transformers' for `prompts` (longer
+    than its window) one at a time, then for a prompt that shares 48 tokens
+    with an earlier one and hits the prefix cache (blocks of 8)."""
+    import random
+
+    from folio import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for ids in prompts:
+        ref, gaps = reference_greedy(ref_model, ids, new_tokens, ())
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+        assert_greedy_parity(out.token_ids, ref, gaps, label=f"{label} {len(ids)}")
+    shared = [random.Random(3).randrange(5, 384) for _ in range(48)]
+    llm.generate({"prompt_token_ids": shared + [7, 8, 9]}, params, use_tqdm=False)
+    second = shared + [11, 12]
+    out = llm.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 48
+    ref, gaps = reference_greedy(ref_model, second, new_tokens, ())
+    assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label=f"{label} prefix hit")
+
+
+def assert_window_matters(llm, ref_model, ids: list[int], window: int) -> None:
+    """Prompt logprobs equal transformers' with the windows; the same engine
+    with every window taken off agrees before the window fills and parts
+    after (so the window was what made them equal)."""
+    expected = reference_prompt_logprobs(ref_model, ids)
+    got = prompt_logprobs(llm, ids)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    for layer in llm.engine.executor.runner.model.model.layers:
+        layer.self_attn.attn.sliding_window = None
+    llm.engine.scheduler.kv.window = None           # every block kept, to read them all
+    unwindowed = prompt_logprobs(llm, ids)
+    assert torch.allclose(unwindowed[:window - 1], expected[:window - 1], atol=1e-4)
+    assert (unwindowed - expected).abs().max() > 1e-2
+
+
+def assert_batched_parity_under_preemption(path: str, ref_model, batch: list[list[int]],
+                                           new_tokens: int, blocks: int, backend: str) -> None:
+    """`batch` at once in `blocks` blocks of 4, 32 tokens a step and 4 seats,
+    so that sequences are preempted: every one still gives transformers'
+    greedy tokens, and every block comes back."""
+    from folio import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=blocks, block_size=4,
+              max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+    for ids, out in zip(batch, outs):
+        ref, gaps = reference_greedy(ref_model, ids, new_tokens, ())
+        assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label=out.request_id)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == blocks
+
+
+def windowed_prompts(n: int, seed: int, window: int) -> list[list[int]]:
+    """n random prompts of window + 5 to 80 tokens (past the window)."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 384) for _ in range(rng.randint(window + 5, 80))]
+            for _ in range(n)]
+

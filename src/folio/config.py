@@ -97,6 +97,24 @@ class ModelConfig:
     def rope_table_positions(self) -> int:
         return self.rope_positions or self.max_position_embeddings
 
+    def window_of(self, layer: int) -> Optional[int]:
+        """The keys layer `layer` attends to at most: its sliding window where it
+        has one shorter than the positions run (a window at least that long
+        hides nothing), else None (every key)."""
+        types = self.layer_types
+        if (self.sliding_window is None or not types or types[layer] != "sliding_attention"
+                or self.sliding_window >= self.rope_table_positions):
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_window(self) -> Optional[int]:
+        """The window of a model whose every layer has one (Mistral's), or None:
+        blocks wholly behind it are no layer's keys any more and can be freed
+        (KVCacheManager)."""
+        windows = {self.window_of(i) for i in range(len(self.layer_types))}
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
 
 @dataclass(frozen=True)
 class CacheConfig:

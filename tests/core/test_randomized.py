@@ -14,7 +14,9 @@ from tests.core.fake import FakeRunner, make_request
 
 
 def check_invariants(sched: Scheduler) -> None:
-    holders = Counter(b.block_id for table in sched.kv.tables.values() for b in table)
+    kv = sched.kv
+    holders = Counter(b.block_id for seq_id, table in kv.tables.items()
+                      for b in table[kv._dropped.get(seq_id, 0):])
     for block in sched.kv.pool.blocks:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
         assert sched.kv.pool.is_free(block.block_id) == (block.ref_cnt == 0), block
@@ -24,8 +26,17 @@ def check_invariants(sched: Scheduler) -> None:
     assert set(sched.kv.tables) <= live
     for req in sched.running:
         for seq in req.kv_seqs:
-            assert sched.kv.num_blocks_of(seq.seq_id) == cdiv(req.num_computed_tokens,
-                                                              sched.kv.block_size)
+            dropped = kv._dropped.get(seq.seq_id, 0)
+            assert kv.num_blocks_of(seq.seq_id) == cdiv(req.num_computed_tokens,
+                                                        kv.block_size) - dropped
+            if kv.window is None:
+                assert dropped == 0
+                continue
+            # never a block the next token's window reaches; at most the blocks
+            # a step and the window before it span
+            assert dropped <= max(0, req.num_computed_tokens - kv.window + 1) // kv.block_size
+            assert kv.num_blocks_of(seq.seq_id) <= kv.most_blocks(
+                req.num_computed_tokens + 1, sched.config.max_num_batched_tokens)
     assert len(sched.running) <= sched.config.max_num_seqs
     wasted, allocated = sched.kv.waste((s.seq_id, r.num_computed_tokens)
                                        for r in sched.running for s in r.kv_seqs)
@@ -33,8 +44,11 @@ def check_invariants(sched: Scheduler) -> None:
     assert 0 <= wasted <= seqs * (sched.kv.block_size - 1) and wasted <= allocated
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["all-keys", "window"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
-def test_random_operations_keep_the_pool_consistent(seed):
+def test_random_operations_keep_the_pool_consistent(seed, windowed):
+    """`window`: every layer attends to its last few keys (Mistral's), so
+    blocks behind them go back to the pool mid-sequence."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8, 16])
     num_blocks = rng.randint(8, 64)
@@ -44,8 +58,9 @@ def test_random_operations_keep_the_pool_consistent(seed):
                           long_prefill_token_threshold=rng.choice([0, 0, 8, 32]),
                           scheduling_policy=rng.choice(["fcfs", "priority"]),
                           priority_aging_steps=rng.choice([0, 4, 64]))
-    sched, runner = Scheduler(cfg, num_blocks, block_size), FakeRunner(vocab=50)
-    next_id, finished = 0, 0
+    window = rng.randint(1, 3 * block_size) if windowed else None
+    sched, runner = Scheduler(cfg, num_blocks, block_size, window=window), FakeRunner(vocab=50)
+    next_id, finished, gave_back = 0, 0, False
     for _ in range(1500):
         op = rng.random()
         if op < 0.25:
@@ -61,7 +76,8 @@ def test_random_operations_keep_the_pool_consistent(seed):
             try:
                 sched.add_request(req)
             except ValueError:
-                assert cdiv(prompt + 1, block_size) * n > num_blocks
+                assert sched.kv.most_blocks(prompt + 1, cfg.max_num_batched_tokens) + n - 1 \
+                    > num_blocks
         elif op < 0.35 and sched.requests:
             sched.abort_requests([rng.choice(list(sched.requests))])
         else:
@@ -70,6 +86,8 @@ def test_random_operations_keep_the_pool_consistent(seed):
             outs = sched.update_from_output(so, runner.execute(so))
             finished += sum(o.finish_reason is not None for o in outs)
         check_invariants(sched)
+        gave_back = gave_back or any(sched.kv._dropped.values())
+    assert gave_back == windowed
     sched.abort_requests(list(sched.requests))
     check_invariants(sched)
     assert sched.kv.num_free_blocks == num_blocks and not sched.kv.tables

@@ -6,7 +6,6 @@ alone, batched under preemption, after a prefix hit, and prompt logprobs."""
 import dataclasses
 import importlib.util
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,10 @@ import torch
 from folio import LLM, SamplingParams
 from folio.model.loader import load_model_config
 from folio.model.native.decoder import NativeDecoder
-from tests.parity import (assert_greedy_parity, assert_tp2_greedy_parity, prompt_logprobs,
-                          reference_greedy, reference_prompt_logprobs)
+from tests.parity import (assert_batched_parity_under_preemption, assert_greedy_parity,
+                          assert_tp2_greedy_parity,
+                          assert_window_matters, assert_windowed_greedy_parity, prompt_logprobs,
+                          reference_greedy, reference_prompt_logprobs, windowed_prompts)
 from tests.utils import load_reference_model, make_tiny_model
 
 NEW = 16
@@ -35,9 +36,7 @@ def gemma3(tmp_path_factory):
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 384) for _ in range(rng.randint(WINDOW + 5, 80))]
-            for _ in range(n)]
+    return windowed_prompts(n, seed, WINDOW)
 
 
 def _layers(llm):
@@ -96,17 +95,7 @@ def test_each_layer_knows_its_window_and_weights_load(gemma3, backend):
 def test_greedy_tokens_alone_and_after_a_prefix_hit(gemma3, backend):
     path, ref_model = gemma3
     llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=8, attention_backend=backend)
-    for ids in _prompts(3, 1):
-        ref, gaps = reference_greedy(ref_model, ids, NEW, ())
-        out = llm.generate({"prompt_token_ids": ids}, PARAMS)[0].outputs[0]
-        assert_greedy_parity(out.token_ids, ref, gaps, label=f"{backend} {len(ids)}")
-    shared = [random.Random(3).randrange(5, 384) for _ in range(48)]
-    llm.generate({"prompt_token_ids": shared + [7, 8, 9]}, PARAMS)
-    second = shared + [11, 12]
-    out = llm.generate({"prompt_token_ids": second}, PARAMS)[0]
-    assert out.num_cached_tokens == 48
-    ref, gaps = reference_greedy(ref_model, second, NEW, ())
-    assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label="prefix hit")
+    assert_windowed_greedy_parity(llm, ref_model, _prompts(3, 1), NEW, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,14 +103,8 @@ def test_greedy_tokens_batched_under_preemption(gemma3, backend):
     path, ref_model = gemma3
     # interpreted Triton: three of the five prompts, in a cache that still preempts
     prompts, blocks = (3, 24) if backend == "TRITON" else (5, 40)
-    batch = _prompts(prompts, 2)
-    llm = LLM(path, dtype="float32", num_kv_blocks=blocks, block_size=4,
-              max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], PARAMS, use_tqdm=False)
-    for ids, out in zip(batch, outs):
-        ref, gaps = reference_greedy(ref_model, ids, NEW, ())
-        assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label=out.request_id)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert_batched_parity_under_preemption(path, ref_model, _prompts(prompts, 2), NEW, blocks,
+                                           backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -130,16 +113,9 @@ def test_prompt_logprobs_match_and_the_window_matters(gemma3, backend):
     same model with its local layers made global parts from transformers."""
     path, ref_model = gemma3
     ids = _prompts(1, 9)[0] + _prompts(1, 10)[0]
-    expected = reference_prompt_logprobs(ref_model, ids)
     llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4,
               max_num_batched_tokens=16, attention_backend=backend)
-    got = prompt_logprobs(llm, ids)
-    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
-    for layer in _layers(llm):
-        layer.self_attn.attn.sliding_window = None
-    unwindowed = prompt_logprobs(llm, ids)
-    assert torch.allclose(unwindowed[:WINDOW - 1], expected[:WINDOW - 1], atol=1e-4)
-    assert (unwindowed - expected).abs().max() > 1e-2
+    assert_window_matters(llm, ref_model, ids, WINDOW)
 
 
 def test_final_logit_softcapping(tmp_path):

@@ -185,6 +185,17 @@ def test_quantization_flags_quantize_the_experts(moe_model):
     assert drift["int8"] < 1.0 and drift["int8"] < drift["int4"], drift
 
 
-def test_mixtral_length_is_capped_at_its_window(tmp_path):
-    path = make_tiny_model(tmp_path / "w", **MODELS["mixtral"], sliding_window=96)
-    assert load_model_config(path).max_position_embeddings == 96
+def test_mixtral_attends_to_its_window_past_it(tmp_path):
+    """A Mixtral sliding_window is every layer's, as Mistral's
+    (tests/engine/test_sliding_window.py): the context is not capped at it,
+    and the tokens past it are transformers'."""
+    path = make_tiny_model(tmp_path / "w", **MODELS["mixtral"], sliding_window=24)
+    cfg = load_model_config(path)
+    assert (cfg.max_position_embeddings, cfg.sliding_window, cfg.kv_window) == (512, 24, 24)
+    ids = _prompts(1, 8)[0]
+    assert len(ids) > 24
+    ref, gaps = reference_greedy(load_reference_model(path), ids, NEW, ())
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, block_size=8)
+    assert llm.engine.scheduler.kv.window == 24
+    out = llm.generate({"prompt_token_ids": ids}, PARAMS)[0].outputs[0]
+    assert_greedy_parity(out.token_ids, ref, gaps, label="mixtral window")

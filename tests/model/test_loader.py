@@ -7,6 +7,7 @@ row un-permutation; for tiny random folders, names, shards and ties.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -178,10 +179,21 @@ def test_config_defaults_and_overrides(tmp_path):
         "bfloat16", 3, (7,))
 
 
-def test_sliding_window_caps_the_context(tmp_path):
+def test_a_sliding_window_is_every_layers_or_caps_the_context(tmp_path):
+    """Mistral's window is every layer's (its layers attend to it: the context
+    is not capped); a window at least as long as the positions run hides
+    nothing and is not applied."""
     mistral = _write_config(tmp_path / "m", architectures=["MistralForCausalLM"],
                             max_position_embeddings=32768, sliding_window=4096)
-    assert load_model_config(mistral).max_position_embeddings == 4096
+    config = load_model_config(mistral)
+    assert config.max_position_embeddings == 32768 and config.sliding_window == 4096
+    assert config.layer_types == ("sliding_attention",) * config.num_hidden_layers
+    assert config.kv_window == 4096 and config.window_of(0) == 4096
+    short = dataclasses.replace(config, rope_positions=4096)      # max_model_len 4096
+    assert short.kv_window is None and short.window_of(0) is None
+    bad = _write_config(tmp_path / "b", architectures=["MistralForCausalLM"], sliding_window=0)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer or null"):
+        load_model_config(bad)
     # Qwen2 writes a sliding_window it does not use unless use_sliding_window.
     qwen = _write_config(tmp_path / "q", architectures=["Qwen2ForCausalLM"],
                          max_position_embeddings=32768, sliding_window=4096,

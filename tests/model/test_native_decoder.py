@@ -85,6 +85,22 @@ def test_one_call_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, arch):
     assert all(r[2] and r[3] for r in records), records
 
 
+@needs_bf16_kernel
+def test_a_sliding_window_in_one_call_equals_the_modules(tmp_path, monkeypatch):
+    """Mistral's window (16 keys, prompts and runs past it) attended by the one
+    call as by the modules (whose native attention takes the window), bit for bit."""
+    path = make_tiny_model(tmp_path, arch="mistral", sliding_window=16)
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=48)
+    model = llm.engine.executor.runner.model.model
+    assert model.native_decoder is not None
+    assert {layer.self_attn.attn.sliding_window for layer in model.layers} == {16}
+    records = _record_both_paths(monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    assert all(r[2] and r[3] for r in records), records
+
+
 @needs_avx2_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_split_one_call_agrees_with_the_modules_to_fp32_rounding(tmp_path, monkeypatch, arch):

@@ -1,6 +1,7 @@
 """The quantized checkpoints made by real tools (tests/fixtures/quant, by
 scripts/make_quant_fixtures.sh: gptqmodel 7.6.0; scripts/make_ct_fixtures.sh:
-llm-compressor 0.14.0.1) and transformers' reference
+llm-compressor 0.14.0.1; the mixture-of-experts ones by
+scripts/make_moe_quant_fixtures.sh, with both) and transformers' reference
 logits for them are there, in the layout the formats' methods read (the
 methods' own tests: tests/model/quantization/)."""
 

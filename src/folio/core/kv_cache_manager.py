@@ -16,6 +16,14 @@ Full blocks are never written again, so they are shared without copies.
 Prefix caching: a full block is published under a chained hash of (the
 previous block's hash, its tokens); a new sequence takes the longest run of
 published blocks matching its prompt and computes only the rest.
+
+A window (a model whose every layer attends to its last `window` keys only,
+Mistral's): a block wholly behind the window of the next token a sequence
+computes is no layer's keys any more, so it goes back to the pool before
+the step's blocks are taken (published blocks stay findable there). Its
+entry stays in the table, not held (`_dropped` leading entries), so that
+positions keep their blocks; no attention kernel reads behind its window.
+A long sequence then holds about (window + step) / block_size blocks.
 """
 
 from __future__ import annotations
@@ -63,9 +71,12 @@ class SlotGrant:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 window: Optional[int] = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.window = window
+        self._dropped: dict[int, int] = {}           # seq_id -> leading entries not held
         self.pool = BlockPool(num_blocks)
         self.tables: dict[int, list[KVBlock]] = {}   # seq_id -> its blocks, in order
         self._hashes: dict[int, list[int]] = {}      # seq_id -> hashes of its full blocks
@@ -101,6 +112,8 @@ class KVCacheManager:
         """Make each sequence able to hold `num_tokens` tokens, of which
         `num_computed` are in the cache. None (and nothing changed) when the
         pool cannot cover all of them: the caller then preempts."""
+        for seq_id in seq_ids:
+            self._drop_behind_window(seq_id, num_computed)
         needs = self._needs(seq_ids, num_computed, num_tokens)
         if sum(g + c for g, c in needs) > self.pool.num_free_blocks:
             return None
@@ -120,11 +133,35 @@ class KVCacheManager:
             grants.append(grant)
         return grants
 
+    def _drop_behind_window(self, seq_id: int, num_computed: int) -> None:
+        """Give back the blocks wholly before the first key the token at
+        position `num_computed` sees (num_computed - window + 1)."""
+        table = self.tables.get(seq_id)
+        if self.window is None or not table:
+            return
+        behind = max(0, num_computed - self.window + 1) // self.block_size
+        done = self._dropped.get(seq_id, 0)
+        if behind > done:
+            self.pool.release(reversed(table[done:behind]))
+            self._dropped[seq_id] = behind
+
+    def most_blocks(self, tokens: int, step_tokens: int) -> int:
+        """The most blocks one sequence of `tokens` tokens holds at once when it
+        computes at most `step_tokens` a step: all of them, or with a window
+        those a step's tokens and the window before them touch."""
+        whole = cdiv(tokens, self.block_size)
+        if self.window is None:
+            return whole
+        return min(whole, cdiv(self.window - 1 + step_tokens, self.block_size) + 1)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child holds the parent's blocks too (copy-on-write later)."""
         blocks = self.tables[parent_id]
-        self.pool.share(blocks)
+        dropped = self._dropped.get(parent_id, 0)
+        self.pool.share(blocks[dropped:])
         self.tables[child_id] = list(blocks)
+        if dropped:
+            self._dropped[child_id] = dropped
         if parent_id in self._hashes:
             self._hashes[child_id] = list(self._hashes[parent_id])
             self._published[child_id] = self._published.get(parent_id, 0)
@@ -139,11 +176,12 @@ class KVCacheManager:
         """Return a sequence's blocks; the last block first so that the free
         queue's LRU order keeps a prompt's leading blocks longest."""
         blocks = self.tables.pop(seq_id, None)
+        dropped = self._dropped.pop(seq_id, 0)
         self._hashes.pop(seq_id, None)
         self._salts.pop(seq_id, None)
         self._published.pop(seq_id, None)
         if blocks:
-            self.pool.release(reversed(blocks))
+            self.pool.release(reversed(blocks[dropped:]))
 
     def trim(self, seq_id: int, num_tokens: int) -> bool:
         """Return the blocks past the first `num_tokens` tokens (slots taken for
@@ -191,7 +229,8 @@ class KVCacheManager:
             return
         table = self.tables.get(seq_id, ())
         num_full = min(num_computed // self.block_size, len(table))
-        start = self._published.get(seq_id, 0)
+        # (a block given back behind the window is published by then, or never)
+        start = max(self._published.get(seq_id, 0), self._dropped.get(seq_id, 0))
         if num_full <= start:
             return
         hashes = self._block_hashes(seq_id, token_ids, num_full)
@@ -217,7 +256,8 @@ class KVCacheManager:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
     def num_blocks_of(self, seq_id: int) -> int:
-        return len(self.tables.get(seq_id, ()))
+        """Blocks the sequence holds (not those given back behind a window)."""
+        return len(self.tables.get(seq_id, ())) - self._dropped.get(seq_id, 0)
 
     @property
     def num_free_blocks(self) -> int:

@@ -29,9 +29,10 @@ from folio.request import Request, RequestStatus, Sequence, next_seq_id
 
 class Scheduler(SpecScheduling):
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, window: Optional[int] = None):
         self.config = config
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # window: every layer's (ModelConfig.kv_window), blocks behind it given back
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, window)
         self.prefix_cache_queries = 0     # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0        # of which found
         self.waste = WasteStats()
@@ -59,7 +60,8 @@ class Scheduler(SpecScheduling):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         # The prompt's blocks once, plus one copied block per extra sample or beam.
         copies = request.beam.params.beam_width if request.beam else len(request.seqs)
-        need = cdiv(len(request.prompt_token_ids) + 1, self.kv.block_size) + copies - 1
+        need = self.kv.most_blocks(len(request.prompt_token_ids) + 1,
+                                   self.config.max_num_batched_tokens) + copies - 1
         if need > self.kv.pool.num_blocks:
             raise ValueError(
                 f"the request needs {need} KV blocks but the whole cache has "

@@ -33,7 +33,7 @@ class LLMEngine:
         self.executor = make_executor(config)
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, self.num_blocks, config.cache.block_size,
-                                   config.cache.enable_prefix_caching)
+                                   config.cache.enable_prefix_caching, kv_window(config))
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         tokens = self.num_blocks * config.cache.block_size
@@ -138,7 +138,8 @@ class LLMEngine:
         (as in vLLM). The error says what to give instead."""
         config = self.config
         size, have, limit = config.cache.block_size, self.num_blocks, config.max_model_len
-        need = -(-limit // size)
+        # (a model whose every layer has a window holds only the blocks it spans)
+        need = self.scheduler.kv.most_blocks(limit, config.scheduler.max_num_batched_tokens)
         if have >= need:
             return
         # every executor keeps rank 0's runner in-process: its backend's layout
@@ -155,3 +156,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def kv_window(config) -> "int | None":
+    """The window behind which a sequence's blocks are given back: every layer's
+    (ModelConfig.kv_window), unless a draft model shares the blocks (its
+    layers see every key)."""
+    spec = config.scheduler.speculative
+    if spec is not None and spec.method != "ngram":
+        return None
+    return config.model.kv_window

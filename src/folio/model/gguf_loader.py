@@ -186,14 +186,14 @@ def _gemma3(reader, config: ModelConfig) -> ModelConfig:
 
 
 def _phi3(reader, config: ModelConfig) -> ModelConfig:
-    """Phi-3's sliding window (0: none, as Phi-4's files say) caps the context as
-    its HF folder's does; longrope's factor tensors are refused earlier (they
+    """Phi-3's sliding window (0: none, as Phi-4's files say) on every layer,
+    as its HF folder's; longrope's factor tensors are refused earlier (they
     have no HF name)."""
     window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
     if not window:
         return config
-    return dataclasses.replace(config, max_position_embeddings=min(
-        config.max_position_embeddings, window))
+    return dataclasses.replace(config, sliding_window=window,
+                               layer_types=("sliding_attention",) * config.num_hidden_layers)
 
 
 def _with_experts(reader, config: ModelConfig, arch: str, experts: int) -> ModelConfig:

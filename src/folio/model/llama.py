@@ -44,7 +44,13 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = d
-        self.attn = backend(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        # a layer with a window (Mistral's, where sliding_window is shorter than
+        # the positions run) attends to its last sliding_window keys only
+        layer = int(prefix.split(".")[2]) if prefix.startswith("model.layers.") else 0
+        window = cfg.window_of(layer) if cfg.layer_types else None
+        self.attn = (backend(self.num_heads, self.num_kv_heads, d, d ** -0.5) if window is None
+                     else backend(self.num_heads, self.num_kv_heads, d, d ** -0.5,
+                                  sliding_window=window))
         if quant is not None and quant.kv_cache_scales:    # the checkpoint's, for fp8
             # per tensor: one; per head: this rank's KV heads' (as qkv_proj splits them)
             per_head = quant.kv_cache_scales == "attn_head"

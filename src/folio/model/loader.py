@@ -220,7 +220,15 @@ def model_config_from_dict(cfg: dict[str, Any], model: str, source: str,
         eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
         **_hf_quantization(cfg, source),
     )
-    own = config_fields(arch, cfg, sizes["num_hidden_layers"], source)
+    own = dict(config_fields(arch, cfg, sizes["num_hidden_layers"], source) or {})
+    window = cfg.get("sliding_window")
+    if architecture(arch).windowed and "layer_types" not in own and window is not None:
+        # every layer windowed (Mistral's; Gemma 3's fields say which layers are)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{source}: sliding_window must be a positive integer or null, "
+                             f"got {window!r}")
+        own.update(sliding_window=window,
+                   layer_types=("sliding_attention",) * sizes["num_hidden_layers"])
     return dataclasses.replace(config, **own) if own else config
 
 
@@ -260,9 +268,9 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
 
 def _hf_max_positions(cfg: dict[str, Any], arch: str) -> int:
     limit = int(cfg.get("max_position_embeddings") or architecture(arch).max_positions)
-    # We attend over the full context. Within the sliding window full attention
-    # is identical, so capping the length at the window keeps outputs exact
-    # (Mistral-7B-v0.1: 32768 positions, 4096 window).
+    # An architecture whose layers attend to their window runs past it; another
+    # (Qwen2's opt-in window) attends over the full context, identical within
+    # the window, so the length is capped there to keep outputs exact.
     window = cfg.get("sliding_window")
     if architecture(arch).window_opt_in and not cfg.get("use_sliding_window", False):
         window = None

@@ -2,7 +2,7 @@
 in one `qkv_proj` (rows q, then k, then v) and gate/up in one `gate_up_proj`
 (gate rows first). The loader splits both back into the projections Llama's
 layers load (so tensor parallelism shards them as it shards Llama's). Its
-`sliding_window` caps the context as Mistral's does; a partial rotary
+`sliding_window` is every layer's, as Mistral's (llama.py); a partial rotary
 (`partial_rotary_factor` < 1, Phi-4-mini) and longrope scaling (the 128k
 models) are refused by name (phi3_fields, the rotary's scaling check).
 """

@@ -30,7 +30,10 @@ class Architecture:
     qkv_bias: bool = False                  # q/k/v always carry a bias (config.json says not)
     window_opt_in: bool = False             # sliding_window counts only with use_sliding_window
     windowed: bool = False                  # its sliding-window layers attend to their window
-                                            # (max_model_len is then not capped at it)
+                                            # (max_model_len is then not capped at it):
+                                            # Gemma 3's local layers; every layer of
+                                            # Mistral, Mixtral and Phi-3 where sliding_window
+                                            # is set
     config_fields: Optional[str] = None     # "module:function": config.json fields the
                                             # architecture spells its own way -> ModelConfig's
 
@@ -41,14 +44,15 @@ ARCHITECTURES = {
                                      gguf="llama", gguf_permuted_qk=True),
     # Mistral GGUFs say "llama" (the same graph): read as LlamaForCausalLM
     "MistralForCausalLM": Architecture("folio.model.llama:LlamaForCausalLM", "mistral",
-                                       4096 * 32),
+                                       4096 * 32, windowed=True),
     "Qwen2ForCausalLM": Architecture("folio.model.llama:LlamaForCausalLM", "qwen2", 32768,
                                      gguf="qwen2", qkv_bias=True, window_opt_in=True),
     "Qwen3ForCausalLM": Architecture("folio.model.qwen3:Qwen3ForCausalLM", "qwen3", 32768,
                                      gguf="qwen3", window_opt_in=True),
     # Llama's graph with fused qkv_proj / gate_up_proj in the checkpoint (model/phi3.py)
     "Phi3ForCausalLM": Architecture("folio.model.phi3:Phi3ForCausalLM", "phi3", 4096,
-                                    gguf="phi3", config_fields="folio.model.phi3:phi3_fields"),
+                                    gguf="phi3", windowed=True,
+                                    config_fields="folio.model.phi3:phi3_fields"),
     # text only; local sliding-window layers interleaved with global ones
     "Gemma3ForCausalLM": Architecture("folio.model.gemma3:Gemma3ForCausalLM", "gemma3_text",
                                       131072, gguf="gemma3", windowed=True,
@@ -56,7 +60,7 @@ ARCHITECTURES = {
     # mixture of experts (model/moe.py): float experts only (a GGUF's dequantized at
     # load); Mixtral GGUFs say "llama" with an expert count (gguf_loader.py)
     "MixtralForCausalLM": Architecture("folio.model.moe:MixtralForCausalLM", "mixtral",
-                                       4096 * 32,
+                                       4096 * 32, windowed=True,
                                        config_fields="folio.model.moe_config:mixtral_fields"),
     "Qwen3MoeForCausalLM": Architecture("folio.model.moe:Qwen3MoeForCausalLM", "qwen3_moe",
                                         32768, gguf="qwen3moe", window_opt_in=True,

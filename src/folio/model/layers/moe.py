@@ -221,12 +221,21 @@ class FusedMoE(nn.Module):
         self.renormalize, self.weights_in_float = renormalize, weights_in_float
         self.intermediate = intermediate // self.tp          # this rank's slice of I
         self.gate = Router(hidden, num_experts, dtype)
+        # a GGUF's experts kept in their codes (each matrix's tensors as gguf.py
+        # reads a linear layer's, stacked by expert), or a checkpoint's stored
+        # quantized (GPTQ, AWQ, compressed-tensors: per-expert linear layers of
+        # the format's method, until loaded): no float stacks are made then
+        methods = getattr(quant_config, "expert_methods", None)
+        self.gguf = methods(checkpoint_prefix.rsplit(".", 1)[0]) if methods else None
+        in_codes = quant_config is not None and not quant_config.loads_float_weights \
+            and methods is None
+        floats = self.gguf is None and not in_codes
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=experts_dtype),
-            requires_grad=False)
+            torch.empty((num_experts, 2 * self.intermediate, hidden) if floats else (0,),
+                        dtype=experts_dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden, self.intermediate, dtype=experts_dtype),
-            requires_grad=False)
+            torch.empty((num_experts, hidden, self.intermediate) if floats else (0,),
+                        dtype=experts_dtype), requires_grad=False)
         gate, up, down = (f"{checkpoint_prefix}.experts.{{}}.{n}.weight" for n in names)
         self.gate.weight.checkpoint_names = {None: f"{checkpoint_prefix}.gate.weight"}
         self.w13_weight.checkpoint_names = {
@@ -236,18 +245,10 @@ class FusedMoE(nn.Module):
         self.packed_experts: Optional[list] = None     # process_weights_after_loading's
         self.w13_weight.weight_loader = self._load_w13
         self.w2_weight.weight_loader = self._load_w2
-        # a GGUF's experts kept in their codes: each matrix's tensors as gguf.py
-        # reads a linear layer's (qcodes, qscales, ...), stacked by expert
-        methods = getattr(quant_config, "expert_methods", None)
-        self.gguf = methods(checkpoint_prefix.rsplit(".", 1)[0]) if methods else None
         if self.gguf is not None:
             self._gguf_tensors(hidden, checkpoint_prefix, names)
-        # a checkpoint whose experts are stored quantized (GPTQ, AWQ,
-        # compressed-tensors): each expert's two matrices are linear layers of
-        # the format's own method, until loaded
         self.experts: Optional[nn.ModuleList] = None
-        if quant_config is not None and not quant_config.loads_float_weights \
-                and methods is None:
+        if in_codes:
             self._checkpoint_experts(hidden, intermediate, dtype, quant_config,
                                      checkpoint_prefix, names)
 
@@ -256,7 +257,6 @@ class FusedMoE(nn.Module):
         [E, 2 I, columns] and w2_<t> [E, H, columns], t each of gguf.py's
         checkpoint tensors, filled from `{prefix}.experts.{e}.{name}.<t>`."""
         self.w13_weight.checkpoint_names = self.w2_weight.checkpoint_names = {}
-        self.w13_weight.data = self.w2_weight.data = torch.empty(0)
         n, experts = self.intermediate, self.num_experts
         for matrix, method, inputs in (("w13", self.gguf[0], hidden), ("w2", self.gguf[1], n)):
             if inputs % method.group or inputs % (8 // method.bits):
@@ -284,7 +284,6 @@ class FusedMoE(nn.Module):
         """Each expert's matrices as linear layers of the format's method
         (expert_weights.checkpoint_experts); the float stacks are not made."""
         self.w13_weight.checkpoint_names = self.w2_weight.checkpoint_names = {}
-        self.w13_weight.data = self.w2_weight.data = torch.empty(0)
         self.experts = checkpoint_experts(self.num_experts, hidden, intermediate, dtype,
                                           quant_config, prefix, names)
 

@@ -59,12 +59,12 @@ int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int d
 int folio_moe_route(const void *x, int64_t x_stride, int dtype, const float *router,
                     int experts, int64_t hidden, int64_t tokens, int top_k, int renormalize,
                     int weights_in_float, float *weights, int64_t *ids, int num_threads);
-int folio_paged_attention(const void *q, int64_t q_stride, const void *kv, void *out,
-                          const int64_t *block_tables, int64_t max_blocks,
-                          const int64_t *token_rows, const int64_t *context_lens, int64_t tokens,
-                          int num_heads, int num_kv_heads, int head_dim, int block_size,
-                          int64_t num_blocks, float scale, int dtype, int kv_dtype,
-                          int num_threads);
+int folio_paged_attention_window(const void *q, int64_t q_stride, const void *kv, void *out,
+                                 const int64_t *block_tables, int64_t max_blocks,
+                                 const int64_t *token_rows, const int64_t *context_lens,
+                                 int64_t tokens, int num_heads, int num_kv_heads, int head_dim,
+                                 int block_size, int64_t num_blocks, float scale, int dtype,
+                                 int kv_dtype, int num_threads, int64_t window);
 
 /* A quantized projection: what folio_qlinear reads (int_groups.py's layout). */
 typedef struct {
@@ -106,6 +106,8 @@ typedef struct {
                                                  values, one per KV head; NULL: each
                                                  row's own */
     const folio_moe *moe;                     /* NULL: a dense MLP (gate_up, down) */
+    int64_t window;                           /* > 0: the keys a token sees (its last
+                                                 `window`: Mistral's sliding window) */
 } folio_layer;
 
 /* The model's sizes and the step: hidden [tokens][hidden] in (the embeddings),
@@ -346,10 +348,11 @@ int folio_decoder_layers(const folio_layer *layers, int num_layers, const folio_
             store_kv(kdst, k, kv_size, dtype, s->kv_dtype);
             store_kv(vdst, k + elt * (size_t)kv_size, kv_size, dtype, s->kv_dtype);
         }
-        if (folio_paged_attention(qkv, qkv_width, cache, s->attn, s->block_tables,
-                                  s->max_blocks, s->token_rows, s->context_lens, t, s->heads,
-                                  s->kv_heads, s->head_dim, s->block_size, s->num_blocks,
-                                  s->scale, dtype, s->kv_dtype, threads))
+        if (folio_paged_attention_window(qkv, qkv_width, cache, s->attn, s->block_tables,
+                                         s->max_blocks, s->token_rows, s->context_lens, t,
+                                         s->heads, s->kv_heads, s->head_dim, s->block_size,
+                                         s->num_blocks, s->scale, dtype, s->kv_dtype, threads,
+                                         w->window))
             return 1;
         if (linear(s, s->attn, q_size, w->o, 0, x, t, h, q_size)) return 1;
         if (lora(s, w, 1, s->attn, q_size, x, h, q_size, h)) return 1;

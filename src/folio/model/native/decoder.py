@@ -42,7 +42,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o",
                                         "gate_up", "down", "kv_cache", "q_norm", "k_norm")] + [
         ("lora_at", _p * 4), ("lora_bt", _p * 4), ("lora_width", _i64 * 4),
-        ("kv_scale", _p * 2), ("moe", _p)]
+        ("kv_scale", _p * 2), ("moe", _p), ("window", _i64)]
 
 
 class _MoE(ctypes.Structure):
@@ -136,12 +136,10 @@ class NativeDecoder:
         dtype = layers[0].input_layernorm.weight.dtype
         for layer in layers:
             # Llama's layer shape only (a family with other norms or activations,
-            # Gemma's, says so); the one call attends over the whole context
+            # Gemma's, says so); a layer's window (Mistral's) goes with it
             if not getattr(layer, "native_decoder_shape", True):
                 return None
             attn, mlp = layer.self_attn, layer.mlp
-            if getattr(attn.attn, "sliding_window", None) is not None:
-                return None
             if isinstance(mlp, FusedMoE):
                 # experts packed for a native kernel (or quantized), on one rank,
                 # in the mode of the layers' activations
@@ -244,6 +242,7 @@ class NativeDecoder:
                     entry.gate_up = self._weight(mlp.gate_up_proj, keep)
                     entry.down = self._weight(mlp.down_proj, keep)
                 entry.kv_cache = cache.data_ptr()
+                entry.window = attn.attn.sliding_window or 0
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
                 entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
