@@ -104,3 +104,26 @@ def test_reset_prefix_cache_forgets_every_hash_only_when_nothing_is_held():
     assert kv.pool.cached == {} and all(b.block_hash is None for b in kv.pool.blocks)
     assert kv.attach_cached_prefix(2, tokens + [1], 5) == 0
     kv.free(2)
+
+
+def test_a_window_gives_back_only_blocks_no_token_from_there_reads():
+    """Window 8, blocks of 4: the token at position 10 sees keys 3..10, so
+    block 0 (keys 0-3) stays until position 11; a proposals' allocation for
+    positions 11.. (after the step's decode token at 10) gives back nothing:
+    that token still reads key 3 in this step. Forks hold only what is left;
+    everything comes back once."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False, window=8)
+    kv.allocate_slots([1], 0, 10)                        # positions 0-9: blocks 0-2
+    kv.drop_behind_window(1, 10)
+    assert kv.num_blocks_of(1) == 3 and kv.num_free_blocks == 5
+    kv.allocate_slots([1], 10, 11)                       # the decode at 10
+    kv.allocate_slots([1], 11, 15)                       # its proposals, 11-14
+    assert kv.num_blocks_of(1) == 4                      # block 0 still held
+    kv.drop_behind_window(1, 12)                         # next step's first token at 12
+    assert kv.num_blocks_of(1) == 3 and kv.num_free_blocks == 5
+    kv.fork(1, 2)
+    assert [b.ref_cnt for b in kv.tables[1][1:]] == [2, 2, 2]
+    kv.free(1)
+    kv.free(2)
+    assert kv.num_free_blocks == 8
+    assert kv.most_blocks(1000, 4) == 4 and kv.most_blocks(6, 4) == 2

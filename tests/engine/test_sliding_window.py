@@ -137,3 +137,23 @@ def test_parallel_samples_share_the_window_blocks(mistral):
 def test_tensor_parallel_2_gives_transformers_tokens(mistral):
     path, ref_model = mistral
     assert_tp2_greedy_parity(path, ref_model, _prompts(3, 5), NEW)
+
+
+def test_ngram_proposals_past_the_window_keep_transformers_tokens(mistral):
+    """Proposals (ngram, 6 a step, blocks of 4; a token seen before suffices,
+    so this random model gets some) in a tight cache: a step's verified token
+    still reads behind its proposals' window, and the tokens stay
+    transformers'."""
+    path, ref_model = mistral
+    base = windowed_prompts(1, 12, WINDOW)[0][:12]
+    batch = [base * 4, (base[3:] + base[:3]) * 3]                 # repeats: proposals
+    llm = LLM(path, dtype="float32", num_kv_blocks=24, block_size=4, max_num_batched_tokens=32,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 6,
+                                  "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+    for ids, out in zip(batch, outs):
+        ref, gaps = reference_greedy(ref_model, ids, 40, ())
+        assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label="ngram")
+    assert llm.engine.scheduler.spec_num_draft_tokens > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == 24

@@ -20,7 +20,8 @@ published blocks matching its prompt and computes only the rest.
 A window (a model whose every layer attends to its last `window` keys only,
 Mistral's): a block wholly behind the window of the next token a sequence
 computes is no layer's keys any more, so it goes back to the pool before
-the step's blocks are taken (published blocks stay findable there). Its
+the step's blocks are taken (`drop_behind_window`, which the scheduler
+calls; published blocks stay findable there). Its
 entry stays in the table, not held (`_dropped` leading entries), so that
 positions keep their blocks; no attention kernel reads behind its window.
 A long sequence then holds about (window + step) / block_size blocks.
@@ -112,8 +113,6 @@ class KVCacheManager:
         """Make each sequence able to hold `num_tokens` tokens, of which
         `num_computed` are in the cache. None (and nothing changed) when the
         pool cannot cover all of them: the caller then preempts."""
-        for seq_id in seq_ids:
-            self._drop_behind_window(seq_id, num_computed)
         needs = self._needs(seq_ids, num_computed, num_tokens)
         if sum(g + c for g, c in needs) > self.pool.num_free_blocks:
             return None
@@ -133,9 +132,12 @@ class KVCacheManager:
             grants.append(grant)
         return grants
 
-    def _drop_behind_window(self, seq_id: int, num_computed: int) -> None:
+    def drop_behind_window(self, seq_id: int, num_computed: int) -> None:
         """Give back the blocks wholly before the first key the token at
-        position `num_computed` sees (num_computed - window + 1)."""
+        position `num_computed` sees (num_computed - window + 1): the
+        scheduler's, before it takes the blocks of a step whose first token
+        is there (not a proposal's allocation: the step's verified token,
+        before the proposals, still reads behind them)."""
         table = self.tables.get(seq_id)
         if self.window is None or not table:
             return

@@ -369,6 +369,8 @@ class Scheduler(SpecScheduling):
 
     def _allocate(self, req: Request, num_new: int) -> Optional[list[SlotGrant]]:
         seq_ids = [s.seq_id for s in req.kv_seqs]
+        for seq_id in seq_ids:      # (with a window: blocks no token from here reads)
+            self.kv.drop_behind_window(seq_id, req.num_computed_tokens)
         return self.kv.allocate_slots(seq_ids, req.num_computed_tokens,
                                       req.num_computed_tokens + num_new)
 

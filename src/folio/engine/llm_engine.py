@@ -37,9 +37,12 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         tokens = self.num_blocks * config.cache.block_size
+        # (a window every layer has: a sequence holds only the blocks it spans)
+        per_request = self.scheduler.kv.most_blocks(config.max_model_len,
+                                                    config.scheduler.max_num_batched_tokens)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d requests of max_model_len "
                     "%d at once), dtype %s on %s", self.num_blocks, config.cache.block_size,
-                    tokens, tokens // config.max_model_len, config.max_model_len,
+                    tokens, self.num_blocks // per_request, config.max_model_len,
                     config.kv_dtype, config.device)
         drafter = getattr(self.executor.runner, "drafter", None)
         if drafter is not None:
