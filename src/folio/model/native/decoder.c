@@ -164,6 +164,49 @@ static uint8_t to_e4m3(float x) {
     return sign | (uint8_t)((e << 3) | ((bits >> 20) & 7));
 }
 
+/* 16 lanes of GCC's vector extensions: AVX-512 registers where the CPU has
+ * them, two AVX2 ones (or scalars) elsewhere. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* 16 values x * inv, clamped to +-largest, as int8 steps or e4m3 bytes (kv_dtype
+ * 2 or 3) into out: what the scalar loop below makes, bit for bit (the
+ * roundings to nearest even by adding and taking away 1.5 * 2^23, exact in
+ * fp32 for these magnitudes, hence no fast-math here), 16 at a time: the
+ * scalar e4m3 rounding was ~2% of a prefill-heavy run. */
+/* a where mask m (all ones) is set, else b, bit for bit */
+#define select16(m, a, b) (((a) & (m)) | ((b) & ~(m)))
+
+__attribute__((optimize("no-fast-math")))
+static void steps16(const float *x, float inv, float largest, int kv_dtype, uint8_t *out) {
+    f32x16 v;
+    memcpy(&v, x, sizeof v);
+    v = v * inv;
+    const f32x16 hi = (f32x16){0} + largest, lo = (f32x16){0} - largest;
+    v = (f32x16)select16(v > hi, (i32x16)hi, (i32x16)v);
+    v = (f32x16)select16(v < lo, (i32x16)lo, (i32x16)v);
+    const f32x16 magic = (f32x16){0} + 12582912.0f;               /* 1.5 * 2^23 */
+    i32x16 code;
+    if (kv_dtype == 2) {
+        code = __builtin_convertvector((v + magic) - magic, i32x16);
+    } else {
+        u32x16 bits;
+        memcpy(&bits, &v, sizeof bits);
+        const u32x16 sign = (bits >> 24) & 0x80;
+        const u32x16 abits = bits & 0x7fffffff;
+        f32x16 a;
+        memcpy(&a, &abits, sizeof a);
+        /* subnormal steps of 2^-9 below 2^-6 (8: the first normal's code) */
+        const i32x16 sub = __builtin_convertvector((a * 512.f + magic) - magic, i32x16);
+        /* 23 mantissa bits to 3, ties to even; the exponent rebiased to 7 */
+        const u32x16 r = abits + 0x7ffff + ((abits >> 20) & 1);
+        const u32x16 normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7);
+        code = (i32x16)sign | select16(a < 0x1p-6f, sub, (i32x16)normal);
+    }
+    for (int i = 0; i < 16; i++) out[i] = (uint8_t)code[i];
+}
+
 /* A token's key or value rows of its kv_heads heads (activations, dtype) into
  * an 8-bit cache (kv_dtype 2 int8, 3 fp8): each head's head_dim values as
  * steps of its scale, then the scale (attention/kv_quant.py's layout),
@@ -188,7 +231,10 @@ static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head
         const float scale = own ? amax * (1.0f / largest) : fixed;
         if (!own || amax > 0.f) {
             const float inv = own ? (1.0f / amax) * largest : 1.0f / fixed;
-            for (int64_t d = 0; d < head_dim; d++) {
+            int64_t d0 = 0;
+            for (; d0 + 16 <= head_dim; d0 += 16)
+                steps16(x + d0, inv, largest, kv_dtype, row + d0);
+            for (int64_t d = d0; d < head_dim; d++) {
                 float v = x[d] * inv;
                 v = v > largest ? largest : v < -largest ? -largest : v;
                 row[d] = kv_dtype == 2 ? (uint8_t)(int8_t)nearbyintf(v) : to_e4m3(v);

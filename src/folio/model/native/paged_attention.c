@@ -466,7 +466,10 @@ static inline __attribute__((always_inline)) void task_vec(
     fvec qv[FOLIO_TASK_VECTORS], acc[FOLIO_TASK_VECTORS];
     float m[FOLIO_TASK_VECTORS], l[FOLIO_TASK_VECTORS];
 #if defined(__AVX512BF16__)
-    const int dot_bf16 = dtype == 1 && kv_dtype == 1 && nv % 2 == 0;
+    /* bf16 queries meet bf16 keys in vdpbf16ps; 8-bit keys too in a tile of
+     * several tokens (a prefill chunk: each block's keys widened to bf16 once,
+     * exactly, for all its queries; a decode keeps the fp32 products) */
+    const int dot_bf16 = dtype == 1 && (kv_dtype == 1 || (eight && ntok > 1)) && nv % 2 == 0;
     __m512bh qb[FOLIO_TASK_VECTORS / 2];
 #endif
     for (int h = 0; h < kvh1 - kvh0; h++)
@@ -510,7 +513,23 @@ static inline __attribute__((always_inline)) void task_vec(
                                 * load_scale;
                 }
 #if defined(__AVX512BF16__)
-            if (dot_bf16)
+            if (dot_bf16 && eight) {
+                /* the steps as bf16 (exact: int8's are integers of 7 bits,
+                 * e4m3's have 4 significant bits), in vbuf's room (the values
+                 * take it after the scores) */
+                uint16_t *kb = (uint16_t *)vbuf;
+                for (int64_t r = 0; r < rows; r++)
+                    for (int j = 0; j < nv; j += 2) {
+                        const int64_t at = kfirst + r * stride + FOLIO_VW * j;
+                        _mm512_storeu_si512(kb + r * head_dim + FOLIO_VW * j,
+                                            (__m512i)_mm512_cvtne2ps_pbh(
+                                                fv_load(kv, at + FOLIO_VW, kv_dtype),
+                                                fv_load(kv, at, kv_dtype)));
+                    }
+                block_scores_bf16_t(kb, 0, rows, head_dim, nv, per_head,
+                                    (const uint32_t *)(qb + i0 * (nv / 2)), scale, scores,
+                                    block_size);
+            } else if (dot_bf16)
                 block_scores_bf16_t(kv, kfirst, rows, stride, nv, per_head,
                                     (const uint32_t *)(qb + i0 * (nv / 2)), scale, scores,
                                     block_size);
