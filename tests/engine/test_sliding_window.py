@@ -11,7 +11,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from folio import LLM, SamplingParams
 from folio.model.loader import load_model_config
