@@ -120,7 +120,9 @@ def loaded_bytes(model) -> dict:
             continue
         if isinstance(method, IntGroupsLinear):
             size += method.weights.nbytes
-            kind = f"int{method.weights.bits}"
+            # (a RowParts: its runs' forms, e.g. int4+int6)
+            kind = "+".join(dict.fromkeys(f"int{p.bits}" for p in getattr(
+                method.weights, "parts", [method.weights])))
         elif isinstance(method, PackedLinear):
             size += _tensor_bytes(method.data)
             kind = type(method).__name__

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from folio.model import native
-from folio.model.layers.quantization.int_groups import IntGroups, unpack_int32
+from folio.model.layers.quantization.int_checkpoint import unpack_int32
+from folio.model.layers.quantization.int_groups import IntGroups
 from tests.model.native_builds import cpu_has, x86
 
 needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),

@@ -326,7 +326,16 @@ def qlinear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
     quantized to int16 per block of 32 positions and multiplied as integers;
     2 the same in int8 (fewest instructions, x's int8 rounding); 3
     (QLINEAR_INT8_AT_FEW_ROWS) int8 at few rows, else as 0 or 1 by x's dtype.
-    `lib`: the tests' other builds."""
+    `lib`: the tests' other builds. A RowParts: each part's product, side by side."""
+    parts = getattr(w, "parts", None)
+    if parts is not None:
+        outs, first = [], 0
+        for part in parts:
+            end = first + part.out_features
+            outs.append(qlinear(x, part, None if bias is None else bias[first:end],
+                                quantize_x=quantize_x, lib=lib))
+            first = end
+        return torch.cat(outs, dim=-1)
     k = w.in_features
     weights, (n, positions) = w.kernel_args
     lead = x.shape[:-1]

@@ -66,14 +66,19 @@ int folio_paged_attention_window(const void *q, int64_t q_stride, const void *kv
                                  int block_size, int64_t num_blocks, float scale, int dtype,
                                  int kv_dtype, int num_threads, int64_t window);
 
-/* A quantized projection: what folio_qlinear reads (int_groups.py's layout). */
-typedef struct {
+/* A quantized projection: what folio_qlinear reads (int_groups.py's layout);
+ * or one run of its output features (`rows` of them) held in a form of its
+ * own, followed by the next run's (a RowParts: a fused GGUF layer whose parts
+ * are of different types). */
+typedef struct folio_qweight {
     const int64_t *perm;
     const uint8_t *codes;
     const uint16_t *scales, *offsets, *supers;
     const int32_t *bounds;
     int64_t groups, positions, per_super;
     int bits, zeros;
+    const struct folio_qweight *next;         /* NULL: the last (or only) run */
+    int64_t rows;
 } folio_qweight;
 
 /* A MoE layer in place of the MLP: its router's weight in fp32 and each
@@ -248,14 +253,41 @@ static void store_kv_8bit(void *dst, const void *src, int kv_heads, int64_t head
 
 /* out [m][n] = x [m][k] (rows x_stride elements apart) @ W^T (+ bias);
  * nonzero if scratch memory could not be had. */
+static int qlinear(const folio_step *s, const void *x, int64_t x_stride,
+                   const folio_qweight *q, const void *bias, void *out, int64_t m, int64_t n) {
+    return folio_qlinear(x, x_stride, s->dtype, q->perm, q->codes, q->bits, q->scales,
+                         q->offsets, q->zeros, q->supers, q->per_super, q->bounds, q->groups,
+                         bias, out, m, n, q->positions, s->quantize_x, s->num_threads);
+}
+
 static int linear(const folio_step *s, const void *x, int64_t x_stride, const void *w,
                   const void *bias, void *out, int64_t m, int64_t n, int64_t k) {
     if (s->quantized) {
         const folio_qweight *q = w;
-        return folio_qlinear(x, x_stride, s->dtype, q->perm, q->codes, q->bits, q->scales,
-                             q->offsets, q->zeros, q->supers, q->per_super, q->bounds,
-                             q->groups, bias, out, m, n,
-                             q->positions, s->quantize_x, s->num_threads);
+        if (q->next == NULL) return qlinear(s, x, x_stride, q, bias, out, m, n);
+        /* runs of output features in forms of their own: each into its columns
+         * (one row: in place; more: through a buffer, row by row) */
+        const size_t elt = s->dtype ? sizeof(uint16_t) : sizeof(float);
+        int64_t first = 0;
+        for (; q != NULL; q = q->next) {
+            const float *b = bias ? (const float *)bias + first : NULL;
+            char *dst = (char *)out + elt * (size_t)first;
+            if (m == 1) {
+                if (qlinear(s, x, x_stride, q, b, dst, 1, q->rows)) return 1;
+            } else {
+                char *part = malloc(elt * (size_t)(m * q->rows));
+                if (part == NULL || qlinear(s, x, x_stride, q, b, part, m, q->rows)) {
+                    free(part);
+                    return 1;
+                }
+                for (int64_t r = 0; r < m; r++)
+                    memcpy(dst + elt * (size_t)(r * n), part + elt * (size_t)(r * q->rows),
+                           elt * (size_t)q->rows);
+                free(part);
+            }
+            first += q->rows;
+        }
+        return 0;
     }
     if (s->dtype)
         folio_linear(x, x_stride, w, bias, out, m, n, k, s->num_threads);

@@ -67,17 +67,26 @@ class _Step(ctypes.Structure):
 
 
 class _QWeight(ctypes.Structure):
-    """decoder.c's folio_qweight: a quantized projection (int_groups.IntGroups)."""
+    """decoder.c's folio_qweight: a quantized projection (int_groups.IntGroups),
+    or a run of a RowParts' output features with the next run's (`next`)."""
     _fields_ = [("perm", _p), ("codes", _p), ("scales", _p), ("offsets", _p), ("supers", _p),
                 ("bounds", _p), ("groups", _i64), ("positions", _i64), ("per_super", _i64),
-                ("bits", _i32), ("zeros", _i32)]
+                ("bits", _i32), ("zeros", _i32), ("next", _p), ("rows", _i64)]
 
     @classmethod
     def of(cls, weights) -> "_QWeight":
+        parts = getattr(weights, "parts", None)
+        if parts is not None:       # a chain; the head keeps the others alive
+            chain = [cls.of(p) for p in parts]
+            for a, b in zip(chain, chain[1:]):
+                a.next = ctypes.addressof(b)
+            chain[0].chain = chain
+            return chain[0]
         (perm, codes, bits, scales, offsets, zeros, supers, per_super, bounds, groups), \
-            (_, positions) = weights.kernel_args
+            (rows, positions) = weights.kernel_args
         return cls(perm=perm, codes=codes, scales=scales, offsets=offsets, supers=supers,
                    bounds=bounds, groups=groups, positions=positions, per_super=per_super,
+                   rows=rows,
                    bits=bits, zeros=zeros)
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from folio.distributed.parallel_state import tp_size
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import (IntCheckpointMethod, check_input_groups,
+from folio.model.layers.quantization.int_checkpoint import (IntCheckpointMethod, check_input_groups,
                                                         check_packs, unpack_int32)
 
 _BITS = (4,)

@@ -44,7 +44,7 @@ from folio.model.layers.linear import PlainLinearMethod
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
 from folio.model.layers.quantization.gguf import FUSED
-from folio.model.layers.quantization.int_groups import (IntCheckpointMethod, check_input_groups,
+from folio.model.layers.quantization.int_checkpoint import (IntCheckpointMethod, check_input_groups,
                                                         check_packs, unpack_int32)
 
 _FORMATS = ("pack-quantized",)

@@ -55,7 +55,8 @@ from torch import nn
 from folio.model.layers.linear import PlainLinearMethod
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import IntCheckpointMethod, IntGroups
+from folio.model.layers.quantization.int_checkpoint import IntCheckpointMethod
+from folio.model.layers.quantization.int_groups import IntGroups, RowParts
 
 # the types kept packed: (bits of the codes as held, input features per group)
 KINDS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32),
@@ -64,10 +65,12 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")     # scales in two levels: int8s under a su
 
 
 def held_form(kinds) -> tuple[int, int]:
-    """(bits, group) a layer of these parts is held in: one form for the fused
-    layer, the widest codes and the smallest groups among them (a Q4_K part
-    beside a Q6_K one, as Q4_K_M's attn_v is, is held in 6 bits and groups of
-    16, each group of 32's scale twice: the same values)."""
+    """(bits, group) a layer of these parts is loaded in: one form for the
+    fused layer's checkpoint tensors, the widest codes and the smallest groups
+    among them (a Q4_K part beside a Q6_K one, as Q4_K_M's attn_v is, loads in
+    6 bits and groups of 16, each group of 32's scale twice); once loaded,
+    each run of parts of one form is held in its own (RowParts: the Q4_K rows
+    in 4 bits and groups of 32, the Q6_K rows in 6 bits and groups of 16)."""
     return max(KINDS[k][0] for k in kinds), min(KINDS[k][1] for k in kinds)
 
 
@@ -131,6 +134,7 @@ class GGUFLinearMethod(IntCheckpointMethod):
     """Offsets rather than zero points: its own `dequantize` and `int_groups`."""
 
     def __init__(self, kinds: list[str], prefix: str):
+        self.kinds = list(kinds)
         self.kind, self.prefix = "+".join(dict.fromkeys(kinds)), prefix
         self.bits, self.group = held_form(kinds)
         self.two_level = two_level(kinds)
@@ -149,10 +153,13 @@ class GGUFLinearMethod(IntCheckpointMethod):
                          torch.float32, output_dim=0, input_dim=1)
 
     def _codes(self, layer) -> torch.Tensor:
-        c = layer.qcodes.data
+        return self._unpacked(layer.qcodes.data)
+
+    def _unpacked(self, codes: torch.Tensor) -> torch.Tensor:
+        """The loaded codes one a byte (4-bit ones are loaded two a byte)."""
         if self.bits == 4:
-            c = torch.stack([c & 0xF, c >> 4], dim=-1).flatten(-2)
-        return c
+            codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+        return codes
 
     def dequantize(self, layer) -> torch.Tensor:
         """The checkpoint's values, in fp32 (before the packed form's float16)."""
@@ -160,15 +167,60 @@ class GGUFLinearMethod(IntCheckpointMethod):
         return (self._codes(layer).float() * layer.qscales.data[:, groups]
                 + layer.qoffsets.data[:, groups])
 
-    def int_groups(self, layer) -> IntGroups:
-        return self.held({name: getattr(layer, name).data for name in self.checkpoint_tensors})
+    def int_groups(self, layer):
+        tensors = {name: getattr(layer, name).data for name in self.checkpoint_tensors}
+        runs = self._runs(layer)
+        if runs is None:
+            return self.held(tensors)
+        return RowParts([self._held_rows(tensors, first, last, kind)
+                         for first, last, kind in runs])
+
+    def _runs(self, layer) -> "list[tuple[int, int, str]] | None":
+        """A fused layer's runs of output features (this rank's) whose parts
+        are held in one form: (first, end, a kind of the run); None where the
+        whole layer is one run."""
+        if len({held_form([k]) for k in self.kinds}) < 2:
+            return None
+        if hasattr(layer, "output_sizes"):                          # gate, up
+            sizes = list(layer.output_sizes)
+        else:                                                       # q, k, v
+            q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+            sizes = [q, kv, kv]
+        runs, first = [], 0
+        for size, kind in zip(sizes, self.kinds):
+            if runs and held_form([runs[-1][2]]) == held_form([kind]):
+                runs[-1] = (runs[-1][0], first + size, runs[-1][2])
+            else:
+                runs.append((first, first + size, kind))
+            first += size
+        return runs
+
+    def _held_rows(self, tensors: dict, first: int, end: int, kind: str) -> IntGroups:
+        """Output features first .. end - 1 of the loaded tensors (held in the
+        fused layer's common form: its widest codes, its smallest groups) in
+        `kind`'s own form: its bits, its groups (every group of the common
+        form's `step` the same scale, as loaded), two levels where the
+        layer's are."""
+        bits, group = KINDS[kind]
+        step = group // self.group
+        codes = self._unpacked(tensors["qcodes"][first:end])
+        rows = {t: v[first:end] for t, v in tensors.items() if t != "qcodes"}
+        if any(not torch.equal(v, v[:, ::step].repeat_interleave(step, 1))
+               for v in rows.values()):
+            raise ValueError(f"{self.prefix}: {kind} scales differ within its groups of "
+                             f"{group}")
+        rows = {t: v[:, ::step] for t, v in rows.items()}
+        groups = torch.arange(codes.shape[1]) // group
+        supers = None
+        if self.two_level:
+            supers = (rows["qsuperscales"], rows["qsuperoffsets"], 256 // group)
+        return IntGroups.from_codes(codes, groups, rows["qscales"], bits,
+                                    offset=rows["qoffsets"], supers=supers)
 
     def held(self, tensors: dict[str, torch.Tensor]) -> IntGroups:
         """The packed form of one matrix's loaded tensors (`checkpoint_tensors`
         by name; a layer's, or one expert's of a MoE layer)."""
-        codes = tensors["qcodes"]
-        if self.bits == 4:
-            codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+        codes = self._unpacked(tensors["qcodes"])
         groups = torch.arange(codes.shape[1]) // self.group
         supers = None
         if self.two_level:      # held so where a rank's inputs are whole super-blocks

@@ -29,7 +29,7 @@ from torch import nn
 from folio.distributed.parallel_state import tp_rank, tp_size
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import (IntCheckpointMethod,
+from folio.model.layers.quantization.int_checkpoint import (IntCheckpointMethod,
                                                         check_packs, unpack_int32)
 
 _BITS = (4, 8)

@@ -271,6 +271,38 @@ class IntGroups:
         return w if rows is None else w.view(*rows.shape, self.in_features)
 
 
+@dataclass(eq=False)
+class RowParts:
+    """A layer's output features in runs held in different forms, each an
+    IntGroups (a fused GGUF layer whose projections are of different types:
+    Q4_K_M's Q4_K q and k beside a Q6_K v, llama.cpp's Mixtral files' Q4_K q
+    beside Q8_0 k and v), so that each keeps its file's size; the product is
+    the parts' side by side."""
+    parts: list[IntGroups]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def bits(self) -> int:
+        return max(p.bits for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def to(self, device) -> "RowParts":
+        return RowParts([p.to(device) for p in self.parts])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
 def _two_level(scale, offset, d, e, per):
     """(scales, offsets or None, d, e, per) as IntGroups holds them: int8
     [N, G] such that scale = int8 * d and offset = int8 * e exactly in fp32,
@@ -321,6 +353,16 @@ class IntGroupsLinear(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         w = self.weights
+        if isinstance(w, RowParts):     # each run of output features in its own form
+            outs, first = [], 0
+            for part in w.parts:
+                end = first + part.out_features
+                outs.append(self._product(part, x, None if bias is None else bias[first:end]))
+                first = end
+            return torch.cat(outs, dim=-1)
+        return self._product(w, x, bias)
+
+    def _product(self, w: IntGroups, x: torch.Tensor, bias) -> torch.Tensor:
         if x.is_cuda and has_triton():
             from folio.model.layers.quantization.triton_qlinear import qlinear
             return qlinear(x, w, bias)
@@ -345,91 +387,3 @@ def set_activation_quantization(model: torch.nn.Module, mode: str) -> None:
         for method in methods:           # a layer's, and a MoE layer's experts'
             if isinstance(method, IntGroupsLinear):
                 method.int8 = mode == "int8"
-
-
-def hand_over(layer, weights: IntGroups, *names: str) -> None:
-    """Make `layer` run on `weights`, emptying its checkpoint tensors `names`
-    (the parameters stay, for their names)."""
-    layer.quant_method = IntGroupsLinear(weights)
-    for name in names:
-        param = getattr(layer, name)
-        param.data = torch.empty(0, dtype=param.dtype)
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
-    """int32 words holding 32/bits codes each, lowest bits first, along `dim`
-    -> the codes (int32), that axis 32/bits times longer. `order`: the
-    position in its group of 32/bits of the code in the i-th bits of a word
-    (AWQ's interleave), else i."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    p = packed.to(torch.int32).unsqueeze(-1)
-    codes = torch.bitwise_and(torch.bitwise_right_shift(p.movedim(dim, -2), shifts),
-                              (1 << bits) - 1)                        # [..., words, per]
-    if order is not None:
-        codes = codes[..., torch.argsort(torch.tensor(order))]
-    codes = codes.flatten(-2)
-    return codes.movedim(-1, dim)
-
-
-# --------------------------------------------------------------------------- checkpoint formats
-
-
-def check_input_groups(where: str, group: int, in_features: int, full_in: int, *,
-                       whole_on_each_rank: bool = True) -> None:
-    """Refuse a group size that does not divide a layer's `full_in` input
-    features, or (`whole_on_each_rank`) that a row-parallel rank's
-    `in_features` of them do not hold whole groups of. `where`: the layer
-    and format the messages name."""
-    if full_in % group:
-        raise ValueError(f"{where} group_size {group} does not divide the layer's "
-                         f"{full_in} input features")
-    if whole_on_each_rank and in_features % group:
-        raise ValueError(f"{where} group_size {group}: each of the {full_in // in_features} "
-                         f"tensor-parallel ranks gets {in_features} of the layer's "
-                         f"{full_in} input features, not whole groups")
-
-
-def check_packs(where: str, bits: int, features: int, what: str) -> None:
-    """Refuse `features` (`what`: input or output) that do not fill whole
-    int32 words of `bits`-bit codes."""
-    per = 32 // bits
-    if features % per:
-        raise ValueError(f"{where} {bits}-bit packs {per} {what} features per int32; "
-                         f"{features} is not a multiple")
-
-
-class IntCheckpointMethod(LinearMethod):
-    """The method of a format whose checkpoint stores `bits`-bit integer codes
-    and a scale and zero point per group (GPTQ, AWQ, compressed-tensors): it
-    reads the tensors as stored and, once they are loaded, hands the layer
-    over to `IntGroupsLinear`.
-
-    A subclass creates the tensors (`create_weights`), names them in
-    `checkpoint_tensors` (emptied by the hand-over) and reads them back in
-    `_parts`. A format with offsets rather than zero points (GGUF) overrides
-    `dequantize` and `int_groups`."""
-
-    bits: int
-    checkpoint_tensors: tuple[str, ...] = ()
-
-    def _parts(self, layer) -> tuple[torch.Tensor, ...]:
-        """(codes [N, K], group of each k [K], scale [N, G], zero [N, G])."""
-        raise NotImplementedError
-
-    def dequantize(self, layer) -> torch.Tensor:
-        """The float weight [N, K] straight from the checkpoint tensors (the
-        reference the packed form is tested against)."""
-        codes, groups, scale, zero = self._parts(layer)
-        return (codes.float() - zero[:, groups]) * scale[:, groups]
-
-    def int_groups(self, layer) -> IntGroups:
-        """The packed form of the loaded checkpoint tensors."""
-        codes, groups, scale, zero = self._parts(layer)
-        return IntGroups.from_codes(codes, groups, scale, self.bits, zero=zero)
-
-    def process_weights_after_loading(self, layer):
-        hand_over(layer, self.int_groups(layer), *self.checkpoint_tensors)
-
-    def apply(self, layer, x, bias=None):
-        # only before the weights are processed (the layer is handed over then)
-        return F.linear(x, self.dequantize(layer).to(x.dtype), bias)

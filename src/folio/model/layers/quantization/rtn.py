@@ -63,7 +63,8 @@ from torch import nn
 from folio.distributed.parallel_state import tp_rank
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
-from folio.model.layers.quantization.int_groups import IntGroups, hand_over
+from folio.model.layers.quantization.int_checkpoint import hand_over
+from folio.model.layers.quantization.int_groups import IntGroups
 
 # rows quantized at a time: bounds the fp32 temporaries of a large layer
 _ROWS = 1024
