@@ -262,8 +262,9 @@ def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
 def packed_linear_tensors(reader) -> dict[str, str]:
     """HF names of the weights kept packed -> their GGUF type: the embedding
     table and LM head of a packable type, and the decoder's linear weights of
-    one whose fused layer's other projections are packable too (a layer runs
-    one kernel, on the form `held_form` picks for its parts)."""
+    one whose fused layer's other projections are packable too (a layer's
+    tensors load in the form `held_form` picks for its parts; each run of
+    one type is then held in its own, gguf.RowParts)."""
     arch = _field(reader, "general.architecture", None)
     types = {hf_tensor_name(t.name, arch): t.tensor_type.name for t in reader.tensors}
     # the embedding table (and an untied head) too, whose rows are whole blocks

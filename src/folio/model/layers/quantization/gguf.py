@@ -31,10 +31,11 @@ multiplier, the kernel's products of the two exact in fp32
 are not whole super-blocks of 256, float16 ones); Q5_K's and Q6_K's codes
 in 6 bits. A layer that mixes a K-quant with a legacy type (llama.cpp's
 Mixtral files keep attn_k and attn_v Q8_0) holds float16 scales.
-So a Q4_K_M file is held at about its size: Q4_K at 4.63 bits a weight
-(the file's 4.5), Q6_K at 6.63 (the file's 6.56), a fused layer that mixes the two
-(Q4_K_M's attn_v beside Q4_K q and k) at 7.1 (one form a layer: 6-bit
-codes in groups of 16). A MoE layer's stacked experts are kept so too,
+A fused layer whose projections are of different types loads its tensors
+in one form (`held_form`) and, once loaded, holds each run of rows of one
+form in its own (RowParts: Q4_K_M's Q4_K q and k in 4 bits, its Q6_K v in
+6). So a Q4_K_M file is held at about its size (1.02x): Q4_K at 4.63 bits
+a weight (the file's 4.5), Q6_K at 6.63 (the file's 6.56). A MoE layer's stacked experts are kept so too,
 each expert's gate and up (one form) and down a packed form of their own
 (`expert_methods`, read by layers/moe.py). Which tensors are
 kept packed is decided once, when the config is read
