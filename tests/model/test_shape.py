@@ -92,3 +92,12 @@ def test_the_kv_bytes_are_the_caches(tmp_path):
     tokens = 8 * llm.engine.config.cache.block_size
     assert shape_of(llm.engine.config.model).kv_bytes_per_token(dtype_bytes=4) * tokens == held
     assert torch.float32 == caches[0].dtype
+
+
+def test_a_mistral_window_is_every_layers(tmp_path):
+    """Mistral's sliding_window on every layer: each attends to its window
+    (the FLOPs and keys of `folio plan` and the benchmarks' ceilings)."""
+    shape = shape_of(load_model_config(make_tiny_model(tmp_path, arch="mistral",
+                                                       sliding_window=16)))
+    assert (shape.window, shape.windowed_layers, shape.layers) == (16, 2, 2)
+    assert shape.attended(40) == 2 * sum(min(p + 1, 16) for p in range(40))

@@ -21,7 +21,6 @@ shape): the modules run, on the CPU's native attention kernel or torch's.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -164,13 +163,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                              f"{cfg.sliding_window}); choose one that does with "
                              f"--attention-backend: {', '.join(windowed_backends())}")
         super().__init__(cfg, dtype, device, quant_config, attn_backend)
-
-    @classmethod
-    def shape(cls, cfg: ModelConfig):
-        """Its local layers attend to their window only."""
-        windowed = sum(t == SLIDING for t in cfg.layer_types)
-        return dataclasses.replace(super().shape(cfg), window=cfg.sliding_window,
-                                   windowed_layers=windowed if cfg.sliding_window else 0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden)

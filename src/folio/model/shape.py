@@ -50,10 +50,15 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg) -> "ModelShape":
-        """A Llama-shaped ModelConfig's: every layer dense and global."""
+        """A Llama-shaped ModelConfig's: every layer dense; the layers its
+        layer_types say (Gemma 3's local ones, every layer of a Mistral with a
+        sliding_window) attend to their window only."""
+        windowed = (sum(t == "sliding_attention" for t in cfg.layer_types)
+                    if cfg.sliding_window else 0)
         return cls(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                    cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size,
-                   cfg.tie_word_embeddings, cfg.intermediate_size)
+                   cfg.tie_word_embeddings, cfg.intermediate_size,
+                   window=cfg.sliding_window if windowed else None, windowed_layers=windowed)
 
     def linears(self, tp: int = 1) -> list[Linear]:
         """One rank's linear layers at tensor-parallel size tp; a size that does
