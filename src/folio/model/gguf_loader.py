@@ -3,7 +3,7 @@ Q4_1, Q8_0, Q4_K, Q5_K and Q6_K kept in their codes
 (`layers/quantization/gguf.py`), the others dequantised to float32. The
 architectures are model/registry.py's GGUF names; Mixtral is a `llama` file
 with an expert count, and Gemma 3's files are read as llama.cpp reads them
-(`_gemma3`).
+(`gguf_families.py`).
 
 Three things differ from a Hugging Face checkpoint and are undone here:
 
@@ -24,13 +24,14 @@ yields each as its codes, scales and offsets.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Iterator, Optional
 
 import torch
 
 from folio.config import ModelConfig
+from folio.model.gguf_families import MISSING as _MISSING
+from folio.model.gguf_families import expert_fields, field as _field, gemma3_fields, phi3_fields
 from folio.model.registry import ARCHITECTURES
 from folio.model.gguf_blocks import dequantize, split_blocks
 from folio.model.layers.quantization.gguf import (FUSED, KINDS, held_form, shard_names,
@@ -74,7 +75,6 @@ _SUPPORTED_TYPES = frozenset(
     ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 
-_MISSING = object()
 
 
 @functools.lru_cache(maxsize=2)
@@ -89,15 +89,6 @@ def gguf_reader(path: str):
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read GGUF file {path} (truncated or not GGUF?): "
                          f"{type(err).__name__}: {err}") from err
-
-
-def _field(reader, key: str, default: Any = _MISSING) -> Any:
-    value = reader.fields.get(key, _MISSING)
-    if value is _MISSING:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata lacks {key!r}")
-        return default
-    return value
 
 
 def hf_tensor_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
@@ -145,78 +136,13 @@ def gguf_model_config(model: str, path: str) -> ModelConfig:
     try:
         config = _build_config(reader, model, path, arch)
         if arch == "gemma3":
-            config = _gemma3(reader, config)
+            config = gemma3_fields(reader, config)
         if arch == "phi3":
-            config = _phi3(reader, config)
+            config = phi3_fields(reader, config)
         experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-        return _with_experts(reader, config, arch, experts) if experts else config
+        return expert_fields(reader, config, arch, experts) if experts else config
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
-
-
-def _gemma3(reader, config: ModelConfig) -> ModelConfig:
-    """Gemma 3's fields as llama.cpp reads them: local layers by
-    attention.sliding_window_pattern (a bool a layer, or every n-th layer
-    global; absent: 6), their rope base rope.freq_base_swa (absent: 10000),
-    queries scaled by 1/sqrt(head_dim) but for the 27B (62 layers: 1/sqrt(hidden
-    / heads)), GeGLU with tanh GELU."""
-    def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"gemma3.{key}", default)
-    layers = config.num_hidden_layers
-    window = int(meta("attention.sliding_window", 0) or 0)
-    pattern = meta("attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(f"sliding_window_pattern names {len(pattern)} layers of {layers}")
-        local = [bool(p) for p in pattern]
-    else:                           # 0: every layer local, as llama.cpp sets it
-        n = int(pattern)
-        local = [n == 0 or i % n < n - 1 for i in range(layers)]
-    types = tuple("sliding_attention" if window and is_local else "full_attention"
-                  for is_local in local)
-    softcap = meta("final_logit_softcapping")
-    scalar = config.hidden_size // config.num_attention_heads if layers == 62 \
-        else config.head_dim
-    return dataclasses.replace(
-        config, layer_types=types, sliding_window=window or None,
-        rope_local_theta=float(meta("rope.freq_base_swa", 10000.0)),
-        rope_theta=float(meta("rope.freq_base", 1_000_000.0)),
-        query_pre_attn_scalar=float(scalar), hidden_act="gelu_pytorch_tanh",
-        final_logit_softcapping=None if softcap is None else float(softcap))
-
-
-def _phi3(reader, config: ModelConfig) -> ModelConfig:
-    """Phi-3's sliding window (0: none, as Phi-4's files say) on every layer,
-    as its HF folder's; longrope's factor tensors are refused earlier (they
-    have no HF name)."""
-    window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
-    if not window:
-        return config
-    return dataclasses.replace(config, sliding_window=window,
-                               layer_types=("sliding_attention",) * config.num_hidden_layers)
-
-
-def _with_experts(reader, config: ModelConfig, arch: str, experts: int) -> ModelConfig:
-    """A mixture of experts' fields: Mixtral's GGUFs say "llama" with an expert
-    count. llama.cpp renormalizes the top-k weights of both (norm_topk_prob); a
-    layer without a router (ffn_gate_inp) is dense. Experts of a packable type
-    stay in their codes as the linear layers' do (FusedMoE's GGUF tensors);
-    others are dequantized at load."""
-    name = "MixtralForCausalLM" if arch == "llama" else config.architecture
-    if name not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-        raise ValueError(f"GGUF architecture {arch!r} with {experts} experts is not supported")
-    names = {t.name for t in reader.tensors}
-    dense = tuple(i for i in range(config.num_hidden_layers)
-                  if f"blk.{i}.ffn_gate_inp.weight" not in names)
-    if name == "MixtralForCausalLM" and dense:
-        raise ValueError(f"layers {list(dense)} have no router (ffn_gate_inp)")
-    top_k = int(_field(reader, f"{arch}.expert_used_count"))
-    if not 0 < top_k <= experts:
-        raise ValueError(f"expert_used_count {top_k} is not within 1..{experts}")
-    size = int(_field(reader, f"{arch}.expert_feed_forward_length", config.intermediate_size))
-    return dataclasses.replace(config, architecture=name, num_experts=experts,
-                               num_experts_per_tok=top_k, moe_intermediate_size=size,
-                               norm_topk_prob=True, mlp_only_layers=dense)
 
 
 def _build_config(reader, model: str, path: str, arch: str) -> ModelConfig:
