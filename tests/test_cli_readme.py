@@ -27,6 +27,7 @@ COMMANDS = {
     "bench memory": ("`folio bench memory`", ("Engine flags", )),
     "bench weights": ("`folio bench weights`", ("Engine flags", )),
     "bench gpu": ("`folio bench gpu`", ()),
+    "bench host": ("`folio bench host`", ()),
     "bench autoscale": ("`folio bench autoscale`", ()),
     "env": ("`folio env`", ()),
     "usage": ("`folio usage`", ()),

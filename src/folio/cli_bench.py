@@ -1,4 +1,4 @@
-"""`folio bench throughput | serve | memory | weights | gpu | autoscale`: each benchmark's
+"""`folio bench throughput | serve | memory | weights | gpu | host | autoscale`: each benchmark's
 flags are defined when its command is used, so no other command waits for
 the benchmarks' imports."""
 
@@ -38,6 +38,15 @@ def _in_process(module: str, bench: str, report: str):
     return run
 
 
+def _bench_host(args: argparse.Namespace) -> int:
+    import json
+
+    from folio.bench.host import bench_host, print_host
+    result = bench_host(args)
+    print(json.dumps(result)) if args.json else print_host(result)
+    return 0
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from folio.bench.gpu import bench_gpu, markdown
     print(markdown(bench_gpu(args)), end="")
@@ -64,6 +73,9 @@ def add_bench(sub) -> None:
     add_command(kinds, "gpu", "the GPU path on a random Llama-3-8B: correctness, batch-1 "
                  "decode, throughput against transformers, memory",
                  _bench_gpu).defer(_lazy("gpu", "add_gpu_args"))
+    add_command(kinds, "host", "the engine's host cost per decode step on a negligible "
+                 "model, and the step period beside a stand-in device",
+                 _bench_host).defer(_lazy("host", "add_host_args"))
     add_command(kinds, "autoscale", "a replica pool on the measured service curve: fixed, "
                  "queue-keyed and utilization-keyed scaling side by side",
                  _lazy("autoscale_cli", "cmd_bench_autoscale")).defer(

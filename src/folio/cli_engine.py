@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split a long prompt across steps so that running "
                                       "decodes keep going (off: a prompt runs whole in one step)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule each step while the one before runs on the device (one "
+                        "process, no speculative decoding; steps of n > 1, beams and "
+                        "structured outputs still wait for their tokens)")
     g.add_argument("--long-prefill-token-threshold", type=non_negative_int, metavar="N", default=0,
                    help="the most prompt tokens one request prefills in a step, 0 for no cap")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
@@ -128,6 +132,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
+                async_scheduling=args.async_scheduling,
                 scheduling_policy=args.scheduling_policy,
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,

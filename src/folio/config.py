@@ -171,6 +171,8 @@ class SchedulerConfig:
     priority_aging_steps: int = 64           # waiting this many steps gains one priority level
     speculative: Optional[SpeculativeConfig] = None   # --speculative-config
     max_loras: Optional[int] = None     # distinct adapters a step may run (None: LoRA off)
+    # --async-scheduling: step N + 1 scheduled while step N runs (engine/llm_engine.py)
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
 
+_LAST_LIVE = RequestStatus.PREEMPTED     # a status above it is finished
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -37,6 +39,10 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
+
+# a token sampled by a step still running (--async-scheduling): the runner puts
+# the token it sampled there before the next step reads it
+PLACEHOLDER = -1
 
 _seq_ids = itertools.count()
 
@@ -58,10 +64,13 @@ class Sequence:
         self.status = RequestStatus.WAITING
         self.cumulative_logprob = 0.0
         self.stop_reason: Optional[int] = None
+        # --async-scheduling: tokens at the end of token_ids sampled by a step
+        # still running (PLACEHOLDER until it returns; at most two)
+        self.placeholders = 0
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.placeholders]
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,8 +111,21 @@ class Request:
         self.lora = None        # a LoRARequest: the adapter it runs with (None: the base)
 
     @property
+    def runs_ahead(self) -> bool:
+        """Whether a step may be scheduled before this request's last token is
+        known (--async-scheduling): one sequence, no beams, no grammar (forks,
+        beams and matchers need the token first)."""
+        return (len(self.seqs) == 1 and self.beam is None
+                and self.params.structured_outputs is None)
+
+    # (These three are read for every running request every step: a request of
+    # one sequence, the common case, answers without a comprehension.)
+    @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.status.is_finished]
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return [seqs[0]] if seqs[0].status <= _LAST_LIVE else []
+        return [s for s in seqs if s.status <= _LAST_LIVE]
 
     @property
     def kv_seqs(self) -> list[Sequence]:
@@ -113,8 +135,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens each live sequence holds (they are in lockstep)."""
-        live = self.live_seqs
-        return len(live[0].token_ids) if live else len(self.seqs[0].token_ids)
+        seqs = self.seqs
+        if len(seqs) > 1:
+            for s in seqs:
+                if s.status <= _LAST_LIVE:
+                    return len(s.token_ids)
+        return len(seqs[0].token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -113,6 +113,13 @@ class KVCacheManager:
         """Make each sequence able to hold `num_tokens` tokens, of which
         `num_computed` are in the cache. None (and nothing changed) when the
         pool cannot cover all of them: the caller then preempts."""
+        if len(seq_ids) == 1:       # a decode's token in the block it already holds alone
+            table = self.tables.get(seq_ids[0])
+            bs = self.block_size
+            if (table and cdiv(num_tokens, bs) <= len(table)
+                    and (num_tokens <= num_computed or num_computed % bs == 0
+                         or table[num_computed // bs].ref_cnt == 1)):
+                return [SlotGrant()]
         needs = self._needs(seq_ids, num_computed, num_tokens)
         if sum(g + c for g, c in needs) > self.pool.num_free_blocks:
             return None

@@ -71,6 +71,9 @@ class SchedulerOutput:
     # (src, dst) physical blocks copied before the forward (copy-on-write).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    # --async-scheduling: the runner keeps what it samples for the next step's
+    # PLACEHOLDER tokens
+    ahead: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

@@ -23,7 +23,7 @@ from folio.core.seq_inputs import fork_children, prompt_targets, sampling_info
 from folio.core.spec_decode import NgramProposer
 from folio.core.spec_scheduling import SpecScheduling
 from folio.core.step_results import StepResults
-from folio.request import Request, RequestStatus, Sequence
+from folio.request import PLACEHOLDER, Request, RequestStatus, Sequence
 
 
 class Scheduler(SpecScheduling, StepResults):
@@ -49,6 +49,10 @@ class Scheduler(SpecScheduling, StepResults):
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self._resend_table: set[int] = set()   # seq ids whose blocks were trimmed
+        # --async-scheduling: a sampled sequence gets a PLACEHOLDER token at once,
+        # so the next step can be scheduled before this one returns
+        self.ahead = config.async_scheduling and config.speculative is None
+        self.num_not_ahead = 0         # requests that must wait for their tokens
         spec = config.speculative
         self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
                          if spec is not None and spec.method == "ngram" else None)
@@ -72,6 +76,8 @@ class Scheduler(SpecScheduling, StepResults):
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), and chunked "
                 f"prefill is off: enable it or raise max_num_batched_tokens")
         self.requests[request.request_id] = request
+        if not request.runs_ahead:
+            self.num_not_ahead += 1
         for seq in request.seqs:
             self._seqs[seq.seq_id] = (request, seq)
         self.waiting.add(request)
@@ -110,7 +116,7 @@ class Scheduler(SpecScheduling, StepResults):
 
     # ---- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
+        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids, ahead=self.ahead)
         self._finished_seq_ids = []
         self.waiting.tick()
         self._make_room_for_priority(out)
@@ -127,6 +133,8 @@ class Scheduler(SpecScheduling, StepResults):
             if num_new <= 0:
                 continue
             grants = self._allocate(req, num_new)
+            if grants is None and len(self.running) == 1 and req.seqs[0].placeholders:
+                continue                # its token in flight first: it ends after that
             if grants is None and len(self.running) == 1:
                 # Alone and still out of blocks: the whole cache is too small for
                 # this sequence to grow; it ends here rather than loop forever.
@@ -153,8 +161,8 @@ class Scheduler(SpecScheduling, StepResults):
         while (self.waiting and budget > 0 and not pressure
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
-            if not self._lora_fits(req):
-                break
+            if not self._lora_fits(req) or req.seqs[0].placeholders:
+                break                   # (preempted with a step in flight: after it)
             grants = self._admit(req, budget)
             if grants is None:
                 break
@@ -253,18 +261,31 @@ class Scheduler(SpecScheduling, StepResults):
         start = req.num_computed_tokens
         reaches_end = start + num_new == req.num_tokens
         seqs = req.kv_seqs
+        started, resend_table = self._started, self._resend_table
+        scored = req.params.prompt_logprobs is not None
         for seq, grant in zip(seqs, grants):
-            fresh = seq.seq_id not in self._started
+            seq_id = seq.seq_id
+            fresh = seq_id not in started
             if grant.copy is not None:
                 out.blocks_to_copy.append(grant.copy)
-            resend = seq.seq_id in self._resend_table
-            self._resend_table.discard(seq.seq_id)
+            resend = seq_id in resend_table
+            if resend:
+                resend_table.discard(seq_id)
+            if not fresh and not resend and grant.copy is None and not scored:
+                # a running sequence's next tokens (the common case: a decode)
+                out.seqs.append(ScheduledSeq(
+                    seq_id, seq.token_ids[start:start + num_new], start, grant.new_block_ids,
+                    sample=reaches_end,
+                    fork_children=fork_children(req) if reaches_end and not req.forked
+                    else None))
+                seq.status = RequestStatus.RUNNING      # (a forked child's first decode)
+                continue
             out.seqs.append(ScheduledSeq(
-                seq_id=seq.seq_id,
+                seq_id=seq_id,
                 token_ids=seq.token_ids[start:start + num_new],
                 start_pos=start,
                 new_block_ids=grant.new_block_ids,
-                block_ids=(self.kv.block_ids(seq.seq_id)
+                block_ids=(self.kv.block_ids(seq_id)
                            if fresh or resend or grant.copy is not None else None),
                 sampling=sampling_info(req, seq) if fresh else None,
                 sample=reaches_end,
@@ -272,10 +293,22 @@ class Scheduler(SpecScheduling, StepResults):
                 fork_children=fork_children(req) if reaches_end else None,
                 history_prefix=(seq.token_ids[:start] if fresh and start and (
                     req.params.keeps_history or self._drafts_for(req)) else None)))
-            self._started.add(seq.seq_id)
+            started.add(seq_id)
             seq.status = RequestStatus.RUNNING
+        if self.ahead and reaches_end and req.runs_ahead:
+            self._placeholder(req, seqs[0])
         req.num_computed_tokens += num_new       # proposals count once accepted
         return num_new * len(seqs)
+
+    def _placeholder(self, req: Request, seq: Sequence) -> None:
+        """The token this step samples, in place until it returns, when a step
+        after it will read it: not for the last token max_tokens or
+        max_model_len allow."""
+        p = req.params
+        if ((p.max_tokens is None or seq.num_output_tokens + 1 < p.max_tokens)
+                and len(seq.token_ids) + 1 < self.config.max_model_len):
+            seq.token_ids.append(PLACEHOLDER)
+            seq.placeholders += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

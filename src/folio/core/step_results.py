@@ -31,7 +31,7 @@ class StepResults:
             if entry is not None:
                 by_seq[seq_id] = EngineCoreOutput(entry[0].request_id, entry[1].index, [], [],
                                                   prompt_logprobs=scored)
-        touched: dict[str, Request] = {}
+        touched: dict[str, Request] = {}   # requests a sequence of which ended
         beam_tops: dict[str, dict[int, list]] = {}
         ended: set[int] = set()           # ended by a token of this step: its later ones go
         kept: dict[int, int] = {}         # tokens each sequence took this step
@@ -52,23 +52,30 @@ class StepResults:
             if req.beam is not None:
                 beam_tops.setdefault(req.request_id, {})[seq_id] = top
                 continue
-            seq.token_ids.append(token)
+            if seq.placeholders:        # --async-scheduling: its place is kept
+                seq.token_ids[len(seq.token_ids) - seq.placeholders] = token
+                seq.placeholders -= 1
+            else:
+                seq.token_ids.append(token)
             seq.cumulative_logprob += logprob
-            kept[seq_id] = kept.get(seq_id, 0) + 1
+            if speculated:
+                kept[seq_id] = kept.get(seq_id, 0) + 1
             status = self._stop_status(req, seq, token)
+            out = by_seq.get(seq_id)
+            if out is None:
+                out = by_seq[seq_id] = EngineCoreOutput(req.request_id, seq.index, [], [])
+            out.new_token_ids.append(token)
+            out.new_logprobs.append(logprob)
             if status is not None:
                 if seq_id in speculated:    # what it computed, published before it goes
                     self.kv.cache_full_blocks(seq_id, seq.token_ids,
                                               speculated[seq_id].start_pos + kept[seq_id])
                 self._finish_seq(seq, status)
                 ended.add(seq_id)
-            out = by_seq.setdefault(seq_id, EngineCoreOutput(req.request_id, seq.index, [], []))
-            out.new_token_ids.append(token)
-            out.new_logprobs.append(logprob)
-            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+                out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+                touched[req.request_id] = req
             if top is not None:
                 out.new_top_logprobs = (out.new_top_logprobs or []) + [top]
-            touched[req.request_id] = req
         self._keep_accepted(speculated, kept, entries)
         for rid, beam in beam_tops.items():
             try:
@@ -143,21 +150,25 @@ class StepResults:
 
     def _stop_status(self, req: Request, seq: Sequence, token: int) -> Optional[RequestStatus]:
         p = req.params
-        if seq.num_output_tokens < p.min_tokens:
+        ahead = seq.placeholders        # tokens of a step still running: not yet had
+        if seq.num_output_tokens - ahead < p.min_tokens:
             pass                        # EOS and stop ids were masked out by the sampler
         elif not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
             seq.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and seq.num_output_tokens - ahead >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if len(seq.token_ids) >= self.config.max_model_len:
+        if len(seq.token_ids) - ahead >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
+        if seq.placeholders:            # a step still running samples past its end
+            del seq.token_ids[-seq.placeholders:]
+            seq.placeholders = 0
         self.kv.free(seq.seq_id)
         self._started.discard(seq.seq_id)
         self._resend_table.discard(seq.seq_id)
@@ -176,5 +187,7 @@ class StepResults:
             self._finish_seq(seq, status)
         req.status = max(s.status for s in req.seqs)
         del self.requests[req.request_id]
+        if not req.runs_ahead:
+            self.num_not_ahead -= 1
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)

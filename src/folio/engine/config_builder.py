@@ -163,7 +163,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
                  max_cpu_loras: Optional[int] = None,
-                 pipeline_parallel_size: int = 1) -> FolioConfig:
+                 pipeline_parallel_size: int = 1,
+                 async_scheduling: bool = False) -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -245,7 +246,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             scheduling_policy=scheduling_policy, speculative=speculative,
-            max_loras=lora.max_loras if lora else None),
+            max_loras=lora.max_loras if lora else None,
+            async_scheduling=async_scheduling),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 distributed_executor_backend=distributed_executor_backend,
                                 pipeline_parallel_size=pipeline_parallel_size),

@@ -37,7 +37,8 @@ class LLM:
                  activation_quantization: str = "int8", kv_cache_dtype: str = "auto",
                  speculative_config: Union[None, str, dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
-                 max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1):
+                 max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1,
+                 async_scheduling: bool = False):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -55,7 +56,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             activation_quantization=activation_quantization, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            async_scheduling=async_scheduling)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -146,7 +148,8 @@ class LLM:
                 rid = str(next(self._ids))
                 self.engine.add_tokenized_request(rid, text, ids, params,
                                                   priority=priority[i] if priority else 0,
-                                                  validated=True, lora_request=loras[i])
+                                                  validated=True, lora_request=loras[i],
+                                                  final_only=True)
                 order.append(rid)
         except ValueError:          # e.g. a request larger than the whole cache
             self.engine.abort_request(order)

@@ -34,6 +34,10 @@ class LLMEngine:
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, self.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching, kv_window(config))
+        # --async-scheduling: one process (the runner on a thread of its own),
+        # no speculative decoding; (SchedulerOutput, its future) of the step running
+        self.scheduler.ahead = self.scheduler.ahead and hasattr(self.executor, "submit")
+        self._in_flight = None
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         tokens = self.num_blocks * config.cache.block_size
@@ -66,16 +70,18 @@ class LLMEngine:
                               prompt_ids: list[int], params: SamplingParams,
                               arrival_time: Optional[float] = None, priority: int = 0,
                               validated: bool = False,
-                              lora_request: Optional[LoRARequest] = None) -> Request:
+                              lora_request: Optional[LoRARequest] = None,
+                              final_only: bool = False) -> Request:
         """`validated`: the input processor already checked these ids and params.
-        `lora_request`: the adapter it runs with (loaded and checked here)."""
+        `lora_request`: the adapter it runs with (loaded and checked here).
+        `final_only`: `step` returns its RequestOutput once, when it finishes."""
         if lora_request is not None:
             self.check_lora(lora_request)
         request = self.input_processor.make_request(request_id, prompt_ids, params,
                                                     arrival_time, priority, validated)
         request.lora = lora_request
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request, prompt_text)
+        self.output_processor.add_request(request, prompt_text, final_only)
         return request
 
     def add_beam_request(self, request_id: str, prompt_text: Optional[str],
@@ -103,10 +109,40 @@ class LLMEngine:
         return self.output_processor.abort(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
+        """One step's outputs. Under --async-scheduling the next step is
+        scheduled and handed to the runner before this one's results are
+        taken in, while every request may run ahead; otherwise (or once one
+        may not) the step in flight is finished first and steps are synchronous."""
+        sched = self.scheduler
+        if not sched.ahead or sched.num_not_ahead:
+            outputs = self._finish_in_flight()
+            so = sched.schedule()
+            if so.is_empty and not so.finished_seq_ids:
+                return outputs
+            return outputs + self._results(so, self.executor.execute(so))
+        if self._in_flight is None:
+            self._in_flight = self._submit(sched.schedule())
+            if self._in_flight is None:
+                return []
+        following = self._submit(sched.schedule())     # while the one before runs
+        outputs = self._finish_in_flight()
+        self._in_flight = following
+        if following is not None and not sched.has_unfinished_requests():
+            outputs += self._finish_in_flight()       # ran for requests now ended
+        return outputs
+
+    def _submit(self, so):
         if so.is_empty and not so.finished_seq_ids:
+            return None
+        return so, self.executor.submit(so)
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        if self._in_flight is None:
             return []
-        runner_out = self.executor.execute(so)
+        (so, future), self._in_flight = self._in_flight, None
+        return self._results(so, future.result())
+
+    def _results(self, so, runner_out) -> list[RequestOutput]:
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
@@ -155,10 +191,13 @@ class LLMEngine:
             f"{need_bytes} or more, or a smaller --max-model-len")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self._finish_in_flight()
+        finally:
+            self.executor.shutdown()
 
 
 def kv_window(config) -> "int | None":

@@ -143,8 +143,13 @@ class _SeqText:
 
 
 class _RequestState:
-    def __init__(self, request: Request, prompt: Optional[str], tokenizer):
+    def __init__(self, request: Request, prompt: Optional[str], tokenizer,
+                 final_only: bool = False):
         self.request = request
+        # final_only: only the finished RequestOutput is wanted (offline
+        # LLM.generate), so none is built before; without stop strings the
+        # text is then decoded once, when the sequence ends
+        self.final_only = final_only
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.request_id = request.request_id
         self.prompt = prompt
@@ -152,6 +157,7 @@ class _RequestState:
         self.error: Optional[str] = None
         p = request.params
         self.stop = p.stop
+        self.text_at_end = final_only and not p.stop
         self.include_stop = p.include_stop_str_in_output
         self.min_tokens = p.min_tokens
         self.seqs = [_SeqText(IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
@@ -178,9 +184,18 @@ class _RequestState:
             seq.score = h.score
             self.seqs.append(seq)
 
+    def catch_up_text(self) -> None:
+        """Text decoded at the end only: the unfinished sequences' text so far
+        (an abort or a failure ends them without a last token)."""
+        if self.text_at_end:
+            for seq in self.seqs:
+                if seq.finish_reason is None and seq.detok is not None:
+                    seq.text = seq.detok.add_tokens(seq.token_ids) + seq.detok.flush()
+
     def fail(self, error: str) -> None:
         """The request failed inside a step: every unfinished sequence ends."""
         self.error = error
+        self.catch_up_text()
         for seq in self.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
@@ -189,6 +204,10 @@ class _RequestState:
         for logprob, top in scored:
             token = self.prompt_token_ids[len(self.prompt_logprobs)]
             self.prompt_logprobs.append({token: logprob, **dict(top)})
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
 
     def output(self) -> RequestOutput:
         outs = [CompletionOutput(i, s.text, list(s.token_ids), s.cumulative_logprob,
@@ -219,8 +238,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request, prompt: Optional[str]) -> None:
-        self.states[request.request_id] = _RequestState(request, prompt, self.tokenizer)
+    def add_request(self, request: Request, prompt: Optional[str],
+                    final_only: bool = False) -> None:
+        """`final_only`: `process` returns the request's output once, finished
+        (and skips the incremental text where no stop string needs it)."""
+        self.states[request.request_id] = _RequestState(request, prompt, self.tokenizer,
+                                                        final_only)
 
     def process(self, core_outputs: list[EngineCoreOutput]
                 ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
@@ -255,6 +278,13 @@ class OutputProcessor:
                 for token, logprob, top in zip(co.new_token_ids, co.new_logprobs, tops):
                     seq.logprobs.append({token: logprob, **dict(top)})
             ended_by_token = co.finish_reason == "stop"
+            if state.text_at_end:       # the whole text at once, when it ends
+                if co.finish_reason is not None:
+                    out_ids = seq.token_ids[:-1] if ended_by_token else seq.token_ids
+                    seq.text = seq.detok.add_tokens(out_ids) + seq.detok.flush()
+                    seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+                touched[co.request_id] = state
+                continue
             new_ids = co.new_token_ids[:-1] if ended_by_token else co.new_token_ids
             delta = seq.detok.add_tokens(new_ids)
             if co.finish_reason is not None:
@@ -266,6 +296,8 @@ class OutputProcessor:
             touched[co.request_id] = state
         outputs = []
         for rid, state in touched.items():
+            if state.final_only and not state.finished:
+                continue
             out = state.output()
             if out.finished:
                 del self.states[rid]
@@ -315,6 +347,7 @@ class OutputProcessor:
             state = self.states.pop(rid, None)
             if state is None:
                 continue
+            state.catch_up_text()
             for seq in state.seqs:
                 if seq.finish_reason is None:
                     seq.finish_reason = "abort"

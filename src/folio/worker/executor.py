@@ -4,6 +4,9 @@ execute / shutdown API (worker/multiproc.py)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -13,12 +16,22 @@ class UniProcExecutor:
         from folio.worker.model_runner import ModelRunner
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
+        self._device: Optional[ThreadPoolExecutor] = None
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(so)
 
+    def submit(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        """The step run on the runner's own thread, in the order submitted (as
+        a device's stream runs it), while the caller schedules the next one."""
+        if self._device is None:
+            self._device = ThreadPoolExecutor(1, thread_name_prefix="folio-runner")
+        return self._device.submit(self.runner.execute, so)
+
     def shutdown(self) -> None:
-        pass
+        if self._device is not None:
+            self._device.shutdown(wait=True)
+            self._device = None
 
 
 def make_executor(config: FolioConfig):

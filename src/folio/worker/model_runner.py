@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from folio.config import FolioConfig
+from folio.request import PLACEHOLDER
 from folio.core.outputs import (ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput,
                                 describe_fault as _describe)
 from folio.model.attention.backend import StepDescription, to_device
@@ -28,6 +29,7 @@ from folio.worker.draft_proposer import build_drafter
 from folio.worker.lora_manager import LoRAManager, lora_key, lora_runs
 from folio.worker.cuda_graphs import capture_graphs
 from folio.worker.grammar_state import GrammarState, apply_grammars
+from folio.worker.input_batch import BlockTables
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from folio.worker.pipeline_stage import PipelineStage, stage_config
 from folio.worker.spec_runner import SpecRunner
@@ -36,7 +38,7 @@ from folio.worker.spec_verify import verify_greedy
 
 @dataclass
 class SeqState:
-    block_table: list[int]
+    row: int                      # its block table's row of ModelRunner.tables
     sampling: SamplingInfo
     generator: Optional[torch.Generator]
     history: Optional[list[int]] = None    # every token computed, for penalties / min_tokens
@@ -80,6 +82,12 @@ class ModelRunner(SpecRunner):
             self.drafter.allocate(self.num_blocks)
         self.graphs = capture_graphs(self)
         self.states: dict[int, SeqState] = {}
+        # every sequence's block table, a row of one persistent array
+        # --async-scheduling: each sequence's last sampled token, which a step
+        # scheduled before it was known reads in place of its PLACEHOLDER
+        self.last_sampled: dict[int, int] = {}
+        self.tables = BlockTables(-(-(config.max_model_len + 64) // self.block_size),
+                                  config.scheduler.max_num_seqs)
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
 
@@ -111,7 +119,7 @@ class ModelRunner(SpecRunner):
         so that every tensor-parallel rank then runs the same batch) and
         returned, {seq_id: error}, for the scheduler to fail its request alone."""
         for seq_id in so.finished_seq_ids:
-            self.states.pop(seq_id, None)
+            self._forget(seq_id)
             if self.drafter:
                 self.drafter.forget(seq_id)
         failed: dict[int, str] = {}
@@ -119,6 +127,8 @@ class ModelRunner(SpecRunner):
             try:
                 if self.fault_hook is not None and self.is_driver:
                     self.fault_hook("prepare", s)
+                if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                    s.token_ids[-1] = self.last_sampled[s.seq_id]
                 self._update_state(s)
             except Exception as e:      # noqa: BLE001 - one request's fault, not the engine's
                 failed[s.seq_id] = _describe(e)
@@ -198,6 +208,8 @@ class ModelRunner(SpecRunner):
                 self._verify_sampled(out, of(rs), s, draft_q.get(s.seq_id))
             self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
+            if so.ahead:
+                self.last_sampled.update(zip(out.seq_ids, out.token_ids))
         return out
 
     def _forward(self, ordered: list[ScheduledSeq], ids: np.ndarray,
@@ -274,7 +286,9 @@ class ModelRunner(SpecRunner):
         """A forked sample: its own generator, and the parent's block table (the
         scheduler shares the same blocks; copy-on-write comes later)."""
         parent = self.states[parent_id]
-        self.states[child_id] = SeqState(list(parent.block_table), info, self._generator(info),
+        self._forget(child_id)
+        self.states[child_id] = SeqState(self.tables.copy_row(parent.row), info,
+                                         self._generator(info),
                                          None if parent.history is None else list(parent.history),
                                          self._grammar(info))
 
@@ -341,20 +355,21 @@ class ModelRunner(SpecRunner):
         if state is None:
             if s.sampling is None or s.block_ids is None:
                 raise RuntimeError(f"sequence {s.seq_id} scheduled before it was started")
-            state = SeqState(list(s.block_ids), s.sampling, self._generator(s.sampling),
-                             grammar=self._grammar(s.sampling))
+            generator, grammar = self._generator(s.sampling), self._grammar(s.sampling)
+            state = SeqState(self.tables.add(s.block_ids), s.sampling, generator,
+                             grammar=grammar)
             self.states[s.seq_id] = state
         elif s.block_ids is not None:   # resumed after preemption, or table rewritten
-            state.block_table = list(s.block_ids)
-        else:
-            state.block_table.extend(s.new_block_ids)
+            self.tables.set(state.row, s.block_ids)
+        elif s.new_block_ids:
+            self.tables.append(state.row, s.new_block_ids)
         if state.sampling.params.keeps_history:
             if s.start_pos == 0 or s.history_prefix is not None:
                 state.history = list(s.history_prefix or [])
             # proposals join it once accepted (_record_accepted)
             state.history.extend(s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
         if self.drafter:
-            self.drafter.observe(s, state.block_table)
+            self.drafter.observe(s, self.tables.ids(state.row))
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
@@ -368,11 +383,19 @@ class ModelRunner(SpecRunner):
                   ) -> tuple[np.ndarray, StepDescription, list[int]]:
         """(input ids, the step for the attention backend, each sequence's last row)."""
         ids = [t for s in ordered for t in s.token_ids]
-        step, last_rows = StepDescription.of_spans(
-            [(s.start_pos, len(s.token_ids),
-              np.asarray(self.states[s.seq_id].block_table, dtype=np.int64)) for s in ordered],
+        states = self.states
+        step, last_rows = StepDescription.of_rows(
+            [s.start_pos for s in ordered], [len(s.token_ids) for s in ordered],
+            self.tables.gather([states[s.seq_id].row for s in ordered]),
             self.block_size, self.device)
         return np.asarray(ids, dtype=np.int64), step, last_rows
+
+    def _forget(self, seq_id: int) -> None:
+        """A sequence's state and its block table's row, given back."""
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.tables.remove(state.row)
+        self.last_sampled.pop(seq_id, None)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.device)

@@ -23,6 +23,26 @@ import torch
 from folio.model.attention.metadata import AttentionMetadata
 
 
+class TableRows:
+    """Each sequence's block table as a row of one 0-padded int64 array
+    [S, W] and its length: reads as a list of int64 arrays (row i cut to
+    its length), and hands the padded array to a backend as it is."""
+
+    __slots__ = ("padded", "lens")
+
+    def __init__(self, padded: np.ndarray, lens: np.ndarray):
+        self.padded, self.lens = padded, lens
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.padded[i, :self.lens[i]]
+
+    def __iter__(self):
+        return (row[:n] for row, n in zip(self.padded, self.lens.tolist()))
+
+
 @dataclass
 class StepDescription:
     """The step's sequences in batch order (decodes first, then prompt chunks):
@@ -30,7 +50,9 @@ class StepDescription:
 
     query_lens: list[int]            # tokens of each sequence in this step
     start_positions: list[int]       # tokens of each already in the cache
-    block_tables: list[np.ndarray]   # int64 block ids of each, covering start + query
+    # int64 block ids of each, covering start + query (a list of arrays, or
+    # TableRows: the runner's persistent rows gathered)
+    block_tables: "list[np.ndarray] | TableRows"
     slot_mapping: np.ndarray         # [T] int64: the KV slot each token writes
     positions: np.ndarray            # [T] int64
     num_decodes: int                 # the first sequences, one token each
@@ -41,21 +63,31 @@ class StepDescription:
                  device: torch.device) -> tuple["StepDescription", list[int]]:
         """The step of query spans (start position, tokens, int64 block table),
         one-token spans first; and each span's last row."""
-        pos, slots, last_rows = [], [], []
-        num_decodes = row = 0
-        for start, n, table in spans:
-            p = np.arange(start, start + n, dtype=np.int64)
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-            num_decodes += n == 1
-            row += n
-            last_rows.append(row - 1)
-        step = cls(query_lens=[n for _, n, _ in spans],
-                   start_positions=[start for start, _, _ in spans],
-                   block_tables=[table for _, _, table in spans],
-                   slot_mapping=np.concatenate(slots), positions=np.concatenate(pos),
-                   num_decodes=num_decodes, device=device)
-        return step, last_rows
+        lens = np.array([len(t) for _, _, t in spans], dtype=np.int64)
+        padded = np.zeros((len(spans), int(lens.max(initial=1))), dtype=np.int64)
+        for i, (_, _, table) in enumerate(spans):
+            padded[i, :len(table)] = table
+        return cls.of_rows([s for s, _, _ in spans], [n for _, n, _ in spans],
+                           TableRows(padded, lens), block_size, device)
+
+    @classmethod
+    def of_rows(cls, starts: list[int], query_lens: list[int], tables: TableRows,
+                block_size: int, device: torch.device) -> tuple["StepDescription", list[int]]:
+        """The step of sequences starting at `starts` with `query_lens` tokens
+        each, their block tables in `tables`: positions and slots computed for
+        the whole batch at once (no per-sequence loop); and each one's last row."""
+        q = np.asarray(query_lens, dtype=np.int64)
+        ends = np.cumsum(q)
+        seq_of = np.repeat(np.arange(len(q)), q)
+        # each token's position: its row minus its span's first row, plus its start
+        positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(
+            np.asarray(starts, dtype=np.int64) - (ends - q), q)
+        slots = (tables.padded[seq_of, positions // block_size] * block_size
+                 + positions % block_size)
+        step = cls(query_lens=list(query_lens), start_positions=list(starts),
+                   block_tables=tables, slot_mapping=slots, positions=positions,
+                   num_decodes=int(np.count_nonzero(q == 1)), device=device)
+        return step, (ends - 1).tolist()
 
 
 class AttentionBackend:
@@ -149,6 +181,8 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def padded_tables(step: StepDescription) -> np.ndarray:
     """[num_seqs, max_blocks] int64, 0-padded."""
     tables = step.block_tables
+    if isinstance(tables, TableRows):
+        return tables.padded
     padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
     for i, t in enumerate(tables):
         padded[i, :len(t)] = t

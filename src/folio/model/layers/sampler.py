@@ -19,7 +19,9 @@ Order of operations, per row of fp32 logits:
      from the sequence's own generator, equivalent to sampling from p and
      independent of what else is in the batch.
 A batch that is all greedy, with no adjustments and no top logprobs, takes one
-native pass on the CPU (argmax and its logprob) instead of steps 1 and 5.
+native pass on the CPU (argmax and its logprob) instead of steps 1 and 5. Step
+1 makes the whole [S, V] of logprobs only when a row asks for top logprobs;
+otherwise each chosen token's comes from one log-sum-exp of its row.
 """
 
 from __future__ import annotations
@@ -196,7 +198,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # the common case in one native pass: argmax and its logprob
         return SamplerOutput(*native.greedy(logits))
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    # the whole [S, V] of logprobs only when top logprobs are asked for; else
+    # the chosen tokens' from one log-sum-exp a row (below)
+    raw = logits
+    logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs > 0 else None
     if batch.adjust is not None:
         logits = apply_adjustments(logits, batch.adjust)
     tokens = logits.argmax(dim=-1)
@@ -208,7 +213,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         for j, row in enumerate(random_rows):
             noise[j].exponential_(generator=batch.generators[row])
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    out = SamplerOutput(tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1))
+    if logprobs is None:
+        chosen = raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)
+    else:
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    out = SamplerOutput(tokens, chosen)
     if batch.max_logprobs > 0:
         out.top_logprobs, out.top_ids = logprobs.topk(batch.max_logprobs, dim=-1)
     return out

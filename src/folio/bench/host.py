@@ -1,0 +1,211 @@
+"""`folio bench host`: what the engine costs the host per step, on a model too
+small to matter (issue 50).
+
+A random Llama (hidden 64, 2 layers, 4 heads / 2 KV heads, a 4,096-token
+vocabulary, float32, one thread) run through the public `LLM.generate`: a
+pure-decode step's cost at each batch size is the difference of two runs,
+`max_tokens` M and M + S, divided by S (the prompts' prefill and the start-up
+cancel out). Then the same with a stand-in device: the model's forward also
+sleeps D ms (time.sleep lets go of the GIL, as a GPU's kernels run beside the
+host) and returns the model's own, deterministic, tokens. Today the step period
+is D + host; once the host runs beside the device it tends to max(D, host).
+
+This file also runs as a script, `python src/folio/bench/host.py --json`,
+against whichever `folio` is on the path (PYTHONPATH=OLD/src: an earlier
+checkout, for before/after in one run: docs/bench/host_ab.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+             max_position_embeddings=2048)
+PROMPT_LEN = 4
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",")]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"positive integers, comma-separated: {text!r}")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    values = [float(x) for x in text.split(",")]
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"non-negative numbers, comma-separated: {text!r}")
+    return values
+
+
+def add_host_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", type=_ints, default=[1, 64, 256], metavar="B,B,...",
+                   help="concurrent requests of each pure-decode measurement")
+    p.add_argument("--delays", type=_floats, default=[2.0, 5.0, 10.0], metavar="D,D,...",
+                   help="the stand-in device's forward time in ms (at the largest batch)")
+    p.add_argument("--steps", type=int, default=64, metavar="S",
+                   help="decode steps each measurement times")
+    p.add_argument("--rounds", type=int, default=3, metavar="R",
+                   help="measurements of each row: the fastest is kept")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's --async-scheduling: each step scheduled while the one "
+                        "before runs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def make_model(folder: Path) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from folio.bench.gpu import write_wordlevel_tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False,
+                                         bos_token_id=1, eos_token_id=2)).eval()
+    model.save_pretrained(folder)
+    write_wordlevel_tokenizer(folder, SHAPE["vocab_size"])
+    return str(folder)
+
+
+class StandInDevice:
+    """The model's forward, then D ms asleep (the GIL let go): a device whose
+    every step takes D ms, the tokens still the model's own. It also clocks
+    the model's own work (forward and LM head), so that the host's share of
+    a step is the step less that."""
+
+    def __init__(self, model):
+        self.model, self.delay, self.seconds = model, 0.0, 0.0
+        self._forward, self._logits = model.forward, model.compute_logits
+
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._forward(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        if self.delay:
+            time.sleep(self.delay)
+        return out
+
+    def compute_logits(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._logits(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def install(self) -> "StandInDevice":
+        self.model.forward, self.model.compute_logits = self.forward, self.compute_logits
+        return self
+
+
+def _runner(llm):
+    return llm.engine.executor.runner
+
+
+def step_cost(llm, device: StandInDevice, batch: int, steps: int, rounds: int
+              ) -> tuple[float, float]:
+    """Seconds per pure-decode step at `batch` requests, (T(M + S) - T(M)) / S,
+    and of those the model's own (forward and LM head, the stand-in's sleep
+    not counted): the fastest of `rounds`."""
+    from folio import SamplingParams
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 4000 for j in range(PROMPT_LEN)]}
+               for i in range(batch)]
+
+    def timed(max_tokens: int) -> tuple[float, float]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        gc.collect()
+        device.seconds = 0.0
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return seconds, device.seconds
+
+    timed(4)                         # warm-up
+    base = 4
+    # the fastest of each length, then their difference (the minimum of the
+    # differences would favour a slow short run)
+    longs = min(timed(base + steps) for _ in range(rounds))
+    shorts = min(timed(base) for _ in range(rounds))
+    return (longs[0] - shorts[0]) / steps, (longs[1] - shorts[1]) / steps
+
+
+def run(args) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(1)
+    from folio import LLM
+    result = {"cpu": _cpu(), "shape": SHAPE, "async_scheduling": args.async_scheduling, "steps": args.steps, "step_ms": {}, "model_ms": {},
+              "host_ms": {},
+              "stand_in": []}
+    with tempfile.TemporaryDirectory(prefix="folio-host-") as tmp:
+        folder = make_model(Path(tmp))
+        biggest = max(args.batches)
+        ahead = dict(async_scheduling=True) if args.async_scheduling else {}
+        llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=biggest,
+                  max_num_batched_tokens=max(2048, biggest * PROMPT_LEN),
+                  num_kv_blocks=biggest * 8 + 64, **ahead)
+        torch.set_num_threads(1)
+        device = StandInDevice(_runner(llm).model).install()
+        for b in args.batches:
+            step, model = step_cost(llm, device, b, args.steps, args.rounds)
+            result["step_ms"][str(b)] = 1e3 * step
+            result["model_ms"][str(b)] = 1e3 * model
+            result["host_ms"][str(b)] = 1e3 * (step - model)
+        host = result["step_ms"][str(biggest)]      # what the device waits on today
+        for d in args.delays:
+            device.delay = d / 1e3
+            period = 1e3 * step_cost(llm, device, biggest, args.steps, args.rounds)[0]
+            result["stand_in"].append({"batch": biggest, "device_ms": d, "period_ms": period,
+                                       "of_max": period / max(d, host),
+                                       "of_sum": period / (d + host)})
+        device.delay = 0.0
+        llm.shutdown()
+    return result
+
+
+def _cpu() -> str:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    keep = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+            if f in flags]
+    return f"{os.cpu_count()} CPUs, {' '.join(keep) or 'flags unknown'}"
+
+
+def print_host(r: dict) -> None:
+    print(f"host cost per pure-decode step ({r['cpu']}; random Llama hidden 64, 2 layers, "
+          f"vocab 4096, float32, 1 thread; {r['steps']} steps"
+          f"{'; --async-scheduling' if r['async_scheduling'] else ''})")
+    print("| batch | ms per step | of which the model | host ms | host µs per sequence |")
+    print("|---:|---:|---:|---:|---:|")
+    for b, ms in r["host_ms"].items():
+        print(f"| {b} | {r['step_ms'][b]:.2f} | {r['model_ms'][b]:.2f} | {ms:.2f} | "
+              f"{1e3 * ms / int(b):.1f} |")
+    if r["stand_in"]:
+        print("\nstand-in device (the forward sleeps D ms, the GIL let go)")
+        print("| batch | D ms | period ms | / max(D, host) | / (D + host) |")
+        print("|---:|---:|---:|---:|---:|")
+        for s in r["stand_in"]:
+            print(f"| {s['batch']} | {s['device_ms']:g} | {s['period_ms']:.2f} | "
+                  f"{s['of_max']:.2f} | {s['of_sum']:.2f} |")
+
+
+def bench_host(args) -> dict:
+    return run(args)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_host_args(parser)
+    a = parser.parse_args()
+    res = run(a)
+    print(json.dumps(res)) if a.json else print_host(res)

@@ -1,0 +1,129 @@
+"""--async-scheduling: step N + 1 scheduled while step N runs on the runner's
+thread. The same tokens as synchronous steps, every block back, and the
+requests that must wait for their tokens (n > 1, beams, structured outputs)
+stepping synchronously beside the others."""
+
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.core.beam import BeamSearchParams
+from folio.structured_outputs import StructuredOutputsParams
+from tests.utils import TINY_EOS_ID, make_tiny_model
+
+PROMPTS = ["Hello world", "The quick brown fox", "Paged attention keeps", "café naïve",
+           "def f(x):", "Continuous batching admits"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("ahead"))
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    sync = LLM(model, dtype="float32", num_kv_blocks=64)
+    ahead = LLM(model, dtype="float32", num_kv_blocks=64, async_scheduling=True)
+    yield sync, ahead
+    ahead.shutdown()
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for p, q in zip(x.outputs, y.outputs, strict=True):
+            assert (p.token_ids, p.text, p.finish_reason, p.stop_reason) == \
+                (q.token_ids, q.text, q.finish_reason, q.stop_reason)
+            assert p.cumulative_logprob == pytest.approx(q.cumulative_logprob, abs=1e-5)
+
+
+def _whole(llm):
+    engine = llm.engine
+    assert engine._in_flight is None and not engine.has_unfinished_requests()
+    assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+    assert all(not s.placeholders for r in engine.scheduler.requests.values() for s in r.seqs)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=20, ignore_eos=True),
+    dict(temperature=0, max_tokens=1, ignore_eos=True),          # no step reads a placeholder
+    dict(temperature=0, max_tokens=2, ignore_eos=True),
+    dict(temperature=0, max_tokens=64),                          # ends at EOS mid-flight
+    dict(temperature=0.8, seed=3, max_tokens=24),                # seeded: the same draws
+    dict(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[7, 9, 11]),
+    dict(temperature=0, max_tokens=24, ignore_eos=True, stop=["e", " t"]),   # text stops
+    dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3,
+         repetition_penalty=1.3, min_tokens=5),
+])
+def test_the_same_tokens_as_synchronous_steps(pair, params):
+    sync, ahead = pair
+    sp = SamplingParams(**params)
+    _same(ahead.generate(PROMPTS, sp), sync.generate(PROMPTS, sp))
+    _whole(ahead)
+
+
+def test_a_token_past_a_stop_is_never_emitted(pair):
+    """The step after an EOS already ran for that request: its token is dropped."""
+    sync, ahead = pair
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    outs = ahead.generate(PROMPTS, sp)
+    assert any(o.outputs[0].token_ids[-1] == TINY_EOS_ID for o in outs)
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        assert TINY_EOS_ID not in ids[:-1] and -1 not in ids
+    _same(outs, sync.generate(PROMPTS, sp))
+
+
+def test_under_preemption_and_with_prefix_hits(model):
+    """A cache too small for all at once: requests are preempted with a step in
+    flight and recomputed; shared prompts hit the prefix cache."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [p + " and so on, and so on, and so on" for p in PROMPTS] * 2
+    for blocks in (24, 14):     # 14: no request fits whole, each ends when it cannot grow
+        sync = LLM(model, dtype="float32", num_kv_blocks=blocks, block_size=4)
+        ahead = LLM(model, dtype="float32", num_kv_blocks=blocks, block_size=4,
+                    async_scheduling=True)
+        try:
+            expect = sync.generate(prompts, sp)
+            got = ahead.generate(prompts, sp)
+            if blocks == 24:
+                assert ahead.engine.scheduler.num_preemptions > 0
+                assert ahead.engine.scheduler.prefix_cache_hits > 0
+            else:
+                assert all(len(o.outputs[0].token_ids) < 40 for o in got)
+            _same(got, expect)
+            _whole(ahead)
+        finally:
+            ahead.shutdown()
+
+
+def test_requests_that_need_their_tokens_step_synchronously_beside_the_others(pair):
+    sync, ahead = pair
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    forked = SamplingParams(temperature=0.9, seed=1, n=3, max_tokens=16, ignore_eos=True)
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=
+                            StructuredOutputsParams(choice=["yes", "no"]))
+    params = [greedy, forked, greedy, choice]
+    _same(ahead.generate(PROMPTS[:4], params), sync.generate(PROMPTS[:4], params))
+    beams = BeamSearchParams(beam_width=2, max_tokens=8)
+    a = ahead.beam_search(PROMPTS[:2], beams)
+    b = sync.beam_search(PROMPTS[:2], beams)
+    assert [[s.token_ids for s in o.outputs] for o in a] == \
+        [[s.token_ids for s in o.outputs] for o in b]
+    _same(ahead.generate(PROMPTS, greedy), sync.generate(PROMPTS, greedy))   # ahead again
+    _whole(ahead)
+
+
+def test_an_abort_with_a_step_in_flight_frees_every_block(pair):
+    _, ahead = pair
+    engine = ahead.engine
+    ids = engine.input_processor.tokenize("Hello world")[1]
+    for i in range(3):
+        engine.add_tokenized_request(f"a{i}", None, ids, SamplingParams(
+            temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request(["a0", "a1", "a2"])
+    while engine.has_unfinished_requests():
+        assert all(o.request_id not in ("a0", "a1", "a2") for o in engine.step())
+    _whole(ahead)
