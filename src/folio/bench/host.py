@@ -5,10 +5,11 @@ A random Llama (hidden 64, 2 layers, 4 heads / 2 KV heads, a 4,096-token
 vocabulary, float32, one thread) run through the public `LLM.generate`: a
 pure-decode step's cost at each batch size is the difference of two runs,
 `max_tokens` M and M + S, divided by S (the prompts' prefill and the start-up
-cancel out). Then the same with a stand-in device: the model's forward also
-sleeps D ms (time.sleep lets go of the GIL, as a GPU's kernels run beside the
-host) and returns the model's own, deterministic, tokens. Today the step period
-is D + host; once the host runs beside the device it tends to max(D, host).
+cancel out). Then the same with a stand-in device (StandInDevice): every step
+also takes D ms of device time, beside the host, and gives the model's own,
+deterministic, tokens. Synchronous steps wait for it every step (a period of
+D + host); scheduled one step ahead (--async-scheduling) the host works while
+the device does, and the period tends to max(D, host).
 
 This file also runs as a script, `python src/folio/bench/host.py --json`,
 against whichever `folio` is on the path (PYTHONPATH=OLD/src: an earlier
@@ -73,20 +74,29 @@ def make_model(folder: Path) -> str:
 
 
 class StandInDevice:
-    """The model's forward, then D ms asleep (the GIL let go): a device whose
-    every step takes D ms, the tokens still the model's own. It also clocks
-    the model's own work (forward and LM head), so that the host's share of
-    a step is the step less that."""
+    """A device whose every step takes D ms beside the host, the tokens still
+    the model's own. It also clocks the model's own work (forward and LM head),
+    so that the host's share of a step is the step less that.
 
-    def __init__(self, model):
-        self.model, self.delay, self.seconds = model, 0.0, 0.0
+    Where the runner gives each step an event to wait on (`step_event`), the
+    stand-in works as a GPU's stream does: a step queues D ms of device time
+    after what is queued already once the runner has handed it over, and the
+    step's result waits until that time has passed (asleep: the GIL let go). An older runner has
+    no such event: there the forward sleeps D ms itself, which is what a
+    synchronous engine waits on a GPU anyway (it reads each step's tokens
+    back before it goes on)."""
+
+    def __init__(self, model, runner):
+        self.model, self.runner, self.delay, self.seconds = model, runner, 0.0, 0.0
         self._forward, self._logits = model.forward, model.compute_logits
+        self.queued = hasattr(runner, "step_event")
+        self.ready_at = 0.0          # when the device is done with what it was given
 
     def forward(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self._forward(*args, **kwargs)
         self.seconds += time.perf_counter() - t0
-        if self.delay:
+        if self.delay and not self.queued:
             time.sleep(self.delay)
         return out
 
@@ -96,9 +106,29 @@ class StandInDevice:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def step_event(self) -> "_Deadline":
+        """The step's D ms queued once the runner has handed it all over."""
+        if self.delay:
+            self.ready_at = max(time.perf_counter(), self.ready_at) + self.delay
+        return _Deadline(self.ready_at)
+
     def install(self) -> "StandInDevice":
         self.model.forward, self.model.compute_logits = self.forward, self.compute_logits
+        if self.queued:
+            self.runner.step_event = self.step_event
         return self
+
+
+class _Deadline:
+    """The stand-in's event: done once the device time queued before it passed."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def synchronize(self) -> None:
+        wait = self.at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
 
 
 def _runner(llm):
@@ -149,7 +179,7 @@ def run(args) -> dict:
                   max_num_batched_tokens=max(2048, biggest * PROMPT_LEN),
                   num_kv_blocks=biggest * 8 + 64, **ahead)
         torch.set_num_threads(1)
-        device = StandInDevice(_runner(llm).model).install()
+        device = StandInDevice(_runner(llm).model, _runner(llm)).install()
         for b in args.batches:
             step, model = step_cost(llm, device, b, args.steps, args.rounds)
             result["step_ms"][str(b)] = 1e3 * step

@@ -4,11 +4,25 @@ execute / shutdown API (worker/multiproc.py)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
-
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class StepHandle:
+    """A step handed to the device: its output once the device is done with it
+    (`result` waits on the runner's event for the step; no wait where the
+    runner's work is the host's own, on the CPU)."""
+
+    __slots__ = ("_out", "_event")
+
+    def __init__(self, out: ModelRunnerOutput, event):
+        self._out, self._event = out, event
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._out
 
 
 class UniProcExecutor:
@@ -16,22 +30,18 @@ class UniProcExecutor:
         from folio.worker.model_runner import ModelRunner
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
-        self._device: Optional[ThreadPoolExecutor] = None
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(so)
+        return self.submit(so).result()
 
-    def submit(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        """The step run on the runner's own thread, in the order submitted (as
-        a device's stream runs it), while the caller schedules the next one."""
-        if self._device is None:
-            self._device = ThreadPoolExecutor(1, thread_name_prefix="folio-runner")
-        return self._device.submit(self.runner.execute, so)
+    def submit(self, so: SchedulerOutput) -> StepHandle:
+        """The step handed to the device, in order: the caller may schedule the
+        next one before it takes this one's result (--async-scheduling)."""
+        out = self.runner.execute(so)
+        return StepHandle(out, self.runner.step_event())
 
     def shutdown(self) -> None:
-        if self._device is not None:
-            self._device.shutdown(wait=True)
-            self._device = None
+        pass
 
 
 def make_executor(config: FolioConfig):

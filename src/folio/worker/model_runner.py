@@ -106,6 +106,12 @@ class ModelRunner(SpecRunner):
     # raises is a fault of that one sequence. None in normal use.
     fault_hook: Optional[Callable[[str, object], None]] = None
 
+    def step_event(self):
+        """What a step's result waits on: None where the step's work is done when
+        `execute` returns (the CPU; on CUDA the sampled ids are read back within
+        the step today). A stand-in device (bench/host.py) gives its own."""
+        return None
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         failed = self.prepare(so)
         out = self.run(so)
