@@ -57,6 +57,11 @@ def _answer(loop: asyncio.AbstractEventLoop, done: asyncio.Future, setter, value
         loop.call_soon_threadsafe(settle)
 
 
+def _put_all(items) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
+
+
 class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine, on_step: Optional[StepCallback] = None,
                  on_dead: Optional[Callable[[BaseException], None]] = None):
@@ -195,8 +200,8 @@ class AsyncLLMEngine(EngineClient):
                 # must find that answer counted.
                 if self.on_step is not None and (stepped or aborted):
                     self.on_step(self.engine.step_stats(), aborted + outputs)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                if outputs:
+                    self._deliver_step(outputs)
                 if not stepped and not aborted:
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -244,6 +249,21 @@ class AsyncLLMEngine(EngineClient):
                 validated=True, lora_request=c.lora)
         except ValueError as e:
             self._deliver(c.request_id, e)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up of each event loop for all of its
+        streams (not one a request: each is a write to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._streams_lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:                        # that event loop has closed
+                pass
 
     def _deliver(self, request_id: str, item) -> None:
         with self._streams_lock:
