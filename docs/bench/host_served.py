@@ -8,7 +8,9 @@ machine's other core).
 
     .venv/bin/python docs/bench/host_served.py [--rounds 3] [--before OLD_CHECKOUT]
 
---before also runs both through an older checkout's src/ in the same rounds.
+The server runs as `folio serve` does and with `--engine-process` (the engine
+core in a process of its own); --before also runs both through an older
+checkout's src/ in the same rounds.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ def offline(model: str, src: Path) -> float:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def served(model: str, src: Path, log: Path) -> float:
+def served(model: str, src: Path, log: Path, extra: tuple = ()) -> float:
     port = cb.free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-c", "from folio.cli import main; main()", "serve", model,
-           "--port", str(port), *ENGINE]
+           "--port", str(port), *ENGINE, *extra]
     bench = [sys.executable, "-c", "from folio.cli import main; main()", "bench", "serve",
              "--base-url", url, "--tokenizer", model, "--seed", "0", "--json",
              "--num-prompts", str(N),
@@ -94,7 +96,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", default=None, help="an older checkout (its src/ is used)")
     args = p.parse_args()
-    sides = {"after": ROOT / "src"}
+    sides = {"after": ROOT / "src", "after, --engine-process": ROOT / "src"}
     if args.before:
         sides["before"] = Path(args.before).resolve() / "src"
     rates: dict[str, dict[str, list[float]]] = {s: {"offline": [], "served": []} for s in sides}
@@ -102,8 +104,10 @@ def main() -> None:
         model = host.make_model(Path(tmp) / "model")
         for r in range(args.rounds):
             for side, src in sides.items():
+                extra = ("--engine-process",) if "--engine-process" in side else ()
                 rates[side]["offline"].append(offline(model, src))
-                rates[side]["served"].append(served(model, src, Path(tmp) / f"{side}.log"))
+                rates[side]["served"].append(served(model, src, Path(tmp) / "server.log",
+                                                    extra))
                 print(f"round {r + 1}, {side}: offline {rates[side]['offline'][-1]:.0f}, "
                       f"served {rates[side]['served'][-1]:.0f} output tok/s", flush=True)
     print(f"\n{host._cpu()}; {N} requests of {PROMPT} prompt and {OUTPUT} output tokens, "

@@ -123,9 +123,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)        # before the model loads: a port in use fails now
 
     def load():
-        engine = LLMEngine(engine_config)
-        if template is not None:
-            engine.tokenizer.chat_templates["default"] = template
+        if args.engine_process:
+            from folio.engine.mp_client import MPEngineClient
+            engine = MPEngineClient(engine_config, chat_template=template)
+        else:
+            engine = LLMEngine(engine_config)
+            if template is not None:
+                engine.tokenizer.chat_templates["default"] = template
         from folio.env_report import collect, format_report
         logging.getLogger("folio").info("environment (folio env):\n%s",
                                         format_report(collect(), engine.config.dtype))
@@ -279,6 +283,9 @@ def _add_serve(sub) -> None:
                             "is aborted and its client gets a 504 (default: no limit)")
     serve.add_argument("--drain-timeout", type=non_negative_float, metavar="SECONDS", default=30.0,
                        help="seconds that SIGTERM waits for in-flight requests before exiting")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run the engine core (scheduler, model) in a process of its own: "
+                            "the HTTP server, the text and the streams stay in this one")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (info logs each request)")

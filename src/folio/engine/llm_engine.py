@@ -12,6 +12,7 @@ from typing import Optional
 from folio.config import FolioConfig
 from folio.engine.config_builder import build_config
 from folio.core.beam import BeamSearchParams, BeamState
+from folio.core.outputs import EngineCoreOutput
 from folio.core.scheduler import Scheduler
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor
@@ -27,7 +28,10 @@ logger = logging.getLogger("folio")
 
 
 class LLMEngine:
-    def __init__(self, config: FolioConfig):
+    def __init__(self, config: FolioConfig, detokenize: bool = True):
+        """`detokenize=False`: the engine core of another process's front end
+        (engine/core_process.py), which keeps the text and the RequestOutputs
+        itself: `core_step` only."""
         self.config = config
         self.tokenizer = get_tokenizer(config.model)
         self.executor = make_executor(config)
@@ -39,7 +43,7 @@ class LLMEngine:
         self.scheduler.ahead = self.scheduler.ahead and hasattr(self.executor, "submit")
         self._in_flight = None
         self.input_processor = InputProcessor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer) if detokenize else None
         tokens = self.num_blocks * config.cache.block_size
         # (a window every layer has: a sequence holds only the blocks it spans)
         per_request = self.scheduler.kv.most_blocks(config.max_model_len,
@@ -81,7 +85,8 @@ class LLMEngine:
                                                     arrival_time, priority, validated)
         request.lora = lora_request
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request, prompt_text, final_only)
+        if self.output_processor is not None:
+            self.output_processor.add_request(request, prompt_text, final_only)
         return request
 
     def add_beam_request(self, request_id: str, prompt_text: Optional[str],
@@ -101,18 +106,34 @@ class LLMEngine:
         max_len = min(len(prompt_ids) + params.max_tokens, self.config.max_model_len)
         request.beam = BeamState(params, len(prompt_ids), max_len)
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request, prompt_text)
+        if self.output_processor is not None:
+            self.output_processor.add_request(request, prompt_text)
         return request
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         self.scheduler.abort_requests(request_ids)
+        if self.output_processor is None:
+            return []
         return self.output_processor.abort(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        """One step's outputs. Under --async-scheduling the next step is
-        scheduled and handed to the runner before this one's results are
-        taken in, while every request may run ahead; otherwise (or once one
-        may not) the step in flight is finished first and steps are synchronous."""
+        """One step's RequestOutputs: `core_step`'s, detokenized and checked
+        for stop strings (a sequence a stop string ended is ended in the
+        scheduler too)."""
+        core_outputs = self.core_step()
+        if not core_outputs:
+            return []
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.stop_sequences(stopped)
+        return outputs
+
+    def core_step(self) -> list[EngineCoreOutput]:
+        """What one step did to each request. Under --async-scheduling the next
+        step is scheduled and handed to the runner before this one's results
+        are taken in, while every request may run ahead; otherwise (or once
+        one may not) the step in flight is finished first and steps are
+        synchronous."""
         sched = self.scheduler
         if not sched.ahead or sched.num_not_ahead:
             outputs = self._finish_in_flight()
@@ -136,18 +157,14 @@ class LLMEngine:
             return None
         return so, self.executor.submit(so)
 
-    def _finish_in_flight(self) -> list[RequestOutput]:
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
             return []
-        (so, future), self._in_flight = self._in_flight, None
-        return self._results(so, future.result())
+        (so, handle), self._in_flight = self._in_flight, None
+        return self._results(so, handle.result())
 
-    def _results(self, so, runner_out) -> list[RequestOutput]:
-        core_outputs = self.scheduler.update_from_output(so, runner_out)
-        outputs, stopped = self.output_processor.process(core_outputs)
-        if stopped:
-            self.scheduler.stop_sequences(stopped)
-        return outputs
+    def _results(self, so, runner_out) -> list[EngineCoreOutput]:
+        return self.scheduler.update_from_output(so, runner_out)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing done) while requests hold blocks."""

@@ -1,0 +1,134 @@
+"""The engine core in a process of its own (`folio serve --engine-process`,
+issue 50): the scheduler, the executor and the model, and a loop that only
+takes in commands, steps, and sends each step's EngineCoreOutputs back. The
+front end (engine/mp_client.py, in the server's process) keeps the tokenizer,
+the text and the RequestOutputs, so neither the HTTP server's event loop nor
+detokenization holds the GIL the core's steps need.
+
+Messages are pickled tuples over one multiprocessing Pipe: one front end
+talks to one core, and what crosses is Python objects the two share
+(SamplingParams, LoRARequest, EngineCoreOutput, StepStats), which pickle as
+they are. A compiled grammar does not cross (it is dropped when pickled):
+the core compiles a request's structured outputs again when it adds it.
+
+front -> core: ("add", request_id, prompt_ids, params, arrival_time, priority, lora)
+               ("abort", [request_id, ...])
+               ("stop", [(request_id, index), ...])     stop strings the front found
+               ("call", token, name, args)              reset_prefix_cache, check_lora
+               ("shutdown",)
+core -> front: ("ready", {"kv_error": message or None, "num_blocks": n})
+               ("failed", message)                      the core could not start
+               ("step", core_outputs, stats, {request_id: (first_scheduled_time,
+                        num_preemptions, num_cached_tokens)})
+               ("add_failed", request_id, message)      a ValueError of the scheduler
+               ("reply", token, ok, value)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from folio.core.beam import BeamSearchParams
+
+logger = logging.getLogger("folio")
+
+
+def run_core(config, conn) -> None:
+    """The core process's body: build the engine, then serve the front end
+    until it says shutdown or goes away."""
+    from folio.logger import configure_logging
+    configure_logging()
+    try:
+        from folio.engine.llm_engine import LLMEngine
+        engine = LLMEngine(config, detokenize=False)
+    except BaseException as e:     # noqa: BLE001 - the front end reports it
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        try:
+            engine.check_kv_cache()
+            kv_error: Optional[str] = None
+        except ValueError as e:
+            kv_error = str(e)
+        conn.send(("ready", {"kv_error": kv_error, "num_blocks": engine.num_blocks}))
+        Core(engine, conn).loop()
+    except (EOFError, OSError):     # the front end went away: nothing to tell
+        pass
+    finally:
+        engine.shutdown()
+
+
+class Core:
+    def __init__(self, engine, conn):
+        self.engine, self.conn = engine, conn
+        # the requests added, until they end: what the front end's outputs
+        # carry of each (when it was scheduled, preemptions, cached tokens)
+        self.requests: dict = {}
+        self.running = True
+
+    def loop(self) -> None:
+        engine, conn = self.engine, self.conn
+        while self.running:
+            busy = engine.has_unfinished_requests()
+            told = False
+            # between steps, every command waiting; when idle, wait for one
+            if conn.poll(0 if busy else 0.5):
+                while self.running and conn.poll():
+                    told |= self.handle(conn.recv())
+            if not self.running:
+                return
+            if engine.has_unfinished_requests():
+                self.send_step(engine.core_step())
+            elif told:               # an abort while idle: the metrics hear of it
+                self.send_step([])
+
+    def send_step(self, outputs) -> None:
+        info = {}
+        for rid in {o.request_id for o in outputs}:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            info[rid] = (req.first_scheduled_time, req.num_preemptions, req.num_cached_tokens)
+            if rid not in self.engine.scheduler.requests:
+                del self.requests[rid]
+        self.conn.send(("step", outputs, self.engine.step_stats(), info))
+
+    def handle(self, msg) -> bool:
+        """One command; True when it ended requests (an abort)."""
+        kind = msg[0]
+        if kind == "add":
+            self.add(*msg[1:])
+        elif kind == "abort":
+            self.engine.abort_request(msg[1])
+            for rid in msg[1]:
+                self.requests.pop(rid, None)
+            return True
+        elif kind == "stop":
+            self.engine.scheduler.stop_sequences(msg[1])
+        elif kind == "call":
+            self.call(*msg[1:])
+        elif kind == "shutdown":
+            self.running = False
+        return False
+
+    def add(self, rid, prompt_ids, params, arrival_time, priority, lora) -> None:
+        add = (self.engine.add_beam_request if isinstance(params, BeamSearchParams)
+               else self.engine.add_tokenized_request)
+        try:        # validated again here: a grammar is compiled on this side
+            self.requests[rid] = add(rid, None, prompt_ids, params, arrival_time, priority,
+                                     lora_request=lora)
+        except ValueError as e:
+            self.conn.send(("add_failed", rid, str(e)))
+
+    def call(self, token, name: str, args: tuple) -> None:
+        try:
+            if name == "reset_prefix_cache":
+                value = self.engine.reset_prefix_cache()
+            elif name == "check_lora":
+                value = self.engine.check_lora(*args)
+            else:
+                raise ValueError(f"no call {name!r}")
+            self.conn.send(("reply", token, True, value))
+        except Exception as e:     # noqa: BLE001 - the caller's to raise
+            self.conn.send(("reply", token, False, e))

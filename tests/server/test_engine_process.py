@@ -1,0 +1,107 @@
+"""`folio serve --engine-process`: the engine core in a process of its own.
+The official `openai` client's tests (test_openai_api.py: parity with
+transformers, streams, n > 1, stop strings, beams, 64 concurrent streams) and
+the hang-up tests (test_lifecycle.py) run again here against such a server;
+then the core is killed: /health answers 503 and the server exits non-zero
+within 10 s."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server import test_lifecycle as lifecycle
+from tests.server import test_openai_api as api
+from tests.server.conftest import ServerProcess, http, tiny_server_args, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, request):
+    srv = ServerProcess([*tiny_server_args(tiny_model), "--engine-process"])
+    yield srv
+    failed = request.session.testsfailed
+    srv.stop()
+    if failed:
+        print(f"---- server log ----\n{srv.output()}")
+
+
+client = api.client
+aclient = api.aclient
+
+# the same tests, against this module's server
+for _name in ("test_completion_and_stream_agree", "test_n_and_multiple_prompts_and_token_ids",
+              "test_stop_string_is_not_emitted", "test_echo_logprobs_match_transformers",
+              "test_chat_stream_and_logprobs", "test_async_client",
+              "test_sixty_four_concurrent_streams", "test_prefix_cache_shows_in_usage_and_metrics",
+              "test_chat_n2_stop_and_usage_streamed",
+              "test_beam_search_over_http_matches_transformers"):
+    globals()[_name] = getattr(api, _name)
+test_metrics_parse_and_move = lifecycle.test_metrics_parse_and_move
+
+
+def test_a_client_hang_up_aborts_in_the_core_and_frees_blocks(server):
+    before = lifecycle.metrics(server)
+    lifecycle._raw_stream_then_hang_up(server, 3)
+    assert wait_for(lambda: lifecycle.metrics(server)["folio:num_requests_running"] == 0)
+    m = lifecycle.metrics(server)
+    assert m["folio:kv_cache_usage_perc"] == 0.0
+    assert m["folio:request_success_total{abort}"] == before.get(
+        "folio:request_success_total{abort}", 0) + 1
+    # stopped near where the client left, nowhere near the 200 tokens asked
+    assert m["folio:generation_tokens_total"] - before["folio:generation_tokens_total"] < 100
+
+
+def test_greedy_tokens_equal_the_in_process_server(server, tiny_model):
+    inproc = ServerProcess(tiny_server_args(tiny_model))
+    try:
+        body = {"model": "tiny", "prompt": ["Hello world", "The quick brown"],
+                "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+        _, _, a = http("POST", server.url + "/v1/completions", body)
+        _, _, b = http("POST", inproc.url + "/v1/completions", body)
+        assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+        assert [c["logprobs"]["tokens"] for c in a["choices"]] == \
+            [c["logprobs"]["tokens"] for c in b["choices"]]
+    finally:
+        inproc.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """The spawned engine core (not multiprocessing's resource tracker)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for kid in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{kid}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in cmd:
+                kids.append(int(kid))
+    return kids
+
+
+def test_a_killed_core_answers_503_and_ends_the_server(tiny_model):
+    srv = ServerProcess([*tiny_server_args(tiny_model), "--engine-process"])
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert c.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices
+        (core,) = _children(srv.proc.pid)
+        os.kill(core, signal.SIGKILL)
+        t0 = time.monotonic()
+        statuses = []
+        while srv.proc.poll() is None and time.monotonic() - t0 < 10:
+            statuses.append(_health(srv))      # 503, then refused (0) once it has exited
+            time.sleep(0.02)
+        assert srv.proc.wait(1) != 0 and time.monotonic() - t0 < 10
+        first_down = next(i for i, s in enumerate(statuses) if s != 200)
+        assert set(statuses[first_down:]) <= {503, 0}
+        assert "folio: error: the engine stopped" in srv.output()
+        assert "engine core process exited" in srv.output()
+    finally:
+        srv.stop()
+
+
+def _health(srv) -> int:
+    try:
+        return http("GET", srv.url + "/health", timeout=2)[0]
+    except OSError:
+        return 0
