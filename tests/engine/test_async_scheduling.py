@@ -127,3 +127,44 @@ def test_an_abort_with_a_step_in_flight_frees_every_block(pair):
     while engine.has_unfinished_requests():
         assert all(o.request_id not in ("a0", "a1", "a2") for o in engine.step())
     _whole(ahead)
+
+
+def test_speculative_decoding_and_tensor_parallelism_never_run_ahead(model, pair):
+    """Both take the flag and step synchronously: the same tokens as without it."""
+    sync, _ = pair
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expect = sync.generate(PROMPTS, sp)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1}
+    for kwargs in (dict(speculative_config=ngram), dict(tensor_parallel_size=2)):
+        llm = LLM(model, dtype="float32", num_kv_blocks=64, async_scheduling=True, **kwargs)
+        try:
+            assert not llm.engine.scheduler.ahead
+            _same(llm.generate(PROMPTS, sp), expect)
+            _whole(llm)
+        finally:
+            llm.shutdown()
+
+
+def test_a_mixed_lora_batch_runs_ahead_with_each_adapter_s_tokens(tmp_path):
+    from folio.lora_request import LoRARequest
+    from tests.utils import make_lora_adapter
+    base = make_tiny_model(tmp_path / "base")
+    path, _ = make_lora_adapter(base, tmp_path / "qv", seed=1, r=4, lora_alpha=8,
+                                target_modules=["q_proj", "v_proj"])
+    lora = LoRARequest("qv", 1, path)
+    loras = [None, lora] * 3
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = []
+    for ahead in (False, True):
+        llm = LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True,
+                  async_scheduling=ahead)
+        got.append(llm.generate(PROMPTS, sp, lora_request=loras))
+        assert llm.engine.scheduler.ahead == ahead
+        _whole(llm)
+        if not ahead:          # the adapter does change its requests' tokens
+            plain = llm.generate(PROMPTS, sp)
+            assert any(a.outputs[0].token_ids != b.outputs[0].token_ids
+                       for a, b in zip(plain[1::2], got[0][1::2]))
+        llm.shutdown()
+    _same(got[1], got[0])

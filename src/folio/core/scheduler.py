@@ -103,6 +103,14 @@ class Scheduler(SpecScheduling, StepResults):
             if not req.live_seqs:
                 self._end_request(req, RequestStatus.FINISHED_STOPPED)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing done) while requests hold blocks."""
+        return self.kv.pool.reset_prefix_cache()
+
+    def most_blocks(self, num_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once."""
+        return self.kv.most_blocks(num_tokens, self.config.max_num_batched_tokens)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -38,25 +38,23 @@ class LLMEngine:
         self.num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, self.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching, kv_window(config))
-        # --async-scheduling: one process (the runner on a thread of its own),
-        # no speculative decoding; (SchedulerOutput, its future) of the step running
+        # --async-scheduling: one process, no speculative decoding;
+        # (SchedulerOutput, its StepHandle) of the step handed over and not taken in
         self.scheduler.ahead = self.scheduler.ahead and hasattr(self.executor, "submit")
         self._in_flight = None
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer) if detokenize else None
         tokens = self.num_blocks * config.cache.block_size
         # (a window every layer has: a sequence holds only the blocks it spans)
-        per_request = self.scheduler.kv.most_blocks(config.max_model_len,
-                                                    config.scheduler.max_num_batched_tokens)
+        per_request = self.scheduler.most_blocks(config.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %d requests of max_model_len "
                     "%d at once), dtype %s on %s", self.num_blocks, config.cache.block_size,
                     tokens, self.num_blocks // per_request, config.max_model_len,
                     config.kv_dtype, config.device)
-        drafter = getattr(self.executor.runner, "drafter", None)
-        if drafter is not None:
+        if self.executor.draft_bytes_per_block:
             logger.info("each block also holds the draft model's keys and values (%d of its "
-                        "%d bytes)", drafter.bytes_per_block,
-                        self.executor.runner.bytes_per_block)
+                        "%d bytes)", self.executor.draft_bytes_per_block,
+                        self.executor.bytes_per_block)
         if config.weight_dtype is not None:
             logger.info("linear weights stored as %s where the kernel serves",
                         config.weight_dtype)
@@ -168,7 +166,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing done) while requests hold blocks."""
-        return self.scheduler.kv.pool.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def step_stats(self) -> StepStats:
         """The scheduler's numbers after a step, as a message (engine thread only)."""
@@ -186,7 +184,7 @@ class LLMEngine:
         if self.config.lora is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled "
                              "(LLM(enable_lora=True), folio serve --enable-lora)")
-        self.executor.runner.loras.adapter(lora_request)
+        self.executor.check_lora(lora_request)
 
     def check_kv_cache(self) -> None:
         """The KV cache must hold one sequence of max_model_len tokens: a smaller one
@@ -195,12 +193,12 @@ class LLMEngine:
         config = self.config
         size, have, limit = config.cache.block_size, self.num_blocks, config.max_model_len
         # (a model whose every layer has a window holds only the blocks it spans)
-        need = self.scheduler.kv.most_blocks(limit, config.scheduler.max_num_batched_tokens)
+        need = self.scheduler.most_blocks(limit)
         if have >= need:
             return
         # every executor keeps rank 0's runner in-process: its backend's layout
         # (and a draft model's share of each block)
-        need_bytes = need * self.executor.runner.bytes_per_block
+        need_bytes = need * self.executor.bytes_per_block
         raise ValueError(
             f"the KV cache is too small: it holds {have * size} tokens ({have} x {size}-token "
             f"blocks), but one sequence of max_model_len={limit} tokens needs {need} blocks "

@@ -25,7 +25,28 @@ class StepHandle:
         return self._out
 
 
-class UniProcExecutor:
+class RunnerFacts:
+    """What the engine asks of rank 0's runner (every executor keeps it in this
+    process): asked here, so the engine reaches no further than its executor."""
+
+    runner = None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """A KV block's bytes on a rank (a draft model's share included)."""
+        return self.runner.bytes_per_block
+
+    @property
+    def draft_bytes_per_block(self) -> int:
+        drafter = self.runner.drafter
+        return drafter.bytes_per_block if drafter is not None else 0
+
+    def check_lora(self, lora_request) -> None:
+        """The adapter loaded and checked against the model (ValueError)."""
+        self.runner.loras.adapter(lora_request)
+
+
+class UniProcExecutor(RunnerFacts):
     def __init__(self, config: FolioConfig):
         from folio.worker.model_runner import ModelRunner
         self.runner = ModelRunner(config)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
+from folio.worker.executor import RunnerFacts
 
 if TYPE_CHECKING:
     from folio.worker.model_runner import ModelRunner
@@ -181,7 +182,7 @@ def _worker_main(config: FolioConfig, rank: int, port: int, conn, num_threads: i
     leave_process_group()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RunnerFacts):
     def __init__(self, config: FolioConfig):
         check_tensor_parallel(config)
         world = config.parallel.world_size

@@ -20,6 +20,7 @@ import os
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
+from folio.worker.executor import RunnerFacts
 from folio.worker.multiproc import (_init_rank, check_tensor_parallel, describe_split,
                                     free_local_port, leave_process_group,
                                     reset_parallel_defaults, threads_per_rank)
@@ -59,7 +60,7 @@ def _import_ray():
     return ray
 
 
-class RayExecutor:
+class RayExecutor(RunnerFacts):
     def __init__(self, config: FolioConfig):
         check_tensor_parallel(config)
         ray = self.ray = _import_ray()
