@@ -63,8 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                       "decodes keep going (off: a prompt runs whole in one step)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule each step while the one before runs on the device (one "
-                        "process, no speculative decoding; steps of n > 1, beams and "
-                        "structured outputs still wait for their tokens)")
+                        "process, no speculative decoding; steps of n > 1, beams, "
+                        "structured outputs, penalties and min_tokens still wait for "
+                        "their tokens)")
     g.add_argument("--long-prefill-token-threshold", type=non_negative_int, metavar="N", default=0,
                    help="the most prompt tokens one request prefills in a step, 0 for no cap")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",

@@ -113,10 +113,11 @@ class Request:
     @property
     def runs_ahead(self) -> bool:
         """Whether a step may be scheduled before this request's last token is
-        known (--async-scheduling): one sequence, no beams, no grammar (forks,
-        beams and matchers need the token first)."""
+        known (--async-scheduling): one sequence, no beams, nothing that keeps
+        its tokens in the runner (a grammar, penalties, min_tokens): forks,
+        beams and those need the token on the host first."""
         return (len(self.seqs) == 1 and self.beam is None
-                and self.params.structured_outputs is None)
+                and not self.params.keeps_history)
 
     # (These three are read for every running request every step: a request of
     # one sequence, the common case, answers without a comprehension.)

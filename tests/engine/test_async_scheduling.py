@@ -34,6 +34,10 @@ def _same(a, b):
             assert (p.token_ids, p.text, p.finish_reason, p.stop_reason) == \
                 (q.token_ids, q.text, q.finish_reason, q.stop_reason)
             assert p.cumulative_logprob == pytest.approx(q.cumulative_logprob, abs=1e-5)
+            assert (p.logprobs is None) == (q.logprobs is None)
+            for x, y in zip(p.logprobs or (), q.logprobs or (), strict=True):
+                assert x.keys() == y.keys()
+                assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-5)
 
 
 def _whole(llm):
@@ -52,7 +56,8 @@ def _whole(llm):
     dict(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[7, 9, 11]),
     dict(temperature=0, max_tokens=24, ignore_eos=True, stop=["e", " t"]),   # text stops
     dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3,
-         repetition_penalty=1.3, min_tokens=5),
+         repetition_penalty=1.3, min_tokens=5),      # keeps history: synchronous steps
+    dict(temperature=0.7, seed=11, max_tokens=24, ignore_eos=True, logprobs=3),
 ])
 def test_the_same_tokens_as_synchronous_steps(pair, params):
     sync, ahead = pair
@@ -123,6 +128,12 @@ def test_an_abort_with_a_step_in_flight_frees_every_block(pair):
     for _ in range(4):
         engine.step()
     assert engine._in_flight is not None
+    # the step handed over keeps its samples as tensors until it is taken in,
+    # and the runner keeps them for the next step's placeholders
+    so, handle = engine._in_flight
+    assert handle._out.pending and not handle._out.token_ids
+    runner = engine.executor.runner
+    assert set(runner.ahead.rows) == {s.seq_id for s in so.seqs}
     engine.abort_request(["a0", "a1", "a2"])
     while engine.has_unfinished_requests():
         assert all(o.request_id not in ("a0", "a1", "a2") for o in engine.step())

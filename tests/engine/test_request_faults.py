@@ -54,10 +54,13 @@ def reference(model, params):
 
 @pytest.mark.parametrize("stage,after", [("prepare", 0), ("prepare", 3), ("sample", 0),
                                          ("sample", 4)])
-def test_one_request_fails_the_others_are_untouched(model, stage, after):
-    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async-scheduling"])
+def test_one_request_fails_the_others_are_untouched(model, stage, after, ahead):
+    # (n = 2 steps synchronously even under --async-scheduling; n = 1 runs ahead)
+    params = SamplingParams(n=1 if ahead else 2, temperature=0.8, seed=7, max_tokens=8,
+                            ignore_eos=True)
     expected = reference(model, params)
-    llm = LLM(model, **engine_kwargs())
+    llm = LLM(model, **engine_kwargs(), async_scheduling=ahead)
     fault = Fault(llm.engine, stage, after)
     llm.engine.executor.runner.fault_hook = fault
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

@@ -103,6 +103,19 @@ class ModelRunnerOutput:
     # seq_id -> error, for sequences whose inputs could not be prepared or
     # sampled this step: their requests fail alone, the engine goes on.
     failed: dict[int, str] = field(default_factory=dict)
+    # --async-scheduling: samples still where they were drawn (worker/ahead.py
+    # Deferred), made into the lists above by `materialize` once the step is done
+    pending: list = field(default_factory=list)
+
+    def materialize(self) -> "ModelRunnerOutput":
+        for part in self.pending:
+            seq_ids, tokens, logprobs, tops = part.lists()
+            self.seq_ids.extend(seq_ids)
+            self.token_ids.extend(tokens)
+            self.logprobs.extend(logprobs)
+            self.top_logprobs.extend(tops)
+        self.pending = []
+        return self
 
 
 @dataclass

@@ -113,8 +113,9 @@ class DecodeGraphs:
         return (step.num_decodes == len(step.query_lens)
                 and bucket_for(step.num_decodes, self.sizes) is not None)
 
-    def run(self, step: StepDescription, input_ids: np.ndarray) -> torch.Tensor:
-        """The hidden states [n, hidden] of a decode-only step of n sequences."""
+    def run(self, step: StepDescription, input_ids: np.ndarray, fill=None) -> torch.Tensor:
+        """The hidden states [n, hidden] of a decode-only step of n sequences;
+        `fill` puts the last step's samples in place of placeholder ids."""
         n = len(step.query_lens)
         b = bucket_for(n, self.sizes)
         host = np.zeros((4, b), dtype=np.int64)
@@ -129,6 +130,8 @@ class DecodeGraphs:
         for i, t in enumerate(step.block_tables):
             tables[i, :len(t)] = t
         self.inputs[:, :b].copy_(staged(host, self.device), non_blocking=True)
+        if fill is not None:
+            fill(self.inputs[0])
         self.tables[:n, :width].copy_(staged(tables, self.device), non_blocking=True)
         replay, out = self.graphs[b]
         replay()

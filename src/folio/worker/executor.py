@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
+from folio.worker.runner_facts import RunnerFacts
 
 
 class StepHandle:
@@ -22,28 +23,7 @@ class StepHandle:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-        return self._out
-
-
-class RunnerFacts:
-    """What the engine asks of rank 0's runner (every executor keeps it in this
-    process): asked here, so the engine reaches no further than its executor."""
-
-    runner = None
-
-    @property
-    def bytes_per_block(self) -> int:
-        """A KV block's bytes on a rank (a draft model's share included)."""
-        return self.runner.bytes_per_block
-
-    @property
-    def draft_bytes_per_block(self) -> int:
-        drafter = self.runner.drafter
-        return drafter.bytes_per_block if drafter is not None else 0
-
-    def check_lora(self, lora_request) -> None:
-        """The adapter loaded and checked against the model (ValueError)."""
-        self.runner.loras.adapter(lora_request)
+        return self._out.materialize()
 
 
 class UniProcExecutor(RunnerFacts):

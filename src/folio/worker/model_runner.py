@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from folio.config import FolioConfig
-from folio.request import PLACEHOLDER
 from folio.core.outputs import (ModelRunnerOutput, SamplingInfo, ScheduledSeq, SchedulerOutput,
                                 describe_fault as _describe)
 from folio.model.attention.backend import StepDescription, to_device
@@ -29,6 +28,7 @@ from folio.worker.draft_proposer import build_drafter
 from folio.worker.lora_manager import LoRAManager, lora_key, lora_runs
 from folio.worker.cuda_graphs import capture_graphs
 from folio.worker.grammar_state import GrammarState, apply_grammars
+from folio.worker.ahead import AheadTokens
 from folio.worker.input_batch import BlockTables
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from folio.worker.pipeline_stage import PipelineStage, stage_config
@@ -83,9 +83,9 @@ class ModelRunner(SpecRunner):
         self.graphs = capture_graphs(self)
         self.states: dict[int, SeqState] = {}
         # every sequence's block table, a row of one persistent array
-        # --async-scheduling: each sequence's last sampled token, which a step
-        # scheduled before it was known reads in place of its PLACEHOLDER
-        self.last_sampled: dict[int, int] = {}
+        # --async-scheduling: the last step's samples, kept on the device for
+        # the PLACEHOLDER inputs of the step scheduled before they were known
+        self.ahead = AheadTokens(self.device)
         self.tables = BlockTables(-(-(config.max_model_len + 64) // self.block_size),
                                   config.scheduler.max_num_seqs)
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
@@ -107,10 +107,11 @@ class ModelRunner(SpecRunner):
     fault_hook: Optional[Callable[[str, object], None]] = None
 
     def step_event(self):
-        """What a step's result waits on: None where the step's work is done when
-        `execute` returns (the CPU; on CUDA the sampled ids are read back within
-        the step today). A stand-in device (bench/host.py) gives its own."""
-        return None
+        """What a step's result waits on: under --async-scheduling on CUDA, the
+        event recorded once its samples' read-back began; None where the step's
+        work is done when `execute` returns (the CPU, or a synchronous step). A
+        stand-in device (bench/host.py) gives its own."""
+        return self.ahead.take_event()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         failed = self.prepare(so)
@@ -133,8 +134,6 @@ class ModelRunner(SpecRunner):
             try:
                 if self.fault_hook is not None and self.is_driver:
                     self.fault_hook("prepare", s)
-                if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
-                    s.token_ids[-1] = self.last_sampled[s.seq_id]
                 self._update_state(s)
             except Exception as e:      # noqa: BLE001 - one request's fault, not the engine's
                 failed[s.seq_id] = _describe(e)
@@ -166,7 +165,8 @@ class ModelRunner(SpecRunner):
                 return ModelRunnerOutput()
         else:
             ids, step, last_rows = self._describe(ordered)
-            hidden = self._forward(ordered, ids, step)
+            fill = self.ahead.placeholders(ordered, last_rows, ids) if so.ahead else None
+            hidden = self._forward(ordered, ids, step, fill)
         self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
         self._score_prompts(hidden, ordered, last_rows, out)
@@ -207,37 +207,40 @@ class ModelRunner(SpecRunner):
                 return logits[torch.tensor([index[r] for r in picked], device=self.device)]
             if targets:
                 self._sample_into(out, of([r for _, r in targets]),
-                                  [seq_id for seq_id, _ in targets], proposals)
+                                  [seq_id for seq_id, _ in targets], proposals,
+                                  defer=so.ahead)
                 if proposals:
                     verify_greedy(out, proposals)
             for s, rs in spec_rows:
                 self._verify_sampled(out, of(rs), s, draft_q.get(s.seq_id))
             self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
-            if so.ahead:
-                self.last_sampled.update(zip(out.seq_ids, out.token_ids))
         return out
 
     def _forward(self, ordered: list[ScheduledSeq], ids: np.ndarray,
-                 step: StepDescription) -> torch.Tensor:
+                 step: StepDescription, fill=None) -> torch.Tensor:
         """The step's hidden states on one rank: replayed from a CUDA graph
-        where one fits, else the model's forward (with LoRA's runs set)."""
+        where one fits, else the model's forward (with LoRA's runs set).
+        `fill`: puts the last step's samples in place of PLACEHOLDER inputs."""
         if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step, ids)
+            return self.graphs.run(step, ids, fill)
         meta = self.attn_backend.build_metadata(step)
         if self.loras is not None:
             self.loras.prepare_step(lora_runs(
                 [(self.states[s.seq_id].sampling.lora, len(s.token_ids)) for s in ordered]))
         try:
-            return self.model(self._tensor(ids), self._tensor(step.positions),
+            ids_tensor = self._tensor(ids)
+            if fill is not None:
+                fill(ids_tensor)
+            return self.model(ids_tensor, self._tensor(step.positions),
                               self.kv_caches, meta)
         finally:
             if self.loras is not None:
                 self.loras.end_step()
 
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
-                     seq_ids: list[int], proposals: Optional[dict[int, list[int]]] = None
-                     ) -> None:
+                     seq_ids: list[int], proposals: Optional[dict[int, list[int]]] = None,
+                     defer: bool = False) -> None:
         """Sample the whole batch at once; if that raises, row by row, so that
         only the rows that fail on their own are failed. (The failed attempt may
         have drawn from the other rows' generators already: their tokens are
@@ -247,7 +250,13 @@ class ModelRunner(SpecRunner):
         try:
             self._check_fault(seq_ids)
             self._constrain(logits, seq_ids, proposals)
-            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids, proposals)))]
+            result = sample(logits, self._sampling_batch(seq_ids, proposals))
+            if defer:                   # --async-scheduling: read back when taken
+                kept = self.ahead.keep(seq_ids, result)
+                kept.top_k = [self.states[i].sampling.params.logprobs for i in seq_ids]
+                out.pending.append(kept)
+                return
+            rows = [(seq_ids, result)]
         except Exception:               # noqa: BLE001 - find the row at fault below
             rows = []
             i = 0
@@ -263,6 +272,8 @@ class ModelRunner(SpecRunner):
                 except Exception as e:  # noqa: BLE001 - this sequence's fault
                     out.failed[seq_id] = _describe(e)
                 i = j
+            if defer and rows:          # what the rows that stood sampled, kept
+                self.ahead.keep_rows(rows)
         for ids, result in rows:
             out.seq_ids.extend(ids)
             out.token_ids.extend(result.tokens.tolist())
@@ -401,7 +412,7 @@ class ModelRunner(SpecRunner):
         state = self.states.pop(seq_id, None)
         if state is not None:
             self.tables.remove(state.row)
-        self.last_sampled.pop(seq_id, None)
+        self.ahead.forget(seq_id)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.device)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
-from folio.worker.executor import RunnerFacts
+from folio.worker.runner_facts import RunnerFacts
 
 if TYPE_CHECKING:
     from folio.worker.model_runner import ModelRunner

@@ -20,7 +20,7 @@ import os
 
 from folio.config import FolioConfig
 from folio.core.outputs import ModelRunnerOutput, SchedulerOutput
-from folio.worker.executor import RunnerFacts
+from folio.worker.runner_facts import RunnerFacts
 from folio.worker.multiproc import (_init_rank, check_tensor_parallel, describe_split,
                                     free_local_port, leave_process_group,
                                     reset_parallel_defaults, threads_per_rank)
