@@ -39,13 +39,23 @@ read -r -a TESTS <<< "${GPU_TESTS:-tests/worker/test_cuda_graphs.py tests/worker
     tests/engine/test_triton_backend.py
     tests/engine/test_gemma3.py::test_greedy_tokens_batched_under_preemption
     tests/engine/test_gemma3.py::test_prompt_logprobs_match_and_the_window_matters
-    tests/worker/test_device.py tests/bench/test_gpu.py tests/model/test_triton_attention.py}"
+    tests/worker/test_device.py tests/bench/test_gpu.py tests/model/test_triton_attention.py
+    tests/engine/test_async_scheduling.py}"
 start=$(date +%s)
 # SIGINT at the limit: pytest still prints its summary of what ran
 timeout -s INT -k 30 "$TEST_S" "$PYTHON" -m pytest -v -p no:cacheprovider -o addopts="" \
     -rfEs --tb=short --durations=15 --timeout=90 "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 echo "tests: rc=$? in $(( $(date +%s) - start )) s"
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|Timeout" "$OUT/tests.log" | tail -n 40
+
+# the host's cost per step on the card, synchronous and scheduled ahead (issue 50)
+start=$(date +%s)
+for ahead in "" --async-scheduling; do
+    timeout 60 "$PYTHON" -m folio.cli bench host --device cuda --delays '' --rounds 2 \
+        $ahead >> "$OUT/host.log" 2>&1
+done
+echo "host: rc=$? in $(( $(date +%s) - start )) s"
+grep -E "^\|" "$OUT/host.log" | tail -n 12
 
 start=$(date +%s)
 timeout "$BENCH_S" "$ROOT/benchmarks/gpu.sh" --out "$OUT/bench" --work /tmp/folio-gpu-work "$@" \

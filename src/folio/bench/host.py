@@ -40,8 +40,11 @@ def _ints(text: str) -> list[int]:
 
 
 def _floats(text: str) -> list[float]:
-    values = [float(x) for x in text.split(",")]
-    if not values or min(values) < 0:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = [-1.0]
+    if values and min(values) < 0:
         raise argparse.ArgumentTypeError(f"non-negative numbers, comma-separated: {text!r}")
     return values
 
@@ -50,7 +53,11 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=_ints, default=[1, 64, 256], metavar="B,B,...",
                    help="concurrent requests of each pure-decode measurement")
     p.add_argument("--delays", type=_floats, default=[2.0, 5.0, 10.0], metavar="D,D,...",
-                   help="the stand-in device's forward time in ms (at the largest batch)")
+                   help="the stand-in device's time a step in ms, at the largest batch "
+                        "('' for none)")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda",
+                   help="where the model runs (on cuda the stand-in is not needed: "
+                        "give --delays '')")
     p.add_argument("--steps", type=int, default=64, metavar="S",
                    help="decode steps each measurement times")
     p.add_argument("--rounds", type=int, default=3, metavar="R",
@@ -86,10 +93,11 @@ class StandInDevice:
     synchronous engine waits on a GPU anyway (it reads each step's tokens
     back before it goes on)."""
 
-    def __init__(self, model, runner):
+    def __init__(self, model, runner, stand_in: bool = True):
+        """`stand_in=False`: clocks the model only (the runner's own events kept)."""
         self.model, self.runner, self.delay, self.seconds = model, runner, 0.0, 0.0
         self._forward, self._logits = model.forward, model.compute_logits
-        self.queued = hasattr(runner, "step_event")
+        self.queued = stand_in and hasattr(runner, "step_event")
         self.ready_at = 0.0          # when the device is done with what it was given
 
     def forward(self, *args, **kwargs):
@@ -168,18 +176,20 @@ def run(args) -> dict:
     import torch
     torch.set_num_threads(1)
     from folio import LLM
-    result = {"cpu": _cpu(), "shape": SHAPE, "async_scheduling": args.async_scheduling, "steps": args.steps, "step_ms": {}, "model_ms": {},
+    result = {"cpu": _cpu(), "device": args.device, "shape": SHAPE,
+              "async_scheduling": args.async_scheduling, "steps": args.steps,
+              "step_ms": {}, "model_ms": {},
               "host_ms": {},
               "stand_in": []}
     with tempfile.TemporaryDirectory(prefix="folio-host-") as tmp:
         folder = make_model(Path(tmp))
         biggest = max(args.batches)
         ahead = dict(async_scheduling=True) if args.async_scheduling else {}
-        llm = LLM(folder, dtype="float32", device="cpu", max_num_seqs=biggest,
+        llm = LLM(folder, dtype="float32", device=args.device, max_num_seqs=biggest,
                   max_num_batched_tokens=max(2048, biggest * PROMPT_LEN),
                   num_kv_blocks=biggest * 8 + 64, **ahead)
         torch.set_num_threads(1)
-        device = StandInDevice(_runner(llm).model, _runner(llm)).install()
+        device = StandInDevice(_runner(llm).model, _runner(llm), bool(args.delays)).install()
         for b in args.batches:
             step, model = step_cost(llm, device, b, args.steps, args.rounds)
             result["step_ms"][str(b)] = 1e3 * step
@@ -212,7 +222,8 @@ def _cpu() -> str:
 
 
 def print_host(r: dict) -> None:
-    print(f"host cost per pure-decode step ({r['cpu']}; random Llama hidden 64, 2 layers, "
+    print(f"host cost per pure-decode step ({r['cpu']}; on {r.get('device', 'cpu')}; "
+          f"random Llama hidden 64, 2 layers, "
           f"vocab 4096, float32, 1 thread; {r['steps']} steps"
           f"{'; --async-scheduling' if r['async_scheduling'] else ''})")
     print("| batch | ms per step | of which the model | host ms | host µs per sequence |")
