@@ -55,17 +55,27 @@ def test_a_client_hang_up_aborts_in_the_core_and_frees_blocks(server):
 
 
 def test_greedy_tokens_equal_the_in_process_server(server, tiny_model):
+    """Also with the core scheduling one step ahead (--async-scheduling)."""
     inproc = ServerProcess(tiny_server_args(tiny_model))
+    ahead = ServerProcess([*tiny_server_args(tiny_model), "--engine-process",
+                           "--async-scheduling"])
     try:
-        body = {"model": "tiny", "prompt": ["Hello world", "The quick brown"],
+        body = {"model": "tiny", "prompt": ["Hello world", "The quick brown", "Paged"],
                 "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
-        _, _, a = http("POST", server.url + "/v1/completions", body)
-        _, _, b = http("POST", inproc.url + "/v1/completions", body)
-        assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
-        assert [c["logprobs"]["tokens"] for c in a["choices"]] == \
-            [c["logprobs"]["tokens"] for c in b["choices"]]
+        _, _, want = http("POST", inproc.url + "/v1/completions", body)
+        for srv in (server, ahead):
+            _, _, got = http("POST", srv.url + "/v1/completions", body)
+            assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+            assert [c["logprobs"]["tokens"] for c in got["choices"]] == \
+                [c["logprobs"]["tokens"] for c in want["choices"]]
+        stops = {**body, "max_tokens": 40, "stop": ["e"], "ignore_eos": False}
+        _, _, want = http("POST", inproc.url + "/v1/completions", stops)
+        _, _, got = http("POST", ahead.url + "/v1/completions", stops)
+        assert [(c["text"], c["finish_reason"]) for c in got["choices"]] == \
+            [(c["text"], c["finish_reason"]) for c in want["choices"]]
     finally:
         inproc.stop()
+        ahead.stop()
 
 
 def _children(pid: int) -> list[int]:
