@@ -115,3 +115,36 @@ def _health(srv) -> int:
         return http("GET", srv.url + "/health", timeout=2)[0]
     except OSError:
         return 0
+
+
+def test_under_preemption_greedy_and_seeded_samples_equal_offline(tiny_model):
+    """A cache too small for the requests at once: the core preempts and
+    recomputes; greedy tokens and seeded n = 2 samples are what an offline
+    engine gives each request alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from folio import LLM, SamplingParams
+    args = [a if a != "96" else "20" for a in tiny_server_args(tiny_model)]   # 20 blocks of 8
+    srv = ServerProcess([*args, "--max-model-len", "128", "--engine-process"])
+    prompts = [f"{w} and so on, and so on" for w in ("Hello", "The quick", "Paged", "Count")]
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 40, "ignore_eos": True,
+               "temperature": 0} for p in prompts]
+    bodies += [{"model": "tiny", "prompt": p, "max_tokens": 30, "ignore_eos": True,
+                "temperature": 0.9, "seed": 5, "n": 2} for p in prompts[:2]]
+    try:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(
+                lambda b: http("POST", srv.url + "/v1/completions", b)[2], bodies))
+        running = lifecycle.metrics(srv)
+        assert running["folio:num_preemptions_total"] > 0
+        llm = LLM(tiny_model, dtype="float32", num_kv_blocks=96, block_size=8,
+                  max_model_len=128)
+        for body, answer in zip(bodies, answers):
+            params = SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True,
+                                    temperature=body["temperature"], seed=body.get("seed"),
+                                    n=body.get("n", 1))
+            want = llm.generate(body["prompt"], params, use_tqdm=False)[0]
+            assert [c["text"] for c in answer["choices"]] == [o.text for o in want.outputs]
+        assert running["folio:kv_cache_usage_perc"] == 0.0
+    finally:
+        srv.stop()
