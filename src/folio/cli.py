@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def load():
         if args.engine_process:
             from folio.engine.mp_client import MPEngineClient
-            engine = MPEngineClient(engine_config, chat_template=template)
+            engine = MPEngineClient(engine_config, chat_template=template, start=False)
         else:
             engine = LLMEngine(engine_config)
             if template is not None:

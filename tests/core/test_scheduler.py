@@ -119,3 +119,35 @@ def test_request_larger_than_the_pool_is_rejected():
     sched = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="whole cache has 2"):
         sched.add_request(make_request("big", 8))
+
+
+def test_ahead_a_request_preempted_for_priority_waits_for_its_step_in_flight():
+    """--async-scheduling: a prompt chunk preempted by a more urgent request
+    while its step is in flight is not readmitted by the same schedule (the
+    in-flight step's results would publish its blocks against a new table);
+    synchronous steps readmit it at once when there is room."""
+    for ahead in (False, True):
+        cfg = SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=12,
+                              scheduling_policy="priority", async_scheduling=ahead)
+        sched, runner = Scheduler(cfg, 4, 4), FakeRunner()
+        low = make_request("low", 12, max_tokens=1, priority=5)
+        sched.add_request(low)
+        first = sched.schedule()                  # low's whole prompt: 3 of 4 blocks
+        assert [len(s.token_ids) for s in first.seqs] == [12]
+        high = make_request("high", 8, max_tokens=1, priority=0)
+        sched.add_request(high)
+        second = sched.schedule()                 # high needs 2 blocks: low preempted
+        assert sched.num_preemptions == 1
+        ids = {s.seq_id for s in second.seqs}
+        assert high.seqs[0].seq_id in ids
+        assert (low.seqs[0].seq_id in ids) == (not ahead)
+        sched.update_from_output(first, runner.execute(first))
+        sched.update_from_output(second, runner.execute(second))
+        drain_all(sched, runner)
+        assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == 4
+
+
+def drain_all(sched, runner):
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        sched.update_from_output(so, runner.execute(so))

@@ -53,6 +53,7 @@ class Scheduler(SpecScheduling, StepResults):
         # so the next step can be scheduled before this one returns
         self.ahead = config.async_scheduling and config.speculative is None
         self.num_not_ahead = 0         # requests that must wait for their tokens
+        self._preempted_now: set[str] = set()   # preempted by this schedule call
         spec = config.speculative
         self.proposer = (NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
                          if spec is not None and spec.method == "ngram" else None)
@@ -126,6 +127,7 @@ class Scheduler(SpecScheduling, StepResults):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids, ahead=self.ahead)
         self._finished_seq_ids = []
+        self._preempted_now.clear()
         self.waiting.tick()
         self._make_room_for_priority(out)
         budget = self.config.max_num_batched_tokens
@@ -169,8 +171,11 @@ class Scheduler(SpecScheduling, StepResults):
         while (self.waiting and budget > 0 and not pressure
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
-            if not self._lora_fits(req) or req.seqs[0].placeholders:
-                break                   # (preempted with a step in flight: after it)
+            if not self._lora_fits(req) or req.seqs[0].placeholders or (
+                    self.ahead and req.request_id in self._preempted_now):
+                # preempted with a step in flight: readmitted after its results
+                # (update_from_output publishes that step's blocks by its table)
+                break
             grants = self._admit(req, budget)
             if grants is None:
                 break
@@ -319,6 +324,7 @@ class Scheduler(SpecScheduling, StepResults):
             seq.placeholders += 1
 
     def _preempt(self, req: Request) -> None:
+        self._preempted_now.add(req.request_id)
         self.running.remove(req)
         for seq in req.live_seqs:
             self.kv.free(seq.seq_id)

@@ -173,6 +173,10 @@ class AsyncLLMEngine(EngineClient):
         done: asyncio.Future = loop.create_future()
         with self._streams_lock:        # answered by the engine thread, or failed with it
             self._pending.add((loop, done))
+        if self.is_dead:                # (failed before it was added: nobody answers)
+            with self._streams_lock:
+                self._pending.discard((loop, done))
+            raise EngineDeadError("the engine has stopped")
         self._send(("reset_prefix_cache", (loop, done)))
         try:
             return await done

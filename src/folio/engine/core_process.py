@@ -18,6 +18,7 @@ front -> core: ("add", request_id, prompt_ids, params, arrival_time, priority, l
                ("shutdown",)
 core -> front: ("ready", {"kv_error": message or None, "num_blocks": n})
                ("failed", message)                      the core could not start
+               ("dead", message)                        the core failed (then exits)
                ("step", core_outputs, stats, {request_id: (first_scheduled_time,
                         num_preemptions, num_cached_tokens)})
                ("add_failed", request_id, message)      a ValueError of the scheduler
@@ -27,6 +28,7 @@ core -> front: ("ready", {"kv_error": message or None, "num_blocks": n})
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from folio.core.beam import BeamSearchParams
@@ -55,6 +57,13 @@ def run_core(config, conn) -> None:
         Core(engine, conn).loop()
     except (EOFError, OSError):     # the front end went away: nothing to tell
         pass
+    except BaseException as e:      # noqa: BLE001 - told before the shutdown, which may hang
+        logger.exception("the engine core failed")
+        try:
+            conn.send(("dead", f"{type(e).__name__}: {e}"))
+            conn.close()
+        except (OSError, ValueError):
+            pass
     finally:
         engine.shutdown()
 
@@ -69,7 +78,10 @@ class Core:
 
     def loop(self) -> None:
         engine, conn = self.engine, self.conn
+        parent = os.getppid()
         while self.running:
+            if os.getppid() != parent:       # the front end's process died
+                return
             busy = engine.has_unfinished_requests()
             told = False
             # between steps, every command waiting; when idle, wait for one
@@ -106,6 +118,9 @@ class Core:
             return True
         elif kind == "stop":
             self.engine.scheduler.stop_sequences(msg[1])
+            for rid, _ in msg[1]:           # ended by it: no step reports them again
+                if rid not in self.engine.scheduler.requests:
+                    self.requests.pop(rid, None)
         elif kind == "call":
             self.call(*msg[1:])
         elif kind == "shutdown":

@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
+import queue
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -35,7 +37,10 @@ logger = logging.getLogger("folio")
 class MPEngineClient(AsyncLLMEngine):
     def __init__(self, config: FolioConfig, on_step: Optional[StepCallback] = None,
                  on_dead: Optional[Callable[[BaseException], None]] = None,
-                 chat_template: Optional[str] = None):
+                 chat_template: Optional[str] = None, start: bool = True):
+        """`start=False`: the core is loaded, but its messages are not taken in
+        until `start` gives the callbacks (a server sets them first, so that a
+        core dying at once still reaches `on_dead`)."""
         from folio.engine.input_processor import InputProcessor
         from folio.engine.output_processor import OutputProcessor
         from folio.tokenizer import get_tokenizer
@@ -49,7 +54,10 @@ class MPEngineClient(AsyncLLMEngine):
         self._requests: dict = {}        # request id -> this side's copy of its Request
         self._aborted: list = []         # aborted requests' outputs, for the next stats
         self._lock = threading.Lock()    # the output processor, _requests, _aborted
-        self._send_lock = threading.Lock()
+        # commands go out through one sender thread: neither the event loop nor
+        # the receiving thread ever blocks on a full pipe (which, both ways at
+        # once, would stop both processes)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict = {}
         self._streams_lock = threading.Lock()
         self._pending: set = set()
@@ -77,9 +85,25 @@ class MPEngineClient(AsyncLLMEngine):
             raise RuntimeError(info)
         self._kv_error = info["kv_error"]
         self.num_blocks = info["num_blocks"]
+        # at interpreter exit, before multiprocessing joins its non-daemon
+        # children: the core is told to stop (else a server that never called
+        # shutdown would wait for it forever)
+        multiprocessing.util.Finalize(self, _stop_core, args=(self._conn, self._proc),
+                                      exitpriority=10)
+        self._sender = threading.Thread(target=self._send_loop, name="folio-engine-send",
+                                        daemon=True)
+        self._sender.start()
         self._thread = threading.Thread(target=self._run, name="folio-engine-front",
                                         daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
+
+    def start(self, on_step: Optional[StepCallback] = None,
+              on_dead: Optional[Callable[[BaseException], None]] = None) -> None:
+        """Take in the core's messages from now on, telling these callbacks."""
+        self.on_step, self.on_dead = on_step, on_dead
+        if not self._thread.is_alive():
+            self._thread.start()
 
     # ---- what the server reads ------------------------------------------------
     @property
@@ -119,16 +143,15 @@ class MPEngineClient(AsyncLLMEngine):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        try:
-            with self._send_lock:
-                self._conn.send(("shutdown",))
-        except (OSError, ValueError):
-            pass
+        self._outbox.put(("shutdown",))
+        self._outbox.put(None)
+        self._sender.join(timeout)
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # ---- commands to the core -------------------------------------------------
@@ -181,12 +204,19 @@ class MPEngineClient(AsyncLLMEngine):
         return value
 
     def _post(self, msg) -> None:
-        try:
-            with self._send_lock:
+        self._outbox.put(msg)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
                 self._conn.send(msg)
-        except (OSError, ValueError) as e:        # the core is gone: _run reports it
-            if not self._stopping:
-                logger.warning("the engine core did not take a command: %r", e)
+            except (OSError, ValueError) as e:    # the core is gone: _run reports it
+                if not self._stopping:
+                    logger.warning("the engine core did not take a command: %r", e)
+                return
 
     # ---- what the core sends ----------------------------------------------------
     def _run(self) -> None:
@@ -198,6 +228,8 @@ class MPEngineClient(AsyncLLMEngine):
                     self._step(*msg[1:])
                 elif kind == "reply":
                     self._reply(*msg[1:])
+                elif kind == "dead":
+                    raise EngineDeadError(f"the engine core failed: {msg[1]}")
                 elif kind == "add_failed":
                     with self._lock:
                         self.output_processor.states.pop(msg[1], None)
@@ -214,7 +246,8 @@ class MPEngineClient(AsyncLLMEngine):
             if self.on_dead is not None:
                 self.on_dead(self.error if e is None else self.error)
         except BaseException as e:     # noqa: BLE001 - reported to every waiting client
-            logger.exception("the engine front end failed")
+            if not isinstance(e, EngineDeadError):
+                logger.exception("the engine front end failed")
             self.error = e
             self._fail_all(EngineDeadError(f"the engine stopped: {e!r}"))
             self._fail_calls()
@@ -256,3 +289,16 @@ class MPEngineClient(AsyncLLMEngine):
     def _fail_calls(self) -> None:
         for token in list(self._calls):
             self._reply(token, False, EngineDeadError("the engine has stopped"))
+
+
+def _stop_core(conn, proc) -> None:
+    """The core told to stop and waited for briefly, then ended (at exit)."""
+    try:
+        conn.send(("shutdown",))
+        conn.close()
+    except (OSError, ValueError):
+        pass
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)

@@ -105,7 +105,7 @@ class ServerState:
         try:
             loaded = self._load_engine()
             if isinstance(loaded, AsyncLLMEngine):  # a client of a core in its own process
-                loaded.on_step, loaded.on_dead = self.metrics.on_step, self._engine_died
+                loaded.start(on_step=self.metrics.on_step, on_dead=self._engine_died)
                 engine = loaded
             else:
                 engine = AsyncLLMEngine(loaded, on_step=self.metrics.on_step,
