@@ -30,6 +30,7 @@ from folio.worker.cuda_graphs import capture_graphs
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.ahead import AheadTokens
 from folio.worker.input_batch import BlockTables
+from folio.worker.prompt_scoring import PromptScorer
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from folio.worker.pipeline_stage import PipelineStage, stage_config
 from folio.worker.spec_runner import SpecRunner
@@ -82,6 +83,8 @@ class ModelRunner(SpecRunner):
             self.drafter.allocate(self.num_blocks)
         self.graphs = capture_graphs(self)
         self.states: dict[int, SeqState] = {}
+        self.scorer = PromptScorer(self.model, self.device, self.states,
+                                   config.parallel.tensor_parallel_size)
         # every sequence's block table, a row of one persistent array
         # --async-scheduling: the last step's samples, kept on the device for
         # the PLACEHOLDER inputs of the step scheduled before they were known
@@ -169,7 +172,7 @@ class ModelRunner(SpecRunner):
             hidden = self._forward(ordered, ids, step, fill)
         self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
-        self._score_prompts(hidden, ordered, last_rows, out)
+        self.scorer.score(hidden, ordered, last_rows, out)
         targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
         proposals: dict[int, list[int]] = {}         # greedy sequences' proposals
         sampled: list[tuple[ScheduledSeq, int]] = []  # sampled ones with proposals, last row
@@ -336,36 +339,6 @@ class ModelRunner(SpecRunner):
             k = self.states[seq_id].sampling.params.logprobs
             tops.append(None if k is None else list(zip(ids[i][:k], lps[i][:k])))
         return tops
-
-    def _score_prompts(self, hidden, ordered, last_rows, out: ModelRunnerOutput) -> None:
-        """Logprobs of prompt tokens for sequences that asked (echo, scoring). Under
-        tensor parallelism the LM head is collective: a fault there could strike
-        one rank only, and the ranks would part ways, so it stays the engine's."""
-        for s, last in zip(ordered, last_rows):
-            if not s.prompt_targets:
-                continue
-            if self.config.parallel.tensor_parallel_size > 1:
-                out.prompt_logprobs[s.seq_id] = self._score_prompt(hidden, s, last)
-                continue
-            try:
-                out.prompt_logprobs[s.seq_id] = self._score_prompt(hidden, s, last)
-            except Exception as e:      # noqa: BLE001 - this sequence's fault
-                out.failed[s.seq_id] = _describe(e)
-
-    def _score_prompt(self, hidden, s: ScheduledSeq, last: int):
-        first_row = last - len(s.token_ids) + 1
-        picks = [(i, t) for i, t in enumerate(s.prompt_targets) if t is not None]
-        rows = torch.tensor([first_row + i for i, _ in picks], device=self.device)
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-        targets = torch.tensor([t for _, t in picks], device=self.device)
-        chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
-        k = self.states[s.seq_id].sampling.params.prompt_logprobs or 0
-        if k:
-            top_lps, top_ids = logprobs.topk(k, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lps.tolist())]
-        else:
-            tops = [[] for _ in picks]
-        return list(zip(chosen, tops))
 
     def _update_state(self, s: ScheduledSeq) -> None:
         state = self.states.get(s.seq_id)
