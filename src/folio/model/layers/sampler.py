@@ -26,9 +26,11 @@ otherwise each chosen token's comes from one log-sum-exp of its row.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from folio.model import native
@@ -87,29 +89,42 @@ def build_sampling_batch(infos: "list[SamplingInfo]", generators: list[Optional[
 
 
 def _adjustments(infos, histories, vocab: int, device) -> Optional[LogitAdjustments]:
-    """Penalty, bias and min_tokens inputs; None when no row uses any."""
+    """Penalty, bias and min_tokens inputs; None when no row uses any. The
+    tokens seen and the output counts of every row are set by one indexed
+    write each over all the rows' histories laid end to end (not a few small
+    ops a row: 11 ms a step at 256 rows of 200 tokens, measured)."""
     if not any(i.needs_history or i.params.logit_bias for i in infos):
         return None
     f32 = dict(dtype=torch.float32, device=device)
     n = len(infos)
     counts = torch.zeros(n, vocab, **f32)
     seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    lens = [len(h) if h else 0 for h in histories]
+    total = sum(lens)
+    if total:
+        tokens = torch.from_numpy(np.fromiter(
+            itertools.chain.from_iterable(h for h in histories if h), np.int64, total))
+        lengths = torch.tensor(lens)
+        rows = torch.repeat_interleave(torch.arange(n), lengths)
+        # each token's place in its row's history, against where its outputs start
+        place = torch.arange(total) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
+                                                              lengths)
+        outputs = place >= torch.repeat_interleave(
+            torch.tensor([i.num_prompt_tokens for i in infos]), lengths)
+        rows, tokens, outputs = rows.to(device), tokens.to(device), outputs.to(device)
+        seen[rows, tokens] = True
+        counts.index_put_((rows[outputs], tokens[outputs]),
+                          torch.ones(int(outputs.sum()), **f32), accumulate=True)
     bias = (torch.zeros(n, vocab, **f32) if any(i.params.logit_bias for i in infos)
             else None)
     banned = None
-    for row, (info, history) in enumerate(zip(infos, histories)):
-        history = history or []
-        outputs = history[info.num_prompt_tokens:]
-        if outputs:
-            ids = torch.tensor(outputs, device=device)
-            counts[row].index_add_(0, ids, torch.ones(len(outputs), **f32))
-        if history:
-            seen[row, torch.tensor(history, device=device)] = True
-        if info.params.logit_bias:
-            tokens, values = zip(*info.params.logit_bias.items())
-            bias[row, torch.tensor(tokens, device=device)] = torch.tensor(values, **f32)
-        min_tokens = info.params.min_tokens
-        if min_tokens and len(outputs) < min_tokens and info.min_tokens_banned:
+    for row, info in enumerate(infos):
+        p = info.params
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias.items())
+            bias[row, torch.tensor(ids, device=device)] = torch.tensor(values, **f32)
+        num_outputs = max(0, lens[row] - info.num_prompt_tokens)
+        if p.min_tokens and num_outputs < p.min_tokens and info.min_tokens_banned:
             if banned is None:
                 banned = torch.zeros(n, vocab, dtype=torch.bool, device=device)
             banned[row, torch.tensor(info.min_tokens_banned, device=device)] = True
