@@ -148,3 +148,20 @@ def test_under_preemption_greedy_and_seeded_samples_equal_offline(tiny_model):
         assert running["folio:kv_cache_usage_perc"] == 0.0
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("parallel", [["--tensor-parallel-size", "2"],
+                                      ["--pipeline-parallel-size", "2"]],
+                         ids=["tp2", "pp2"])
+def test_a_parallel_core_serves_the_in_process_tokens(server, tiny_model, parallel):
+    """The core process starts the parallel ranks of its own (it is no daemon)."""
+    srv = ServerProcess([*tiny_server_args(tiny_model), "--engine-process", *parallel])
+    try:
+        body = {"model": "tiny", "prompt": ["Hello world", "The quick brown"],
+                "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        _, _, want = http("POST", server.url + "/v1/completions", body)
+        _, _, got = http("POST", srv.url + "/v1/completions", body)
+        assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+    finally:
+        srv.stop()
+    assert srv.proc.returncode is not None
