@@ -6,6 +6,7 @@ then the core is killed: /health answers 503 and the server exits non-zero
 within 10 s."""
 
 import os
+import threading
 import signal
 import time
 from pathlib import Path
@@ -165,3 +166,36 @@ def test_a_parallel_core_serves_the_in_process_tokens(server, tiny_model, parall
     finally:
         srv.stop()
     assert srv.proc.returncode is not None
+
+
+def test_sigterm_to_the_process_group_drains_and_ends_the_core(tiny_model):
+    """A terminal's Ctrl-C or a group's SIGTERM reaches the core too: it leaves
+    them to the server, which finishes what was in flight, then exits 0, and
+    the core with it."""
+    srv = ServerProcess([*tiny_server_args(tiny_model), "--engine-process",
+                         "--drain-timeout", "20"])
+    results = []
+
+    def client(i):
+        try:
+            results.append(http("POST", srv.url + "/v1/completions",
+                                {"model": "tiny", "prompt": f"load {i}", "max_tokens": 100,
+                                 "ignore_eos": True})[0])
+        except OSError:
+            results.append(None)
+    try:
+        (core,) = _children(srv.proc.pid)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)                 # some in flight (a tiny model's are quick)
+        srv.stop(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.output()
+    assert len(results) == 4 and set(results) <= {200, None}   # finished, or never let in
+    assert "engine stopped" not in srv.output()
+    assert wait_for(lambda: not Path(f"/proc/{core}").exists()
+                    or "Z" in Path(f"/proc/{core}/stat").read_text().split()[2], 10)

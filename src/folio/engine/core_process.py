@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Optional
 
 from folio.core.beam import BeamSearchParams
@@ -41,6 +42,11 @@ def run_core(config, conn) -> None:
     until it says shutdown or goes away."""
     from folio.logger import configure_logging
     configure_logging()
+    # SIGINT and SIGTERM are the server's to handle (a terminal's Ctrl-C or a
+    # process group's SIGTERM reach this process too): it drains its requests,
+    # then stops the core by its shutdown message or by closing the pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from folio.engine.llm_engine import LLMEngine
         engine = LLMEngine(config, detokenize=False)
