@@ -41,8 +41,8 @@ def _in_process(module: str, bench: str, report: str):
 def _bench_host(args: argparse.Namespace) -> int:
     import json
 
-    from folio.bench.host import bench_host, print_host
-    result = bench_host(args)
+    from folio.bench.host import print_host, run
+    result = run(args)
     print(json.dumps(result)) if args.json else print_host(result)
     return 0
 

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from folio.cli_types import positive_int
+
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
              max_position_embeddings=2048)
@@ -33,10 +35,7 @@ PROMPT_LEN = 4
 
 
 def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",")]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"positive integers, comma-separated: {text!r}")
-    return values
+    return [positive_int(x) for x in text.split(",")]
 
 
 def _floats(text: str) -> list[float]:
@@ -58,9 +57,9 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", metavar="cpu|cuda",
                    help="where the model runs (on cuda the stand-in is not needed: "
                         "give --delays '')")
-    p.add_argument("--steps", type=int, default=64, metavar="S",
+    p.add_argument("--steps", type=positive_int, default=64, metavar="S",
                    help="decode steps each measurement times")
-    p.add_argument("--rounds", type=int, default=3, metavar="R",
+    p.add_argument("--rounds", type=positive_int, default=3, metavar="R",
                    help="measurements of each row: the fastest is kept")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine's --async-scheduling: each step scheduled while the one "
@@ -238,10 +237,6 @@ def print_host(r: dict) -> None:
         for s in r["stand_in"]:
             print(f"| {s['batch']} | {s['device_ms']:g} | {s['period_ms']:.2f} | "
                   f"{s['of_max']:.2f} | {s['of_sum']:.2f} |")
-
-
-def bench_host(args) -> dict:
-    return run(args)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,9 @@ class ModelRunnerOutput:
     # seq_id -> error, for sequences whose inputs could not be prepared or
     # sampled this step: their requests fail alone, the engine goes on.
     failed: dict[int, str] = field(default_factory=dict)
-    # --async-scheduling: samples still where they were drawn (worker/ahead.py
-    # Deferred), made into the lists above by `materialize` once the step is done
+    # samples still where they were drawn (worker/ahead.py SampledRows), made
+    # into the lists above by `materialize` (under --async-scheduling: once the
+    # engine takes the step)
     pending: list = field(default_factory=list)
 
     def materialize(self) -> "ModelRunnerOutput":

@@ -138,7 +138,7 @@ class LLMEngine:
             so = sched.schedule()
             if so.is_empty and not so.finished_seq_ids:
                 return outputs
-            return outputs + self._results(so, self.executor.execute(so))
+            return outputs + sched.update_from_output(so, self.executor.execute(so))
         if self._in_flight is None:
             self._in_flight = self._submit(sched.schedule())
             if self._in_flight is None:
@@ -159,10 +159,7 @@ class LLMEngine:
         if self._in_flight is None:
             return []
         (so, handle), self._in_flight = self._in_flight, None
-        return self._results(so, handle.result())
-
-    def _results(self, so, runner_out) -> list[EngineCoreOutput]:
-        return self.scheduler.update_from_output(so, runner_out)
+        return self.scheduler.update_from_output(so, handle.result())
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing done) while requests hold blocks."""

@@ -235,7 +235,7 @@ class MPEngineClient(AsyncLLMEngine):
                         self.output_processor.states.pop(msg[1], None)
                         self._requests.pop(msg[1], None)
                     self._deliver(msg[1], ValueError(msg[2]))
-        except (EOFError, OSError) as e:
+        except (EOFError, OSError):
             if self._stopping:
                 return
             self.error = EngineDeadError(f"the engine core process exited "
@@ -244,7 +244,7 @@ class MPEngineClient(AsyncLLMEngine):
             self._fail_all(EngineDeadError(f"the engine stopped: {self.error}"))
             self._fail_calls()
             if self.on_dead is not None:
-                self.on_dead(self.error if e is None else self.error)
+                self.on_dead(self.error)
         except BaseException as e:     # noqa: BLE001 - reported to every waiting client
             if not isinstance(e, EngineDeadError):
                 logger.exception("the engine front end failed")

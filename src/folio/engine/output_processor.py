@@ -214,7 +214,7 @@ class _RequestState:
                                  s.finish_reason, s.stop_reason,
                                  None if s.logprobs is None else list(s.logprobs), s.score)
                 for i, s in enumerate(self.seqs)]
-        finished = all(s.finish_reason is not None for s in self.seqs)
+        finished = self.finished
         m = self.metrics
         m.first_scheduled_time = self.request.first_scheduled_time
         if finished and m.finished_time is None:

@@ -48,16 +48,15 @@ class AheadTokens:
             ids_tensor[at] = source
         return fill
 
-    def keep(self, seq_ids: list[int], result) -> "Deferred":
+    def keep(self, sampled: "SampledRows") -> "SampledRows":
         """A step's samples kept for the next step, and their read-back begun."""
-        self.tokens = result.tokens
-        self.rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-        deferred = Deferred(seq_ids, result)
+        self.tokens = sampled.parts[0]
+        self.rows = {seq_id: i for i, seq_id in enumerate(sampled.seq_ids)}
         if self.device.type == "cuda":
-            deferred.to_host()
+            sampled.to_host()
             self.event = torch.cuda.Event()
             self.event.record()
-        return deferred
+        return sampled
 
     def keep_rows(self, rows) -> None:
         """Samples of several calls (the row-by-row path after a fault), kept
@@ -74,13 +73,14 @@ class AheadTokens:
         return event
 
 
-class Deferred:
-    """One sampling call's tensors, turned into the output's lists on demand."""
+class SampledRows:
+    """One sampling call's tensors and each row's asked-for top logprobs (k, or
+    None), turned into ModelRunnerOutput's lists by `materialize`: at once in
+    a synchronous step, when the engine takes the step under --async-scheduling."""
 
-    def __init__(self, seq_ids: list[int], result):
-        self.seq_ids = seq_ids
+    def __init__(self, seq_ids: list[int], result, top_k: list[Optional[int]]):
+        self.seq_ids, self.top_k = seq_ids, top_k
         self.parts = [result.tokens, result.logprobs, result.top_ids, result.top_logprobs]
-        self.top_k: list[Optional[int]] = []         # set by the runner: each row's k
 
     def to_host(self) -> None:
         self.parts = [None if t is None else t.to("cpu", non_blocking=True)

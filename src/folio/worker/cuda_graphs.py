@@ -27,7 +27,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from folio.model.attention.backend import AttentionBackend, StepDescription, staged
+from folio.model.attention.backend import (AttentionBackend, StepDescription, padded_tables,
+                                          staged)
 
 logger = logging.getLogger("folio")
 
@@ -125,10 +126,8 @@ class DecodeGraphs:
         host[1, :n] = step.positions
         host[2, :n] = step.slot_mapping
         host[3, :n] = step.positions + 1
-        width = max(len(t) for t in step.block_tables)
-        tables = np.zeros((n, width), dtype=np.int64)
-        for i, t in enumerate(step.block_tables):
-            tables[i, :len(t)] = t
+        tables = padded_tables(step)
+        width = tables.shape[1]
         self.inputs[:, :b].copy_(staged(host, self.device), non_blocking=True)
         if fill is not None:
             fill(self.inputs[0])

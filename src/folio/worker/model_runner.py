@@ -28,7 +28,7 @@ from folio.worker.draft_proposer import build_drafter
 from folio.worker.lora_manager import LoRAManager, lora_key, lora_runs
 from folio.worker.cuda_graphs import capture_graphs
 from folio.worker.grammar_state import GrammarState, apply_grammars
-from folio.worker.ahead import AheadTokens
+from folio.worker.ahead import AheadTokens, SampledRows
 from folio.worker.input_batch import BlockTables
 from folio.worker.prompt_scoring import PromptScorer
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
@@ -85,10 +85,10 @@ class ModelRunner(SpecRunner):
         self.states: dict[int, SeqState] = {}
         self.scorer = PromptScorer(self.model, self.device, self.states,
                                    config.parallel.tensor_parallel_size)
-        # every sequence's block table, a row of one persistent array
         # --async-scheduling: the last step's samples, kept on the device for
         # the PLACEHOLDER inputs of the step scheduled before they were known
         self.ahead = AheadTokens(self.device)
+        # every sequence's block table, a row of one persistent array
         self.tables = BlockTables(-(-(config.max_model_len + 64) // self.block_size),
                                   config.scheduler.max_num_seqs)
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
@@ -253,13 +253,10 @@ class ModelRunner(SpecRunner):
         try:
             self._check_fault(seq_ids)
             self._constrain(logits, seq_ids, proposals)
-            result = sample(logits, self._sampling_batch(seq_ids, proposals))
+            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids, proposals)))]
             if defer:                   # --async-scheduling: read back when taken
-                kept = self.ahead.keep(seq_ids, result)
-                kept.top_k = [self.states[i].sampling.params.logprobs for i in seq_ids]
-                out.pending.append(kept)
+                out.pending.append(self.ahead.keep(self._sampled(*rows[0])))
                 return
-            rows = [(seq_ids, result)]
         except Exception:               # noqa: BLE001 - find the row at fault below
             rows = []
             i = 0
@@ -277,11 +274,8 @@ class ModelRunner(SpecRunner):
                 i = j
             if defer and rows:          # what the rows that stood sampled, kept
                 self.ahead.keep_rows(rows)
-        for ids, result in rows:
-            out.seq_ids.extend(ids)
-            out.token_ids.extend(result.tokens.tolist())
-            out.logprobs.extend(result.logprobs.tolist())
-            out.top_logprobs.extend(self._top_lists(ids, result))
+        out.pending.extend(self._sampled(ids, result) for ids, result in rows)
+        out.materialize()
 
     def _constrain(self, logits: torch.Tensor, seq_ids: list[int],
                    proposals: Optional[dict[int, list[int]]] = None) -> None:
@@ -330,15 +324,10 @@ class ModelRunner(SpecRunner):
         generator.manual_seed(info.seed)
         return generator
 
-    def _top_lists(self, seq_ids: list[int], result) -> list:
-        if result.top_ids is None:
-            return [None] * len(seq_ids)
-        ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-        tops = []
-        for i, seq_id in enumerate(seq_ids):
-            k = self.states[seq_id].sampling.params.logprobs
-            tops.append(None if k is None else list(zip(ids[i][:k], lps[i][:k])))
-        return tops
+    def _sampled(self, seq_ids: list[int], result) -> SampledRows:
+        """A sampling call's rows, with the top logprobs each row asked for."""
+        return SampledRows(seq_ids, result,
+                           [self.states[i].sampling.params.logprobs for i in seq_ids])
 
     def _update_state(self, s: ScheduledSeq) -> None:
         state = self.states.get(s.seq_id)
