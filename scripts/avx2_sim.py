@@ -27,7 +27,7 @@ def apply() -> None:
     missing = [f"{k}={v}" for k, v in REQUIRED.items() if os.environ.get(k) != v]
     if missing:
         sys.exit(f"set {' '.join(missing)} before starting: see scripts/avx2_sim.py")
-    from folio.model import native
+    from folio.kernels import native
     from folio.worker import device
     build = native._build
     native._build = lambda extra=(): build(("-mno-avx512f", "-mno-avxvnni") + tuple(extra))

@@ -16,7 +16,7 @@ import torch
 from linear_bf16w import best_us       # docs/bench/, beside this script
 
 from folio.env_report import cpu_info
-from folio.model import native
+from folio.kernels import native
 
 HEADS, KV_HEADS, BLOCK, DIM = 9, 3, 16, 64
 BUILDS = [("portable C", ("-mno-avx512f", "-mno-avx2")),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from folio.env_report import cpu_info
-from folio.model import native
+from folio.kernels import native
 
 SHAPES = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"), (576, 1536, "down"),
           (49152, 576, "LM head")]

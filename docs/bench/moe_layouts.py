@@ -22,7 +22,7 @@ import time
 def measure(model: str, layout: str, quantization) -> dict:
     import contextlib
 
-    from folio.model import native
+    from folio.kernels import native
     if layout == "onednn":      # every bf16 weight in oneDNN's layout
         native.native_bf16_over_amx = contextlib.nullcontext
         native.prefers_onednn_bf16 = lambda: True

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization.int_groups import IntGroups
 
 FORMS = ((4, 32), (6, 16), (8, 16))      # (bits, group): Q4_K's, Q6_K's, 8-bit codes

@@ -42,7 +42,7 @@ def main() -> None:
     import torch
     from linear_bf16w import best_us       # docs/bench/, beside this script
 
-    from folio.model import native
+    from folio.kernels import native
     from folio.model.layers.quantization.int_groups import IntGroups
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)

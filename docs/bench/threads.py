@@ -28,7 +28,7 @@ def measure() -> dict:
     import torch
     import torch.nn.functional as F
 
-    from folio.model import native
+    from folio.kernels import native
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = {}
     g = torch.Generator().manual_seed(0)

@@ -50,7 +50,7 @@ def kernel_choices(dtype: str) -> dict[str, str]:
     """Per layer, the kernel a CPU run in `dtype` uses, and why."""
     import torch
 
-    from folio.model import native
+    from folio.kernels import native
     from folio.model.layers.linear import pack_onednn
     from folio.worker.device import split_cpu_bf16
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers import linear as linear_mod
 from folio.worker import device
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.model import native
+from folio.kernels import native
 from folio.worker import device
 from tests.engine.test_bf16_fast_paths import _errors, _scores, greedy_texts
 

@@ -13,7 +13,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.model.loader import load_model_config
-from folio.model.native.decoder import NativeDecoder
+from folio.model.native_decoder import NativeDecoder
 from tests.parity import (assert_batched_parity_under_preemption, assert_greedy_parity,
                           assert_tp2_greedy_parity,
                           assert_window_matters, assert_windowed_greedy_parity, prompt_logprobs,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from folio import LLM
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
 from tests.engine.test_bf16_fast_paths import _scores, drift, greedy_texts
 

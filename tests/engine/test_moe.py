@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from folio import LLM, SamplingParams
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.moe import FusedMoE
 from folio.model.llama import LlamaMLP
 from folio.model.loader import load_model_config
-from folio.model.native.decoder import NativeDecoder
+from folio.model.native_decoder import NativeDecoder
 from tests.parity import (assert_greedy_parity, assert_prefix_hit_parity,
                           assert_tp2_greedy_parity, prompt_logprobs, reference_greedy,
                           reference_prompt_logprobs)

@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from folio.model import native
+from folio.kernels import native
 
 
 def x86() -> bool:

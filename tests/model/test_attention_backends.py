@@ -9,7 +9,7 @@ from folio import LLM, SamplingParams
 from folio.model.attention import selector
 from folio.model.attention.cpu_native import CPUNativeAttentionBackend
 from folio.model.attention.torch_backend import TorchAttentionBackend
-from folio.model import native
+from folio.kernels import native
 from tests.utils import make_tiny_model
 
 PROMPTS = [{"prompt_token_ids": [1, 20 + i, 30, 40, 50] * (1 + 4 * i)} for i in range(3)]

@@ -117,7 +117,7 @@ def test_the_kernel_reads_every_fp8_byte_as_torch_does(flags):
     """Rows holding every e4m3 byte but NaN (subnormals, zeros, both signs),
     each the only key of a decode: the output is the row, dequantized in
     registers exactly as torch's float8_e4m3fn gives it."""
-    from folio.model import native
+    from folio.kernels import native
     lib = native_builds.library(flags)
     values = [b for b in range(256) if b not in (0x7f, 0xff)]
     values += [0] * (256 - len(values))

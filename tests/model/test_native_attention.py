@@ -6,7 +6,7 @@ this machine runs (its own, AVX2, portable C), over fp32, bf16 and 8-bit
 import pytest
 import torch
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.attention import kv_quant
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend

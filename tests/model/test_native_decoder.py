@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.model import llama, native
+from folio.kernels import native
+from folio.model import llama
 from folio.model.layers import linear as linear_mod
 from folio.worker import device
 from tests.utils import make_tiny_model, write_tiny_gguf
@@ -276,7 +277,7 @@ def test_weights_off_the_cpu_never_build_the_cpu_kernels(monkeypatch):
     """On the H200 (2026-12-04) a CUDA engine spent over 90 s compiling the CPU
     kernels for a one-call decoder it never calls; weights elsewhere than the
     CPU decline it before the library is loaded."""
-    from folio.model.native.decoder import NativeDecoder
+    from folio.model.native_decoder import NativeDecoder
     monkeypatch.setattr(native, "load", lambda: pytest.fail("built the CPU kernels"))
     assert NativeDecoder.build([torch.nn.Linear(4, 4, device="meta")]) is None
 
@@ -393,7 +394,7 @@ def test_a_pipeline_stage_carries_the_residual_into_its_one_call(monkeypatch):
     """The default model's layers in two calls (as two pipeline stages run
     them: the second takes the first's residual) equal them in one."""
     from folio.model.attention.backend import StepDescription
-    from folio.model.native.decoder import NativeDecoder
+    from folio.model.native_decoder import NativeDecoder
     llm = LLM(dtype="float32", num_kv_blocks=32, max_model_len=512,
               activation_quantization="none")
     runner = llm.engine.executor.runner
@@ -479,7 +480,7 @@ def test_moe_layers_in_one_call_as_in_the_modules(tmp_path, monkeypatch, arch, k
 def test_moe_layers_leave_the_one_call_where_their_experts_cannot(tmp_path, monkeypatch):
     """Float experts the native kernels do not pack (fp32 here), and experts
     split over tensor-parallel ranks, keep the modules."""
-    from folio.model.native.decoder import NativeDecoder
+    from folio.model.native_decoder import NativeDecoder
     folder = make_tiny_model(tmp_path, **MOE["mixtral"])
     llm = LLM(folder, dtype="float32", num_kv_blocks=32)
     layers = list(llm.engine.executor.runner.model.model.layers)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import RotaryEmbedding
 from tests.model.native_builds import builds, library

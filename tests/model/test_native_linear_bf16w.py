@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
+from folio.kernels import native
 
 needs_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8)),
                                   reason="no AVX2 + FMA kernel on this machine (or no compiler)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from folio.model.lora.layers import reference_lora
-from folio.model.native import lora as native_lora
+from folio.kernels.native import lora as native_lora
 from tests.model.native_builds import builds, library
 
 

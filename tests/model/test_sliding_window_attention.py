@@ -8,7 +8,7 @@ every build of the native kernel (its own, AVX2, portable C)."""
 import pytest
 import torch
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend
 from tests.model.native_builds import builds, library

@@ -179,7 +179,7 @@ def test_split_plan():
 
 
 def test_padding_slots_write_nothing():
-    from folio.model.attention.triton_kernels import store_kv
+    from folio.kernels.triton_attention import store_kv
     cache = torch.zeros(2, 4, 8, 2, 16, device=DEVICE)
     k = torch.randn(3, 2, 16, device=DEVICE)
     v = torch.randn(3, 2, 16, device=DEVICE)

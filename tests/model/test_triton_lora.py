@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need triton (the dev extra pins it)")
 
 from folio.model.lora.layers import reference_lora
-from folio.model.lora.triton_lora import add_lora
-from folio.model.native import lora as native_lora
+from folio.kernels.triton_lora import add_lora
+from folio.kernels.native import lora as native_lora
 from tests.model.test_native_lora import _case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

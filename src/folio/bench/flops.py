@@ -34,7 +34,7 @@ def measure_ceiling(m: ModelConfig, dtype: torch.dtype, device: str = "cpu",
     packed products (oneDNN's, and the native kernel's where the CPU serves it)
     are timed too and the fastest is the ceiling: the fraction is never
     flattered by a slower reference than the engine uses."""
-    from folio.model import native
+    from folio.kernels import native
     from folio.model.layers.linear import linear, pack_onednn, pack_weight
     a = torch.randn(rows, m.hidden_size, device=device).to(dtype)
     w = torch.randn(m.intermediate_size, m.hidden_size, device=device).to(dtype)

@@ -24,7 +24,7 @@ from folio.model.layers.norm import RMSNorm
 from folio.model.pipeline import StagePlan
 from folio.model.layers.quantization.base import QuantizationConfig
 from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
-from folio.model.native.decoder import NativeDecoder
+from folio.model.native_decoder import NativeDecoder
 from folio.model.shape import ModelShape
 from folio.model.weight_loading import load_model_weights
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.linear import process_weights_after_loading
 from folio.model.layers.moe import FusedMoE
 from folio.model.llama import LlamaDecoderLayer, LlamaForCausalLM

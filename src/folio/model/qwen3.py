@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from folio.config import ModelConfig
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import apply_rotary
 from folio.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM

@@ -66,7 +66,7 @@ def split_cpu_bf16(dtype: str, device: str) -> tuple[str, Optional[str]]:
 def _bf16_weight_kernel() -> bool:
     """Whether the AVX2 kernel is there (no compiler, another architecture: no);
     without it bfloat16 stays bfloat16, emulated or not."""
-    from folio.model import native
+    from folio.kernels import native
     return native.packs_linear_bf16w(torch.zeros(8, 8))
 
 

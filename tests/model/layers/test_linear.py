@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, linear,
                                        pack_onednn, pack_weight, prepack)
 

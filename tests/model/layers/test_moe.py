@@ -9,7 +9,7 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers import moe
 from folio.model.layers.moe import (FusedMoE, dense_experts, fused_experts, reference_experts,
                                     route)

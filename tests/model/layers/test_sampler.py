@@ -115,7 +115,7 @@ def test_greedy_rows_use_adjusted_logits_but_report_raw_logprobs():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native_on", [True, False])
 def test_greedy_batch_takes_the_first_maximum_and_its_raw_logprob(monkeypatch, native_on, dtype):
-    from folio.model import native
+    from folio.kernels import native
     if native_on and native.load() is None:
         pytest.skip("no C compiler here")
     if not native_on:

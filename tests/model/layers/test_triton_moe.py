@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need triton (the dev extra pins it)")
 
 from folio.model.layers.moe import reference_experts, route  # noqa: E402
-from folio.model.layers.triton_moe import align_by_expert, triton_fused_experts  # noqa: E402
+from folio.kernels.triton_moe import align_by_expert, triton_fused_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from folio.model import native
+from folio.kernels import native
 from tests.parity import assert_greedy_parity, reference_greedy
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "quant"

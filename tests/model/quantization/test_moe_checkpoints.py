@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from folio import LLM
 from folio.bench.weights import loaded_bytes
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.moe import ExpertMatrix, FusedMoE
 from tests.model.quantization.checkpoints import (
     FIXTURES, FP32, assert_greedy_tokens_equal, assert_logits_match, assert_tensor_parallel_2_matches,

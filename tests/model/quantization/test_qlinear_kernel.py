@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization.int_checkpoint import unpack_int32
 from folio.model.layers.quantization.int_groups import IntGroups
 from tests.model.native_builds import cpu_has, x86

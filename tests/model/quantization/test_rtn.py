@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from folio import LLM
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization import get_quantization_config
 from folio.model.layers.quantization.rtn import group_of_inputs, quantize
 from tests.model.quantization.checkpoints import (FIXTURES, FP32,

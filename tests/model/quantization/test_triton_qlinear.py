@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (the dev extra pins it)")
 
-from folio.model.layers.quantization.triton_qlinear import qlinear
+from folio.kernels.triton_qlinear import qlinear
 from tests.model.quantization.test_qlinear_kernel import random_weights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

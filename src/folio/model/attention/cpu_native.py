@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.attention.backend import StepDescription, padded_tables
 from folio.model.attention.metadata import AttentionMetadata
 from folio.model.attention.torch_backend import TorchAttentionBackend

@@ -1,6 +1,6 @@
 """Paged attention in Triton ("TRITON"): the default on CUDA; on the CPU only
 when asked for by name under triton's interpreter (`TRITON_INTERPRET=1`),
-which is how the tests run its kernels (model/attention/triton_kernels.py).
+which is how the tests run its kernels (kernels/triton_attention.py).
 
 The layout is the common one, so block copies, prefix sharing and the KV
 sizing are the other backends'. The metadata of a step is one int64 buffer
@@ -29,7 +29,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def interpreting() -> bool:
     """Whether triton runs kernels on the CPU, in its interpreter. Triton reads
     TRITON_INTERPRET when a kernel is defined, so it must be set before
-    triton_kernels is imported (before the process starts, for a user)."""
+    kernels/triton_attention.py is imported (before the process starts, for a user)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -123,7 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
         return 1
 
     def forward(self, q, k, v, kv_cache, meta: TritonMetadata):
-        from folio.model.attention import triton_kernels as tk
+        from folio.kernels import triton_attention as tk
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping,
                     (self.static_scale(0), self.static_scale(1)))

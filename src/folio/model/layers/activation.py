@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
+from folio.kernels import native
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

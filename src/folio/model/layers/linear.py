@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization.base import (LinearMethod, QuantizationConfig, shard_units,
                                                   weight_param)
 from folio.model.layers.quantization.repacked import (BF16StoredLinear, NativeBF16Linear,

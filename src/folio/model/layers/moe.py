@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.distributed.parallel_state import all_reduce, tp_rank, tp_size
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.expert_weights import ExpertMatrix, checkpoint_experts, prepared
 from folio.model.layers.quantization.int_groups import has_triton
@@ -365,7 +365,7 @@ class FusedMoE(nn.Module):
         w13, w2, packed = self.w13_weight, self.w2_weight, self.packed_experts
         if x.is_cuda and packed is None and has_triton():
             # no host read: the same launch under CUDA graph capture
-            from folio.model.layers.triton_moe import triton_fused_experts
+            from folio.kernels.triton_moe import triton_fused_experts
             out = triton_fused_experts(x, w13, w2, weights, ids)
         elif not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             out = fused_experts(x, w13, w2, weights, ids, packed)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from folio.model import native
+from folio.kernels import native
 
 
 class RMSNorm(nn.Module):

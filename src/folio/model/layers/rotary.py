@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from folio.model import native
+from folio.kernels import native
 
 
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from folio.model import native
+from folio.kernels import native
 
 if TYPE_CHECKING:
     from folio.core.outputs import SamplingInfo

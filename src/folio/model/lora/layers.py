@@ -28,7 +28,7 @@ import torch
 
 from folio.distributed.parallel_state import tp_rank
 from folio.model.layers.linear import RowParallelLinear
-from folio.model.native import lora as native_lora
+from folio.kernels.native import lora as native_lora
 from folio.model.lora.checkpoint import LoRAAdapter, LoRAWeights
 
 
@@ -199,7 +199,7 @@ class LoRASlots:
         if self.kernel == "native":
             return native_lora.add_lora(x, y, self.at, self.bt, ctx.runs)
         if self.kernel == "triton":
-            from folio.model.lora import triton_lora
+            from folio.kernels import triton_lora
             return triton_lora.add_lora(x, y, self.at, self.bt, ctx.device_runs, ctx.longest)
         return add_lora(x, y, self.a, self.b, ctx.groups, self.wide, ctx.batched)
 

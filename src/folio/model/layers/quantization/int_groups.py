@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization.base import LinearMethod
 
 TILE = 16
@@ -364,7 +364,7 @@ class IntGroupsLinear(LinearMethod):
 
     def _product(self, w: IntGroups, x: torch.Tensor, bias) -> torch.Tensor:
         if x.is_cuda and has_triton():
-            from folio.model.layers.quantization.triton_qlinear import qlinear
+            from folio.kernels.triton_qlinear import qlinear
             return qlinear(x, w, bias)
         if native.runs_qlinear(x):
             return native.qlinear(x, w, bias, quantize_x=self.quantize_x(x.dtype))

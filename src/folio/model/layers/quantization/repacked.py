@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.quantization.base import LinearMethod
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from folio.model.native import _DTYPE_CODES, load
+from folio.kernels.native import _DTYPE_CODES, load
 
 # the KV cache's: float32, bfloat16, and the 8-bit caches' rows with their
 # scales (attention/kv_quant.py): int8, fp8 e4m3 stored as uint8

@@ -7,7 +7,7 @@
  * weight. Stored as bf16 a weight is 2 bytes, and the arithmetic stays fp32
  * (FMA), so a step reads half the bytes at the accuracy of bf16 weights.
  *
- * Packed weight layout (folio.model.native.pack_linear_avx2): the output
+ * Packed weight layout (folio.kernels.native.pack_linear_avx2): the output
  * features in tiles of 8 (one ymm of fp32; the last tile padded with zero
  * rows); in a tile, for each input feature k, its 8 features' weights:
  * [tiles][K][8] bf16. One 16-byte load widens to one FMA operand, and a

@@ -448,4 +448,4 @@ def greedy(logits: torch.Tensor, lib: Optional[ctypes.CDLL] = None
 
 
 # paged attention's wrapper lives in attention.py (re-exported: native.paged_attention)
-from folio.model.native.attention import kv_code, paged_attention  # noqa: E402,F401
+from folio.kernels.native.attention import kv_code, paged_attention  # noqa: E402,F401

@@ -7,7 +7,7 @@
  * reads them at about half the rate this simple kernel does (measured in
  * docs/benchmarks.md); from 512 rows on the two are about equal.
  *
- * Packed weight layout (built by folio.model.native.pack_linear): the output
+ * Packed weight layout (built by folio.kernels.native.pack_linear): the output
  * features in tiles of 16 (the last tile padded with zero rows); in a tile,
  * for each pair of input features (k, k + 1), the 16 features' two weights
  * side by side: [tiles][K / 2][16][2]. One 64-byte load is then one

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.model import native
+from folio.kernels import native
 
 WIDTH_MULTIPLE = 16     # the kernel's width: slots are zero-padded to it
 

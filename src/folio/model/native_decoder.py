@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from folio.model import native
+from folio.kernels import native
 from folio.model.layers.moe import FusedMoE
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
