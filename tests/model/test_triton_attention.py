@@ -217,3 +217,142 @@ def test_sliding_window(window, backend):
         full = backend(heads, kv_heads, head_dim, scale).forward(
             q, k, v, cache.clone(), backend.build_metadata(step))
         assert (full - got).abs().max() > 1e-3
+
+
+# The decode kernel on its own, against a direct torch reference: GQA ratios,
+# head sizes and page sizes, one program per (sequence, KV head) or split.
+
+INTERPRETING = not CUDA
+
+
+def reference_decode(q, cache, tables, ctx_lens, scale, window=0, softcap=0.0):
+    """q [S, H, D], cache [2, blocks, bs, Hkv, D] -> [S, H, D] in fp32."""
+    S, H, D = q.shape
+    bs, hkv = cache.shape[2], cache.shape[3]
+    out = torch.empty(S, H, D)
+    for s in range(S):
+        ctx = int(ctx_lens[s])
+        lo = max(ctx - window, 0) if window else 0
+        pos = torch.arange(lo, ctx)
+        rows = tables[s, pos // bs].cpu() * bs + pos % bs
+        k = cache[0].flatten(0, 1)[rows].float().cpu()            # [n, Hkv, D]
+        v = cache[1].flatten(0, 1)[rows].float().cpu()
+        k = k.repeat_interleave(H // hkv, dim=1)
+        v = v.repeat_interleave(H // hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[s].float().cpu(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out[s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
+    return out
+
+
+def decode_case(ctxs, *, kv_heads, group, head_dim, block_size, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    need = [-(-c // block_size) for c in ctxs]
+    num_blocks = sum(need) + 2
+    free = list(rng.permutation(num_blocks))
+    tables = torch.zeros(len(ctxs), max(need), dtype=torch.int64)
+    for s, n in enumerate(need):
+        tables[s, :n] = torch.tensor([int(free.pop()) for _ in range(n)])
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(ctxs), kv_heads * group, head_dim, generator=g).to(dtype)
+    return (q.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(ctxs, dtype=torch.int64, device=DEVICE))
+
+
+def run_decode(q, cache, tables, ctx_lens, *, per=None, block_n=32, cover=0, **kw):
+    """Splits of `per` keys covering the longest context (+ `cover`); one when None."""
+    from folio.kernels import triton_attention as tk
+    out = torch.empty_like(q)
+    keys = int(ctx_lens.max()) + cover
+    per = per or max(keys, 1)
+    splits = -(-keys // per)
+    tk.paged_decode(q, cache[0], cache[1], tables, ctx_lens, q.shape[-1] ** -0.5, out, splits,
+                    per, block_n, dot_fp32=INTERPRETING, **kw)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_kernel_gqa_head_and_page_sizes(group, head_dim, block_size):
+    """GQA ratios 1, 4 and 8, head sizes 64, 128 and 256, pages smaller than a
+    tile of keys (several pages a tile), equal to it and larger (several
+    tiles a page): contexts of 1 key, a page's end and across pages; one
+    program per (sequence, KV head), then splits of 32 keys and a combine."""
+    ctxs = [1, block_size, 2 * block_size + 3, 70]
+    q, cache, tables, ctx_lens = decode_case(ctxs, kv_heads=2, group=group,
+                                             head_dim=head_dim, block_size=block_size)
+    ref = reference_decode(q, cache, tables, ctx_lens, head_dim ** -0.5)
+    whole = run_decode(q, cache, tables, ctx_lens)
+    assert_close(whole.cpu(), ref, torch.float32)
+    split = run_decode(q, cache, tables, ctx_lens, per=32)
+    assert_close(split.cpu(), ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_half_precision(dtype, splits):
+    q, cache, tables, ctx_lens = decode_case([5, 33, 100], kv_heads=2, group=4, head_dim=128,
+                                             block_size=16, dtype=dtype, seed=3)
+    got = run_decode(q, cache, tables, ctx_lens, per=32 if splits > 1 else None)
+    assert got.dtype == dtype
+    assert_close(got.cpu(), reference_decode(q, cache, tables, ctx_lens, 128 ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 500])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_window_starts_mid_tile(window, splits):
+    """A window's first key inside a tile (and a page): the keys before it in
+    that tile are masked, and the splits cover window + a tile."""
+    q, cache, tables, ctx_lens = decode_case([3, 45, 130, 77], kv_heads=1, group=4,
+                                             head_dim=64, block_size=8, seed=window)
+    ref = reference_decode(q, cache, tables, ctx_lens, 64 ** -0.5, window=window)
+    per = 32 if splits > 1 else None
+    got = run_decode(q, cache, tables, ctx_lens, per=per, window=window, cover=32)
+    assert_close(got.cpu(), ref, torch.float32)
+    if window < 40:
+        full = reference_decode(q, cache, tables, ctx_lens, 64 ** -0.5)
+        assert (full - got.cpu()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_kernel_softcap(splits):
+    """Soft-capped scores (softcap * tanh(s / softcap)): equal to the capped
+    reference, and not to the uncapped one."""
+    q, cache, tables, ctx_lens = decode_case([20, 64, 90], kv_heads=2, group=2, head_dim=64,
+                                             block_size=16, seed=9)
+    q = q * 8                              # scores large enough for the cap to matter
+    ref = reference_decode(q, cache, tables, ctx_lens, 64 ** -0.5, softcap=5.0)
+    got = run_decode(q, cache, tables, ctx_lens, per=32 if splits > 1 else None, softcap=5.0)
+    assert_close(got.cpu(), ref, torch.float32)
+    plain = reference_decode(q, cache, tables, ctx_lens, 64 ** -0.5)
+    assert (plain - got.cpu()).abs().max() > 1e-2
+
+
+def test_decode_kernel_block_size_not_a_power_of_two():
+    q, cache, tables, ctx_lens = decode_case([1, 12, 40], kv_heads=2, group=3, head_dim=40,
+                                             block_size=12)
+    ref = reference_decode(q, cache, tables, ctx_lens, 40 ** -0.5)
+    assert_close(run_decode(q, cache, tables, ctx_lens).cpu(), ref, torch.float32)
+    assert_close(run_decode(q, cache, tables, ctx_lens, per=32).cpu(), ref,
+                 torch.float32)
+
+
+def test_tile_pages():
+    from folio.kernels.triton_attention import tile_pages
+    assert tile_pages(8, 32) == 4 and tile_pages(32, 32) == 1 and tile_pages(128, 32) == 1
+    assert tile_pages(12, 32) == 0
+
+
+@pytest.mark.parametrize("block_size", [12, 64])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 1, 256), (4, 4, 64)])
+def test_prefill_pages_larger_than_a_tile_and_odd_pages(block_size, heads, kv_heads, head_dim):
+    """Prompt chunks over pages of several tiles each and over pages whose size
+    is not a power of 2, with decodes beside them, GQA 8 at head size 256 and
+    MHA at 64."""
+    seqs = [(70, 1), (0, 1), (0, 40), (65, 30), (130, 3)]
+    got, ref, *_ = run_both(seqs, block_size=block_size, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim)
+    assert_close(got, ref, torch.float32)

@@ -4,15 +4,17 @@
 - `store_kv`: the step's keys and values into their slots (a negative slot is
   a padding token and writes nothing).
 - `paged_decode`: one query token per sequence over its block table. A
-  program takes one sequence, one KV head and one split of the context: it
-  reads that head's keys once for all the query heads of its group, keeps an
-  online softmax in fp32, and writes its partial result; `_combine_kernel`
-  then merges the splits (flash-decoding), so a few long sequences still
-  give the GPU enough programs.
+  program takes one sequence and one KV head: the query heads of its group
+  are the rows of its matmuls (`tl.dot`, padded to 16 rows), so each key is
+  read once for all of them; each page's block id is read once. Only when
+  sequences x KV heads would leave the device's cores idle is the context
+  split (flash-decoding): each split's program writes a partial result and
+  `_combine_kernel` merges them; otherwise the program writes the answer.
 - `paged_prefill`: the step's prompt chunks, every sequence in one launch. A
   program takes BLOCK_M query tokens of one chunk and one KV head (its rows
   are tokens x query heads of the group) and walks the keys through the
-  block table up to the tile's last position; the mask is causal by absolute
+  block table (whole pages, as the decode does) up to the tile's last
+  position, so the keys past a causal tile are never read; the mask is causal by absolute
   position, so a chunk that resumes mid-prompt (or after a prefix-cache hit)
   sees every key before it, all read from the cache the step just wrote.
 
@@ -25,11 +27,13 @@ int8 steps or e4m3 bytes and their fp32 scale (ROW = D + 4 elements a row):
 its rows are quantized by torch when stored, and the kernels widen the
 values and multiply each key and value row by its scale as they load it.
 
-Keys are taken BLOCK_N at a time, each key's block looked up from its own
-position, so any block size works. Arithmetic is fp32; the matmuls of the
-prefill take fp16/bf16 inputs as they are on a GPU (`DOT_FP32` upcasts them,
-for fp32 models and for the CPU interpreter, `TRITON_INTERPRET=1`, whose bf16
-arithmetic is not right).
+Keys are taken BLOCK_N at a time; a block size that is a power of 2 gives
+tiles of whole pages (or tiles inside one page), any other has each key's
+block looked up from its own position. Softmax sums are fp32; the matmuls
+take fp16/bf16 inputs as they are on a GPU (`DOT_FP32` upcasts them, for
+fp32 models and for the CPU interpreter, `TRITON_INTERPRET=1`, whose bf16
+arithmetic is not right). A decode's scores may be soft-capped
+(softcap * tanh(s / softcap), Gemma 2's attention).
 """
 
 from __future__ import annotations
@@ -90,16 +94,36 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _key_slots(table, n0, pos, valid, end, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+               PAGES: tl.constexpr):
+    """The cache slots (block * BS + offset) of the BLOCK_N keys from n0 (a
+    multiple of BLOCK_N where PAGES > 0) through one sequence's block table.
+    PAGES (`tile_pages`): 1, the tile lies in one page, whose block id is
+    read once; > 1, the tile is PAGES whole pages, each block id read once; 0
+    (a block size not a power of 2), each key's block read on its own."""
+    if PAGES == 0:
+        block = tl.load(table + pos // BS, mask=valid, other=0).to(tl.int64)
+        return block * BS + pos % BS
+    elif PAGES == 1:
+        block = tl.load(table + n0 // BS).to(tl.int64)
+        return block * BS + n0 % BS + tl.arange(0, BLOCK_N)
+    else:
+        page = n0 // BS + tl.arange(0, PAGES)
+        blocks = tl.load(table + page, mask=page * BS < end, other=0).to(tl.int64)
+        return tl.reshape(blocks[:, None] * BS + tl.arange(0, BS)[None, :], [BLOCK_N])
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_lens, scale,
-                   q_stride, table_stride, tokens_per_split, window,
+                   q_stride, out_stride, table_stride, tokens_per_split, window, softcap,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BS: tl.constexpr, BLOCK_N: tl.constexpr, ROW: tl.constexpr,
-                   EIGHT: tl.constexpr):
+                   BS: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr,
+                   ROW: tl.constexpr, EIGHT: tl.constexpr, SPLIT: tl.constexpr,
+                   DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, STAGES: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
     ctx = tl.load(ctx_lens + s)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -107,38 +131,60 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
     gm, dm = g < G, d < D
     heads = kvh * G + g
     q = tl.load(q_ptr + s * q_stride + heads[:, None] * D + d[None, :],
-                mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32) * scale
+                mask=gm[:, None] & dm[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     lo = tl.maximum(ctx - window, 0)            # the first key seen (NO_WINDOW: 0)
-    start = lo + split * tokens_per_split       # splits share out the keys lo .. ctx - 1
+    # splits share out the keys from lo's tile on, in whole tiles
+    start = (lo // BLOCK_N) * BLOCK_N + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, ctx)
-    for n0 in range(start, end, BLOCK_N):
+    table = tables + s * table_stride
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         pos = n0 + n
-        valid = pos < end
-        block = tl.load(tables + s * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
-        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * ROW
+        valid = (pos < end) & (pos >= lo)
+        offs = (_key_slots(table, n0, pos, valid, end, BS, BLOCK_N, PAGES) * NUM_KV_HEADS
+                + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
         k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT)
         v = _load_rows(v_cache, offs, d, valid, kv_mask, D, EIGHT)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
+        if DOT_FP32:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        scores = scores * scale                                         # [G_PAD, BLOCK_N]
+        if SOFTCAP:         # softcap * tanh(scores / softcap)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    part = (s * NUM_HEADS + heads) * num_splits + split                  # [G_PAD]
-    tl.store(m_ptr + part, m_i, mask=gm)
-    tl.store(l_ptr + part, l_i, mask=gm)
-    tl.store(out_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gm[:, None])
+    if SPLIT:               # partial sums, merged by _combine_kernel
+        num_splits = tl.num_programs(2)
+        part = (s * NUM_HEADS + heads) * num_splits + split                  # [G_PAD]
+        tl.store(m_ptr + part, m_i, mask=gm)
+        tl.store(l_ptr + part, l_i, mask=gm)
+        tl.store(out_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gm[:, None])
+    else:                   # the whole context in this program: the answer itself
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + s * out_stride + heads[:, None] * D + d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
 def _load_rows(cache, offs, d, valid, kv_mask, D: tl.constexpr, EIGHT: tl.constexpr):
-    """BLOCK_N cached rows of one KV head as fp32. EIGHT: 0 a float cache, 1
+    """BLOCK_N cached rows of one KV head: a float cache's as they are (EIGHT
+    0), an 8-bit one's widened to fp32: 1
     int8 steps, 2 fp8 e4m3 bytes (exponent rebiased, a subnormal given
     exponent 1 and 2^-6 taken off, as native/simd.h does); an 8-bit row's
     values times its scale (the fp32 in its last 4 bytes)."""
@@ -150,8 +196,8 @@ def _load_rows(cache, offs, d, valid, kv_mask, D: tl.constexpr, EIGHT: tl.conste
         low = (biased + (1 << 23)).to(tl.float32, bitcast=True) - 0.015625
         x = tl.where((o & (0xF << 23)) == 0, low, biased.to(tl.float32, bitcast=True))
         x = tl.where((b & 0x80) != 0, -x, x)
-    x = x.to(tl.float32)
     if EIGHT > 0:
+        x = x.to(tl.float32)
         scale = tl.load((cache + offs + D).to(tl.pointer_type(tl.float32)), mask=valid,
                         other=0.0)
         x = x * scale[:, None]
@@ -177,26 +223,56 @@ def _combine_kernel(part_out, part_m, part_l, out_ptr, out_stride, num_splits,
     tl.store(out_ptr + s * out_stride + h * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def tile_pages(block_size: int, block_n: int) -> int:
+    """The kernels' PAGES: the whole pages a tile of `block_n` keys
+    spans (1: the tile lies in one page), or 0 for a block size that is not a
+    power of 2 (each key's block id then read on its own)."""
+    if block_size & (block_size - 1):
+        return 0
+    return max(block_n // block_size, 1)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
                  num_splits: int, tokens_per_split: int, block_n: int = 32,
-                 window: int = 0) -> None:
-    """q [S, H, D] (one token per sequence) -> out [S, H, D] (rows contiguous);
-    each sees its last `window` keys where that is > 0 (the splits cover them)."""
+                 window: int = 0, softcap: float = 0.0, dot_fp32: bool = False,
+                 stages: int = 2) -> None:
+    """q [S, H, D] (one token per sequence) -> out [S, H, D] (rows contiguous).
+
+    One program per (sequence, KV head, split): the G query heads of the KV
+    head are the rows of its matmuls (padded to 16, the smallest tl.dot),
+    keys and values are taken `block_n` at a time, a page's block id read
+    once, and `num_splits` > 1 (split-KV, for launches that would leave the
+    device's cores idle) shares the keys out in whole tiles of
+    `tokens_per_split`, merged by one combine launch. A sequence sees its last
+    `window` keys where that is > 0 (the splits must then cover window +
+    block_n keys); `softcap` > 0 caps the scores as softcap * tanh(s /
+    softcap). `dot_fp32`: products in fp32 (fp32 queries, and triton's
+    interpreter, whose half-precision arithmetic is not right)."""
     q = _rows(q)
     S, H, D = q.shape
     _, bs, hkv, row = k_cache.shape
-    G, d_pad = H // hkv, _pow2(D)
-    part_out = torch.empty(S * H * num_splits, d_pad, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(S * H * num_splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    G, d_pad = H // hkv, max(_pow2(D), 16)
+    block_n = max(block_n, 16)
+    split = num_splits > 1
+    if split:
+        assert tokens_per_split % block_n == 0, "splits are whole tiles of keys"
+        part_out = torch.empty(S * H * num_splits, d_pad, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(S * H * num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out, part_m, part_l = out, out, out        # written directly, unused
     _decode_kernel[(S, hkv, num_splits)](
         q, k_cache, v_cache, part_out, part_m, part_l, tables, ctx_lens, scale, q.stride(0),
-        tables.stride(0), tokens_per_split, window or NO_WINDOW, NUM_HEADS=H,
-        NUM_KV_HEADS=hkv, G=G, G_PAD=_pow2(G),
-        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, ROW=row, EIGHT=_eight(k_cache))
-    _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
-                            NUM_HEADS=H, D=D, D_PAD=d_pad, SPLITS_PAD=_pow2(num_splits))
+        out.stride(0), tables.stride(0), tokens_per_split, window or NO_WINDOW,
+        float(softcap), NUM_HEADS=H, NUM_KV_HEADS=hkv, G=G, G_PAD=max(_pow2(G), 16),
+        D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, PAGES=tile_pages(bs, block_n),
+        ROW=row, EIGHT=_eight(k_cache), SPLIT=split,
+        DOT_FP32=dot_fp32 or q.dtype == torch.float32, SOFTCAP=softcap > 0, STAGES=stages)
+    if split:
+        _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
+                                NUM_HEADS=H, D=D, D_PAD=d_pad,
+                                SPLITS_PAD=_pow2(num_splits))
 
 
 @triton.jit
@@ -205,7 +281,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
                     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                    ROW: tl.constexpr, EIGHT: tl.constexpr):
+                    ROW: tl.constexpr, EIGHT: tl.constexpr, PAGES: tl.constexpr,
+                    STAGES: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     i = tl.load(tile_seq + tile)
@@ -229,13 +306,15 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
     l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
     end = start_pos + tl.minimum(q0 + BLOCK_M, q_len)      # keys 0 .. the tile's last position
-    # a window: from the first key the tile's first token sees
+    # a window: from the tile of keys of the first key its first token sees
+    # (the keys before that one are masked as the causal ones are)
     first = tl.maximum(start_pos + q0 - window + 1, 0)
-    for n0 in range(first, end, BLOCK_N):
+    table = tables + i * table_stride
+    for n0 in tl.range((first // BLOCK_N) * BLOCK_N, end, BLOCK_N, num_stages=STAGES):
         pos = n0 + n
         valid = pos < end
-        block = tl.load(tables + i * table_stride + pos // BS, mask=valid, other=0).to(tl.int64)
-        offs = ((block * BS + pos % BS) * NUM_KV_HEADS + kvh) * ROW
+        offs = (_key_slots(table, n0, pos, valid, end, BS, BLOCK_N, PAGES) * NUM_KV_HEADS
+                + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
         if EIGHT:           # widened and scaled, in the queries' dtype for the matmuls
             k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT).to(q.dtype)
@@ -272,7 +351,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, tables: torch.Tensor, tile_seq: torch.Tensor,
                   tile_q0: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                   start_positions: torch.Tensor, scale: float, block_m: int,
-                  block_n: int = 32, dot_fp32: bool = False, window: int = 0) -> None:
+                  block_n: int = 32, dot_fp32: bool = False, window: int = 0,
+                  stages: int = 2) -> None:
     """The prompt chunks of q [T, H, D] -> the same rows of out [T, H, D]; chunk
     i is rows q_starts[i] .. + q_lens[i] at positions start_positions[i] ..,
     its keys in the cache through tables[i]; one program per (tile, KV head),
@@ -292,5 +372,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
         window or NO_WINDOW, NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs,
-        BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row, EIGHT=_eight(k_cache))
+        BLOCK_M=block_m, BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row,
+        EIGHT=_eight(k_cache), PAGES=tile_pages(bs, max(block_n, 16)), STAGES=stages)

@@ -131,13 +131,16 @@ class TritonAttentionBackend(AttentionBackend):
         d = meta.num_decodes
         window = self.sliding_window or 0
         if d:
-            # a windowed layer's decode reads at most `window` keys a sequence
-            keys = min(meta.max_decode_context, window) if window else meta.max_decode_context
+            # a windowed layer's decode reads at most `window` keys a sequence,
+            # from the start of the tile of its first
+            keys = meta.max_decode_context
+            if window:
+                keys = min(keys, window + self.block_n)
             splits, per = split_plan(d, self.num_kv_heads, keys, self._target(q.device),
                                      self.min_split_tokens, self.block_n)
             tk.paged_decode(q[:d], k_cache, v_cache, meta.decode_block_tables,
                             meta.decode_context_lens, self.scale, out[:d], splits, per,
-                            self.block_n, window=window)
+                            self.block_n, window=window, dot_fp32=interpreting())
         if meta.num_tiles:
             tk.paged_prefill(q, k_cache, v_cache, out, meta.prefill_block_tables,
                              meta.tile_seqs, meta.tile_starts, meta.prefill_starts,
