@@ -13,7 +13,9 @@ the tests hold each kernel to that reference.
   SiLU-and-multiply, greedy sampling, grouped LoRA, the MoE router, and the
   one-call decoder's C side, `decoder.c`).
 - `triton_attention.py`: paged attention on CUDA (decode, prompt chunks, the
-  KV-cache write), float and 8-bit caches, sliding windows.
+  KV-cache write), float and 8-bit caches, sliding windows, softcapping.
+- `triton_elementwise.py`: the fused element-wise steps of a decoder layer on
+  CUDA (residual add + RMSNorm, rotary + KV-cache write, SiLU or GELU x up).
 - `triton_qlinear.py`: the linear layer of 4/8-bit grouped weights.
 - `triton_moe.py`: a mixture-of-experts layer's experts in grouped launches.
 - `triton_lora.py`: LoRA of several adapters in one step.

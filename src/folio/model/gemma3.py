@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.kernels import triton_elementwise
 from folio.model.attention.selector import get_attention_backend, windowed_backends
 from folio.model.gemma3_config import SLIDING
 from folio.model.layers.embedding import VocabParallelEmbedding
@@ -82,7 +83,11 @@ class GemmaMLP(LlamaMLP):
         self.approximate = _GELU[cfg.hidden_act]
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.approximate == "tanh" and triton_elementwise.serves(gate_up) \
+                and gate_up.dim() == 2:
+            return self.down_proj(triton_elementwise.gated_act(gate_up, gelu=True))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
 
 

@@ -90,6 +90,12 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                      # [T, (H + 2 Hkv) * D]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.attn.fuses_rotary_store(qkv, kv_cache):
+            # one launch rotates q in place and writes the rotated keys and the
+            # values into the cache; the attention then reads them there
+            self.attn.rotary_store(qkv, rope, kv_cache, meta)
+            out = self.attn.forward(qkv[:, :h * d].view(t, h, d), None, None, kv_cache, meta)
+            return self.o_proj(out.reshape(t, h * d))
         # q and k sit side by side in the fused output: one rotation for both.
         qk = apply_rotary(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), *rope)
         q, k = qk.split([h, hkv], dim=1)

@@ -160,9 +160,22 @@ class AttentionBackend:
         on the values in them (contexts up to `max_context`)."""
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] for the step's tokens -> [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, Hkv, D] for the step's tokens -> [T, H, D].
+        k and v None: `rotary_store` has written them into the cache already."""
+        raise NotImplementedError
+
+    def fuses_rotary_store(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether `rotary_store` serves this step's fused qkv projection [T,
+        (H + 2 Hkv) * D] and cache: the rotary embedding and the cache write in
+        one launch, before `forward` with k and v None."""
+        return False
+
+    def rotary_store(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """q rotated in place in qkv, the rotated keys and the values written
+        at meta.slot_mapping (where `fuses_rotary_store`)."""
         raise NotImplementedError
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from folio.kernels import triton_elementwise
 from folio.model.attention.backend import (AttentionBackend, StepDescription, padded_tables,
                                            to_device)
 from folio.model.attention.metadata import AttentionMetadata
@@ -122,11 +123,23 @@ class TritonAttentionBackend(AttentionBackend):
             return 2 * torch.cuda.get_device_properties(device).multi_processor_count
         return 1
 
+    def fuses_rotary_store(self, qkv, kv_cache):
+        # a float cache of the run's dtype (an 8-bit one's rows are quantized
+        # by torch, and the interpreter's rounding to bf16 is not torch's)
+        return (triton_elementwise.serves(qkv) and kv_cache.dtype == qkv.dtype
+                and qkv.stride(1) == 1)
+
+    def rotary_store(self, qkv, rope, kv_cache, meta: TritonMetadata):
+        triton_elementwise.rotary_store(qkv, rope[0], rope[1], self.num_heads,
+                                        self.num_kv_heads, self.head_dim, kv_cache[0],
+                                        kv_cache[1], meta.slot_mapping)
+
     def forward(self, q, k, v, kv_cache, meta: TritonMetadata):
         from folio.kernels import triton_attention as tk
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping,
-                    (self.static_scale(0), self.static_scale(1)))
+        if k is not None:           # else rotary_store wrote them
+            tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping,
+                        (self.static_scale(0), self.static_scale(1)))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         window = self.sliding_window or 0

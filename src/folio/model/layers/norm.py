@@ -2,7 +2,8 @@
 
 `forward(x, residual)` returns (norm(x + residual), x + residual): the decoder
 carries the residual stream beside the hidden states, so every add joins the
-norm that follows it (one native kernel for bf16 on the CPU).
+norm that follows it (one native kernel for bf16 on the CPU, one Triton kernel
+on CUDA).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from folio.kernels import native
+from folio.kernels import native, triton_elementwise
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if native.fuses(x) and x.dim() == 2:
             return native.add_rmsnorm(x, residual, self.weight, self.eps)
+        if triton_elementwise.serves(x) and x.dim() == 2:
+            return triton_elementwise.add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self.norm(x), x
