@@ -15,6 +15,7 @@ import torch
 from folio.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
+CUDA = torch.cuda.is_available()
 
 
 def test_the_script_dry_runs_every_step(tmp_path):
@@ -28,21 +29,43 @@ def test_the_script_dry_runs_every_step(tmp_path):
     result = json.loads((out / "result.json").read_text())
     partial = json.loads((out / "result.partial.json").read_text())    # the last step's
     assert partial["throughput"] == result["throughput"] and "_requests" not in partial
+    # the headline figures, each in its own file as soon as it is measured
+    for name in ("batch1", "throughput", "served"):
+        headline = json.loads((out / f"{name}.json").read_text())
+        assert headline["device"].startswith("CPU") or CUDA
+        assert {k: v for k, v in headline.items() if k != "device"}.items() \
+            <= result[name].items()
     c = result["correctness"]
     assert c["tokens"] == 3 * 8 and c["agree"] == c["tokens"]    # fp32: TRITON = torch
+    lp = result["logprobs"]        # fp32 on the CPU: the two backends to fp32 rounding
+    assert lp["positions"] == 11 + 39 and lp["max_abs_diff"] < 1e-3 and lp["mean_logprob"] < 0
     assert result["batch1"]["ms_per_token"] > 0 and result["throughput"]["requests"] == 4
     assert 4 * 4 <= result["throughput"]["output_tokens"] <= 4 * 12     # output 4..12 each
+    # every step of the throughput run recorded: with prompt tokens, and decodes
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    by_step = result["throughput"]["by_step"]
+    assert len(rows) == by_step["decode"]["steps"] + by_step["prefill"]["steps"]
+    assert sum(r["tokens"] for r in rows) >= result["throughput"]["output_tokens"] + 4 * 8
+    assert all(r["ms"] > 0 and r["context"] >= r["tokens"] for r in rows)
+    s = result["served"]
+    assert s["completed"] == 4 and s["failed"] == 0 and s["ttft_ms"]["median"] > 0
+    assert s["itl_ms"]["median"] > 0 and s["output_throughput"] > 0
     assert result["transformers"]["requests"] == 2
     assert result["speedup_over_transformers"] == pytest.approx(
         result["throughput"]["output_tokens_per_s"]
         / result["transformers"]["output_tokens_per_s"])
     table = (out / "result.md").read_text()
     assert "| batch-1 decode |" in table and table == done.stdout
+    assert "| served | 4 streams:" in table and "| throughput run, decode steps |" in table
+    assert "| throughput run, prompt steps |" in table
     assert (tmp_path / "work" / "model" / "config.json").exists()
     for batch in (1, 4):     # --profile: decode steps timed and their ops listed
         p = result["profile"][f"batch{batch}"]
-        assert p["wall_ms_per_step"] > 0 and f"| decode step at batch{batch} |" in table
+        assert p["wall_ms_per_step"] > 0 and f"| decode step at batch{batch} |" not in table
+        assert f"| decode step at batch {batch} |" in table
         assert f"== decode at batch {batch}:" in (out / "profile.txt").read_text()
+    assert result["profile"]["mixed"]["wall_ms_per_step"] > 0 and "| mixed step |" in table
+    assert "== mixed:" in (out / "profile.txt").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -134,3 +134,76 @@ def test_a_model_runs_through_them_with_the_torch_backends_tokens(tmp_path, monk
     monkeypatch.setattr(te, "ON_CPU_FOR_TESTS", True)
     assert run("TRITON") == want
     assert all(n > 0 for n in calls.values()), calls
+
+
+_NO_KERNEL = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "slice", "select",
+              "as_strided", "alias", "empty", "empty_like", "t", "transpose", "unsqueeze",
+              "expand", "detach", "empty_strided", "lift_fresh"}
+_PRODUCTS = {"mm", "addmm", "bmm", "linear", "matmul"}
+
+
+def test_a_decode_step_runs_five_kernels_a_layer_besides_the_products(tmp_path, monkeypatch):
+    """What a decoder layer launches in a decode step on the TRITON backend
+    with the fused kernels (counted on the CPU, where the interpreter runs
+    them, by the Triton launches and the torch ops that would be kernels):
+    add + RMSNorm, rotary + KV write, attention, add + RMSNorm, SiLU x up,
+    and nothing else but the four matrix products."""
+    import triton
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from folio import LLM, SamplingParams
+    from folio.model import llama
+    from tests.utils import make_tiny_model
+    monkeypatch.setattr(te, "ON_CPU_FOR_TESTS", True)
+    llm = LLM(make_tiny_model(tmp_path), dtype="float32", device=str(DEVICE), num_kv_blocks=32,
+              block_size=4, max_num_seqs=4, attention_backend="TRITON", enforce_eager=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(([5, 9, 30, 2], list(range(40, 61)))):
+        engine.add_tokenized_request(f"r{i}", None, prompt, params)
+    engine.step()                         # both prompts: the next steps decode
+
+    state = {"layer": False, "triton": 0}
+    launches, products, others = [], [], []
+    runs = [cls for cls in (getattr(triton.runtime.interpreter, "InterpretedFunction", None),
+                            triton.runtime.jit.JITFunction) if cls is not None]
+    for cls in runs:
+        real_run = cls.run
+
+        def run(self, *a, _real=real_run, **kw):
+            if state["layer"] and not state["triton"]:
+                launches.append(getattr(self, "__name__", None) or self.fn.__name__)
+            state["triton"] += 1
+            try:
+                return _real(self, *a, **kw)
+            finally:
+                state["triton"] -= 1
+        monkeypatch.setattr(cls, "run", run)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if state["layer"] and not state["triton"] and name not in _NO_KERNEL:
+                (products if name in _PRODUCTS else others).append(name)
+            return func(*args, **(kwargs or {}))
+
+    real_forward = llama.LlamaDecoderLayer.forward
+
+    def forward(self, *a, **kw):
+        state["layer"] = True
+        try:
+            return real_forward(self, *a, **kw)
+        finally:
+            state["layer"] = False
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward", forward)
+    with Ops():
+        engine.step()                     # a decode step of two sequences
+    seen = list(launches), list(products), list(others)
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels, matmuls, rest = seen
+    layers = llm.engine.executor.runner.model.config.num_hidden_layers
+    assert len(kernels) == 5 * layers, kernels
+    assert kernels[:5] == ["_add_rmsnorm_kernel", "_rotary_store_kernel", "_decode_kernel",
+                           "_add_rmsnorm_kernel", "_gated_act_kernel"], kernels[:5]
+    assert len(matmuls) == 4 * layers and rest == [], (matmuls, rest)

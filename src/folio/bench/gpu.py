@@ -2,30 +2,36 @@
 
 On one GPU, with no network, from the source tree: a random-weight model of
 Llama-3-8B's shapes in bf16 is made on the GPU and written as a Hugging Face
-folder (safetensors, a word-level tokenizer of its vocabulary), then:
+folder (safetensors, a word-level tokenizer of its vocabulary), then, the
+headline figures first, each written to its own JSON file in `--out` the
+moment it is measured (a run cut off by its time limit keeps them):
 
-1. correctness: greedy tokens of the TRITON backend against the torch
-   backend on a few prompts (tokens agreeing, of all);
-2. batch-1 decode: one request of 256 prompt and 256 output tokens (16 with
-   --tiny); ms per
-   output token, and the weight bytes each decode step reads over that time
-   as a fraction of the card's memory bandwidth, measured by a copy;
-3. offline throughput on `--num-prompts` requests (prompt 256-1,024, output
-   128-512, random ids, EOS ignored), output tokens/s, against transformers
-   `generate` in static batches on the same weights (`--hf-limit` requests);
-4. peak memory against the --gpu-memory-utilization budget;
-5. with --profile, decode steps at batch 1 and 128 under torch.profiler
-   (profile.txt: wall time per step against kernel time, the costliest ops).
+1. `batch1.json`: one request of 256 prompt and 256 output tokens (16 with
+   --tiny); ms per output token, and the weight bytes each decode step reads
+   over that time as a fraction of the card's bandwidth, measured by a copy;
+2. `throughput.json`: offline throughput on `--num-prompts` requests (default
+   200; prompt 256-1,024, output 128-512, random ids, EOS ignored), output
+   tokens/s; with `steps.jsonl`, a record of every step of that run (batch,
+   tokens, decodes, context, wall ms) and its summary by kind of step;
+3. `served.json`: `folio serve` on the same folder driven by `folio bench
+   serve`, `--served-streams` (64) streams at once: output tok/s, TTFT and ITL;
+4. with --profile, `profile.txt`: decode steps under torch.profiler at batch
+   1 and at a full batch (200) of ~800-token contexts, and one mixed step
+   (those decodes and a prompt chunk): wall time per step against kernel
+   time, the costliest kernels;
+5. `logprobs`: teacher-forced logprobs of the prompt tokens through the
+   TRITON backend against the torch backend, max and mean |difference| (bf16
+   greedy tokens of random 8B weights part at the first rounding difference,
+   so token equality there proves nothing); on a GPU also greedy tokens of
+   the two in fp32 on tiny shapes, which must agree;
+6. transformers `generate` in static batches on the same weights
+   (`--hf-limit` requests), and peak memory against the
+   --gpu-memory-utilization budget.
 
-On a GPU, greedy tokens are also compared in fp32 on tiny shapes: random bf16
-weights of 8B shapes give near-tied logits, so bf16 tokens part at the first
-rounding difference between two correct backends.
-
-It writes result.json and result.md into `--out`, and result.partial.json
-after each step (a run cut off by a time limit keeps what it measured).
-`--tiny` runs the same
-steps on tiny shapes in seconds; without a GPU it runs on the CPU with the
-kernels in triton's interpreter, so that the script is known to run.
+It writes result.json and result.md at the end, and result.partial.json
+after each step. `--tiny` runs the same steps on tiny shapes in seconds;
+without a GPU it runs on the CPU with the kernels in triton's interpreter, so
+that the script is known to run.
 """
 
 from __future__ import annotations
@@ -59,15 +65,18 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
                    help="where the random model folder is written (default: a temporary "
                         "folder, removed after)")
     p.add_argument("--num-prompts", type=positive_int, metavar="N", default=None,
-                   help="requests of the throughput workload (default 1000; 4 with --tiny)")
+                   help="requests of the throughput workload (default 200; 4 with --tiny)")
+    p.add_argument("--served-streams", type=positive_int, metavar="N", default=None,
+                   help="concurrent streams of the served run (default 64; 4 with --tiny)")
     p.add_argument("--hf-limit", type=positive_int, metavar="K", default=None,
                    help="requests the transformers baseline runs (default 64; 2 with --tiny)")
     p.add_argument("--hf-batch", type=positive_int, metavar="B", default=16,
                    help="static batch size of the transformers baseline")
     p.add_argument("--profile", action="store_true",
-                   help="also profile decode steps at batch 1 and at a full batch "
-                        "(torch.profiler: host time per step against kernel time, the "
-                        "costliest kernels) into profile.txt")
+                   help="also profile decode steps at batch 1 and at a full batch of "
+                        "~800-token contexts, and one mixed step (torch.profiler: host "
+                        "time per step against kernel time, the costliest kernels) into "
+                        "profile.txt")
 
 
 def make_model(folder: Path, shape: dict, dtype, device: str, seed: int = 0):
@@ -127,20 +136,27 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _prompts(vocab: int, lengths, seed: int = 1) -> list[dict]:
+    import random
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
+
+
+def _llm(folder: Path, dtype: str, device: str, name: str):
+    from folio import LLM
+    return LLM(str(folder), dtype=dtype, device=device, attention_backend=name,
+               kv_cache_memory_bytes="2GiB", max_model_len=1024, enforce_eager=True)
+
+
 def correctness(folder: Path, dtype: str, device: str, vocab: int, lengths,
                 max_tokens: int) -> dict:
     """Greedy tokens of TRITON and TORCH_SDPA on the same prompts."""
-    import random
-
-    from folio import LLM, SamplingParams
-    rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
-               for n in lengths]
+    from folio import SamplingParams
+    prompts = _prompts(vocab, lengths)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runs = {}
     for name in ("TRITON", "TORCH_SDPA"):
-        llm = LLM(str(folder), dtype=dtype, device=device, attention_backend=name,
-                  kv_cache_memory_bytes="2GiB", max_model_len=1024, enforce_eager=True)
+        llm = _llm(folder, dtype, device, name)
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
         llm.shutdown()
@@ -152,6 +168,28 @@ def correctness(folder: Path, dtype: str, device: str, vocab: int, lengths,
              for ta, tb in zip(runs["TRITON"], runs["TORCH_SDPA"])]
     return {"tokens": len(pairs), "agree": sum(a == b for a, b in pairs),
             "first_difference": first}
+
+
+def teacher_forced(folder: Path, dtype: str, device: str, vocab: int, lengths) -> dict:
+    """The logprob of every prompt token given the ones before it (prompt
+    logprobs), through TRITON and through TORCH_SDPA: the largest and the mean
+    |difference| over all positions."""
+    from folio import SamplingParams
+    prompts = _prompts(vocab, lengths, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for name in ("TRITON", "TORCH_SDPA"):
+        llm = _llm(folder, dtype, device, name)
+        runs[name] = [[d[t] for d, t in zip(o.prompt_logprobs[1:], p["prompt_token_ids"][1:])]
+                      for o, p in zip(llm.generate(prompts, params, use_tqdm=False), prompts)]
+        llm.shutdown()
+        del llm
+        _free(device)
+    diffs = [abs(a - b) for ra, rb in zip(runs["TRITON"], runs["TORCH_SDPA"])
+             for a, b in zip(ra, rb)]
+    return {"positions": len(diffs), "max_abs_diff": max(diffs),
+            "mean_abs_diff": sum(diffs) / len(diffs),
+            "mean_logprob": sum(sum(r) for r in runs["TORCH_SDPA"]) / len(diffs)}
 
 
 def _weight_bytes(engine) -> int:
@@ -181,48 +219,108 @@ def batch1_decode(engine, vocab: int, bandwidth: float, length: int) -> dict:
             "weight_bytes": read, "bandwidth_fraction": read / (ms / 1e3) / bandwidth}
 
 
-def profile_decode(engine, vocab: int, out_dir: Path, device: str, batches=(1, 128),
-                   steps: int = 12) -> dict:
-    """Decode steps under torch.profiler at each batch size: wall ms per step
-    against the kernels' ms per step (the difference is the host's share that
-    the device waits on), and the costliest kernels, into out_dir/profile.txt."""
+def profile_decode(engine, vocab: int, out_dir: Path, device: str, batches=(1, 200),
+                   prompt: int = 800, steps: int = 12, chunk: int = 512) -> dict:
+    """Decode steps under torch.profiler at each batch size, `prompt`-token
+    contexts, then one mixed step at the last batch (its decodes and a
+    `chunk`-token prompt): wall ms per step against the kernels' ms (the
+    difference is the host's share that the device waits on), and the
+    costliest kernels, into out_dir/profile.txt."""
     from torch.profiler import ProfilerActivity, profile
 
     from folio import SamplingParams
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.startswith("cuda") else [])
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    prompt = min(64, engine.config.max_model_len - steps - 16)
+    prompt = min(prompt, engine.config.max_model_len - steps - 16)
     report, lines = {}, []
+
+    def measure(name: str, n: int) -> None:
+        _sync(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                engine.step()
+            _sync(device)
+            wall = (time.perf_counter() - t0) / n * 1e3
+        events = prof.key_averages()
+        kernel_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+        report[name] = {"wall_ms_per_step": wall, "kernel_ms_per_step": kernel_us / 1e3 / n}
+        sort = "self_device_time_total" if len(activities) > 1 else "self_cpu_time_total"
+        lines.extend([f"== {name.replace('batch', 'decode at batch ')}: {wall:.2f} ms per "
+                      f"step wall, {kernel_us / 1e3 / n:.2f} ms of kernels", "",
+                      events.table(sort_by=sort, row_limit=18, max_name_column_width=60), "",
+                      events.table(sort_by="self_cpu_time_total", row_limit=12,
+                                   max_name_column_width=60), ""])
+
     for batch in batches:
         for i in range(batch):
             engine.add_tokenized_request(f"prof{batch}-{i}", None,
                                          [(11 * i + 3 * j) % (vocab - 3) + 3
                                           for j in range(prompt)], params)
-        for _ in range(4):                    # prefill, then decodes warm
+        while engine.scheduler.num_waiting or any(      # every prompt in, decodes warm
+                r.num_computed_tokens < prompt for r in engine.scheduler.running):
             engine.step()
-        _sync(device)
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            _sync(device)
-            wall = (time.perf_counter() - t0) / steps * 1e3
+        for _ in range(2):
+            engine.step()
+        measure(f"batch{batch}", steps)
+        if batch == batches[-1]:
+            engine.add_tokenized_request("prof-mixed", None, [(5 * j) % (vocab - 3) + 3
+                                                              for j in range(chunk)], params)
+            measure("mixed", 1)
         while engine.has_unfinished_requests():
             engine.step()
-        events = prof.key_averages()
-        kernel_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
-        report[f"batch{batch}"] = {"wall_ms_per_step": wall,
-                                   "kernel_ms_per_step": kernel_us / 1e3 / steps}
-        sort = "self_device_time_total" if len(activities) > 1 else "self_cpu_time_total"
-        lines += [f"== decode at batch {batch}: {wall:.2f} ms per step wall, "
-                  f"{kernel_us / 1e3 / steps:.2f} ms of kernels", "",
-                  events.table(sort_by=sort, row_limit=18, max_name_column_width=60), "",
-                  events.table(sort_by="self_cpu_time_total", row_limit=12,
-                               max_name_column_width=60), ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "profile.txt").write_text("\n".join(lines))
     return report
+
+
+class StepRecord:
+    """Every step of an engine run, taken where the engine schedules it:
+    sequences, tokens, decodes, context (keys in the cache after the step,
+    summed), and wall ms (this schedule to the next: the step's whole period)."""
+
+    def __init__(self, engine):
+        self.rows: list[dict] = []
+        self._sched = engine.scheduler
+        real = self._sched.schedule
+        self._t = 0.0
+
+        def schedule(*a, **kw):
+            out = real(*a, **kw)
+            self._close()
+            seqs = out.seqs
+            if seqs:
+                tokens = sum(len(q.token_ids) for q in seqs)
+                self.rows.append({"batch": len(seqs), "tokens": tokens,
+                                  "decodes": sum(len(q.token_ids) == 1 for q in seqs),
+                                  "context": sum(q.start_pos + len(q.token_ids) for q in seqs)})
+            return out
+        self._sched.schedule = schedule
+
+    def _close(self) -> None:
+        now = time.perf_counter()
+        if self.rows and "ms" not in self.rows[-1]:
+            self.rows[-1]["ms"] = (now - self._t) * 1e3
+        self._t = now
+
+    def stop(self) -> dict:
+        """Undo the hook; a summary by kind of step: "decode" (one token a
+        sequence), "prefill" (any prompt tokens: prefill or mixed)."""
+        self._close()
+        del self._sched.schedule
+        summary = {}
+        for kind, rows in (("decode", [r for r in self.rows if r["tokens"] == r["batch"]]),
+                           ("prefill", [r for r in self.rows if r["tokens"] > r["batch"]])):
+            if rows:
+                ms = sum(r.get("ms", 0.0) for r in rows)
+                summary[kind] = {"steps": len(rows), "seconds": ms / 1e3,
+                                 "mean_ms": ms / len(rows),
+                                 "mean_batch": sum(r["batch"] for r in rows) / len(rows),
+                                 "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
+                                 "mean_context_per_seq": sum(r["context"] for r in rows)
+                                 / sum(r["batch"] for r in rows)}
+        return summary
 
 
 def _cpu_name() -> str:
@@ -232,6 +330,12 @@ def _cpu_name() -> str:
     return f"CPU {model} ({' '.join(f for f in wanted if f in flags)})"
 
 
+def _headline(args, name: str, data: dict) -> None:
+    """A headline figure into its own file the moment it is measured."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
 def run(args) -> dict:
     import torch
     cuda = torch.cuda.is_available()
@@ -239,8 +343,8 @@ def run(args) -> dict:
     shape = TINY if args.tiny else LLAMA3_8B
     dtype_name = "bfloat16" if cuda else "float32"
     dtype = getattr(torch, dtype_name)
-    n_prompts = args.num_prompts or (4 if args.tiny else 1000)
-    hf_limit = args.hf_limit or (2 if args.tiny else 64)
+    n_prompts = args.num_prompts or (4 if args.tiny else 200)
+    hf_limit = args.hf_limit or (2 if args.tiny else 16)
     lens = ((8, 40), (4, 12)) if args.tiny else ((256, 1024), (128, 512))
     result: dict = {
         "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
@@ -265,30 +369,35 @@ def run(args) -> dict:
         steps["make_model_s"] = time.perf_counter() - t
         bandwidth = memory_bandwidth(device, 1 << (32 if cuda else 26))
         result["copy_bandwidth_bytes_per_s"] = bandwidth
-        t = time.perf_counter()
-        result["correctness"] = correctness(folder, dtype_name, device, shape["vocab_size"],
-                                            (5, 20, 40) if args.tiny else (7, 64, 200, 513),
-                                            # interpreted Triton steps take ~0.1 s each
-                                            8 if args.tiny else 32)
-        steps["correctness_s"] = time.perf_counter() - t
-        save()
-        if cuda and not args.tiny:
-            # random bf16 weights of 8B shapes give near-tied logits, so the bf16
-            # tokens part at the first rounding difference; in fp32 (no TF32 on
-            # either side) the two backends must give the same tokens
-            t = time.perf_counter()
-            tiny = Path(args.work or tmp) / "tiny-fp32"
-            tiny.mkdir(parents=True, exist_ok=True)
-            make_model(tiny, TINY, torch.float32, device)
-            result["correctness_fp32_tiny"] = correctness(tiny, "float32", device,
-                                                          TINY["vocab_size"], (5, 20, 40, 300),
-                                                          32)
-            steps["correctness_fp32_tiny_s"] = time.perf_counter() - t
-            save()
+        # the headline figures first, each in its file as soon as it is done
         result.update(_engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens,
                                    bandwidth, steps, save))
         save()
         _free(device)
+        t = time.perf_counter()
+        result["served"] = served(args, folder, dtype_name, device, lens)
+        steps["served_s"] = time.perf_counter() - t
+        _headline(args, "served", result["served"])
+        save()
+        t = time.perf_counter()
+        result["logprobs"] = teacher_forced(folder, dtype_name, device, shape["vocab_size"],
+                                            (12, 40) if args.tiny else (64, 300, 700))
+        steps["logprobs_s"] = time.perf_counter() - t
+        save()
+        # greedy tokens must agree where the arithmetic is fp32 (no TF32 either side):
+        # the tiny run's own model on the CPU, a tiny fp32 one on a GPU
+        t = time.perf_counter()
+        if cuda:
+            tiny = Path(args.work or tmp) / "tiny-fp32"
+            tiny.mkdir(parents=True, exist_ok=True)
+            make_model(tiny, TINY, torch.float32, device)
+        else:
+            tiny = folder
+        result["correctness"] = correctness(tiny, "float32", device, TINY["vocab_size"],
+                                            (5, 20, 40) if args.tiny else (5, 20, 40, 300),
+                                            8 if args.tiny else 32)
+        steps["correctness_s"] = time.perf_counter() - t
+        save()
         t = time.perf_counter()
         result["transformers"] = _hf_run(hf_model.to(device), result["_requests"][:hf_limit],
                                          args.hf_batch)
@@ -319,31 +428,95 @@ def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandw
     t = time.perf_counter()
     out["batch1"] = batch1_decode(engine, shape["vocab_size"], bandwidth, b1)
     steps["batch1_s"] = time.perf_counter() - t
+    _headline(args, "batch1", {"device": _device_name(device), **out["batch1"]})
     save(out)
-    if getattr(args, "profile", False):
-        t = time.perf_counter()
-        out["profile"] = profile_decode(engine, shape["vocab_size"], args.out, device,
-                                        batches=(1, 4 if args.tiny else 128),
-                                        steps=3 if args.tiny else 12)
-        steps["profile_s"] = time.perf_counter() - t
-        save(out)
     requests = random_requests(n_prompts, lens[0], lens[1], shape["vocab_size"], [0, 1, 2], 0)
     engine.reset_prefix_cache()
+    record = StepRecord(engine)
     t = time.perf_counter()
     produced, seconds = run_engine(engine, requests, True, "continuous", 0)
     steps["throughput_s"] = time.perf_counter() - t
     out["throughput"] = {"requests": len(requests), "output_tokens": sum(produced),
-                         "seconds": seconds, "output_tokens_per_s": sum(produced) / seconds}
+                         "seconds": seconds, "output_tokens_per_s": sum(produced) / seconds,
+                         "by_step": record.stop()}
+    _headline(args, "throughput", {"device": _device_name(device), **out["throughput"]})
+    with open(args.out / "steps.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in record.rows)
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
         util = engine.config.cache.gpu_memory_utilization
         out["memory"] = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                          "in_use_bytes": total - free, "budget_bytes": int(total * util),
                          "total_bytes": total}
+    save(out)
+    if getattr(args, "profile", False):
+        t = time.perf_counter()
+        out["profile"] = profile_decode(
+            engine, shape["vocab_size"], args.out, device,
+            batches=(1, 4) if args.tiny else (1, 200), prompt=16 if args.tiny else 800,
+            steps=3 if args.tiny else 12, chunk=24 if args.tiny else 512)
+        steps["profile_s"] = time.perf_counter() - t
+        save(out)
     engine.shutdown()
     del engine, runner
     out["_requests"] = requests
     return out
+
+
+def _device_name(device: str) -> str:
+    import torch
+    return torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+
+
+def served(args, folder: Path, dtype_name: str, device: str, lens) -> dict:
+    """`folio serve` on the folder (TRITON), `folio bench serve` with
+    `--served-streams` streams at once: its summary (output tok/s, TTFT, ITL)."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+    streams = args.served_streams or (4 if args.tiny else 64)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-c", "from folio.cli import main; raise SystemExit(main())"]
+    serve = cli + ["serve", str(folder), "--port", str(port), "--dtype", dtype_name,
+                   "--device", device, "--attention-backend", "TRITON",
+                   "--max-model-len", str(lens[0][1] + lens[1][1] + 16)]
+    log = open(args.out / "served.log", "w")
+    proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"folio serve did not come up: see {args.out / 'served.log'}")
+            time.sleep(1)
+        bench = cli + ["bench", "serve", "--base-url", url, "--tokenizer", str(folder),
+                       "--json", "--seed", "0", "--num-prompts", str(streams),
+                       "--max-concurrency", str(streams),
+                       "--input-len", f"{lens[0][0]}:{lens[0][1]}",
+                       "--output-len", f"{lens[1][0]}:{lens[1][1]}"]
+        done = subprocess.run(bench, capture_output=True, text=True, timeout=600)
+        if done.returncode or not done.stdout.strip():
+            raise RuntimeError(f"folio bench serve failed: {done.stderr[-2000:]}")
+        run_ = json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
+        return {"device": _device_name(device), "streams": streams,
+                **{k: run_[k] for k in ("completed", "failed", "seconds", "output_throughput",
+                                        "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 def _hf_run(model, requests, batch: int) -> dict:
@@ -355,30 +528,42 @@ def _hf_run(model, requests, batch: int) -> dict:
 
 
 def markdown(r: dict) -> str:
-    c, b, t, h = r["correctness"], r["batch1"], r["throughput"], r["transformers"]
+    b, t, sv, lp = r["batch1"], r["throughput"], r["served"], r["logprobs"]
+    c, h = r["correctness"], r["transformers"]
     rows = [
         ("device", r["device"]), ("torch", r["torch"]), ("dtype", r["dtype"]),
         ("model", "tiny" if r["tiny"] else "Llama-3-8B shapes, random weights"),
-        ("greedy tokens TRITON = torch backend", f"{c['agree']} of {c['tokens']} "
-                                                  f"(first differences at {c['first_difference']})"),
         ("copy bandwidth", f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"),
         ("batch-1 decode", f"{b['ms_per_token']:.2f} ms/token, {b['tokens_per_s']:.0f} tok/s, "
                            f"{100 * b['bandwidth_fraction']:.0f}% of the copy bandwidth"),
         ("throughput", f"{t['output_tokens_per_s']:.0f} output tok/s on {t['requests']} "
                        f"requests"),
+    ]
+    for kind, k in t.get("by_step", {}).items():
+        rows.append((f"throughput run, {'decode' if kind == 'decode' else 'prompt'} steps",
+                     f"{k['steps']} steps, {k['seconds']:.1f} s, {k['mean_ms']:.2f} ms mean, "
+                     f"batch {k['mean_batch']:.0f}, {k['mean_tokens']:.0f} tokens, context "
+                     f"{k['mean_context_per_seq']:.0f} a sequence"))
+    rows += [
+        ("served", f"{sv['streams']} streams: {sv['output_throughput']:.0f} output tok/s, "
+                   f"TTFT median {sv['ttft_ms']['median']:.0f} ms (p99 "
+                   f"{sv['ttft_ms']['p99']:.0f}), ITL median {sv['itl_ms']['median']:.1f} ms "
+                   f"(p99 {sv['itl_ms']['p99']:.1f}), {sv['failed']} failed"),
+        ("teacher-forced logprobs, TRITON against the torch backend",
+         f"max |d| {lp['max_abs_diff']:.2e}, mean {lp['mean_abs_diff']:.2e} over "
+         f"{lp['positions']} positions"),
+        ("greedy tokens in fp32 (tiny shapes), TRITON = torch backend",
+         f"{c['agree']} of {c['tokens']} (first differences at {c['first_difference']})"),
         ("transformers static", f"{h['output_tokens_per_s']:.0f} output tok/s on "
                                 f"{h['requests']} requests, batch {h['batch']}"),
         ("speedup", f"{r['speedup_over_transformers']:.2f}x"),
         ("KV blocks; CUDA graphs", f"{r['kv_blocks']}; {r['cuda_graphs']}"),
     ]
-    if "correctness_fp32_tiny" in r:
-        f = r["correctness_fp32_tiny"]
-        rows.insert(5, ("fp32, tiny shapes: TRITON = torch backend",
-                        f"{f['agree']} of {f['tokens']} (first differences at "
-                        f"{f['first_difference']})"))
     for name, p in r.get("profile", {}).items():
-        rows.append((f"decode step at {name}", f"{p['wall_ms_per_step']:.2f} ms wall, "
-                                               f"{p['kernel_ms_per_step']:.2f} ms of kernels"))
+        rows.append((f"{name.replace('batch', 'decode step at batch ')}"
+                     f"{' step' if name == 'mixed' else ''}",
+                     f"{p['wall_ms_per_step']:.2f} ms wall, "
+                     f"{p['kernel_ms_per_step']:.2f} ms of kernels"))
     if "memory" in r:
         m = r["memory"]
         rows.append(("peak memory / budget", f"{m['peak_allocated_bytes'] / 2**30:.1f} GiB / "
