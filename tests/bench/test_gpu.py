@@ -27,9 +27,14 @@ def test_the_script_dry_runs_every_step(tmp_path):
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
+    table = (out / "result.md").read_text()
     partial = json.loads((out / "result.partial.json").read_text())    # the last step's
     assert partial["throughput"] == result["throughput"] and "_requests" not in partial
     # the headline figures, each in its own file as soon as it is measured
+    da = json.loads((out / "decode_attention.json").read_text())
+    assert da == result["decode_attention"] and da["default"]["us"] > 0
+    assert da["best"]["bandwidth_fraction"] > 0 and da["batch"] == 4
+    assert "| decode attention alone, default (batch 4, context 40) |" in table
     for name in ("batch1", "throughput", "served"):
         headline = json.loads((out / f"{name}.json").read_text())
         assert headline["device"].startswith("CPU") or CUDA
@@ -54,7 +59,6 @@ def test_the_script_dry_runs_every_step(tmp_path):
     assert result["speedup_over_transformers"] == pytest.approx(
         result["throughput"]["output_tokens_per_s"]
         / result["transformers"]["output_tokens_per_s"])
-    table = (out / "result.md").read_text()
     assert "| batch-1 decode |" in table and table == done.stdout
     assert "| served | 4 streams:" in table and "| throughput run, decode steps |" in table
     assert "| throughput run, prompt steps |" in table

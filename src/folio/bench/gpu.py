@@ -6,6 +6,10 @@ folder (safetensors, a word-level tokenizer of its vocabulary), then, the
 headline figures first, each written to its own JSON file in `--out` the
 moment it is measured (a run cut off by its time limit keeps them):
 
+0. `decode_attention.json` (before the model is made): the Triton decode
+   kernel alone at batch 200 of 800-token contexts on the 8B's heads, for
+   each of its configurations (keys a tile, warps, stages): the KV bytes it
+   reads over its time as a fraction of the copy bandwidth;
 1. `batch1.json`: one request of 256 prompt and 256 output tokens (16 with
    --tiny); ms per output token, and the weight bytes each decode step reads
    over that time as a fraction of the card's bandwidth, measured by a copy;
@@ -192,6 +196,67 @@ def teacher_forced(folder: Path, dtype: str, device: str, vocab: int, lengths) -
             "mean_logprob": sum(sum(r) for r in runs["TORCH_SDPA"]) / len(diffs)}
 
 
+def decode_attention(device: str, bandwidth: float, tiny: bool) -> dict:
+    """The Triton decode kernel alone at a serving batch: `batch` sequences of
+    `context` keys (Llama-3-8B's 32 query and 8 KV heads of 128, bf16, pages
+    of 16, random tables), timed over repeated launches for each (keys a
+    tile, warps, pipeline stages); the bytes of keys and values it reads a
+    launch over its time, as a fraction of the copy bandwidth. The default
+    configuration is the backend's (TritonAttentionBackend.block_n, 4 warps,
+    2 stages)."""
+    import torch
+
+    from folio.kernels import triton_attention as tk
+    from folio.model.attention.triton_backend import TritonAttentionBackend, split_plan
+    cuda = device == "cuda"
+    batch, context, heads, kv_heads, d, bs = ((4, 40, 4, 2, 64, 16) if tiny
+                                              else (200, 800, 32, 8, 128, 16))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    per_seq = -(-context // bs)
+    blocks = batch * per_seq + 1
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = torch.randn(2, blocks, bs, kv_heads, d, generator=g, device=device).to(dtype)
+    tables = torch.randperm(blocks - 1, generator=g, device=device)[:batch * per_seq] \
+        .view(batch, per_seq) + 1
+    ctx = torch.full((batch,), context, dtype=torch.int64, device=device)
+    q = torch.randn(batch, heads, d, generator=g, device=device).to(dtype)
+    out = torch.empty_like(q)
+    kv_bytes = 2 * batch * context * kv_heads * d * cache.element_size()
+    target = (2 * torch.cuda.get_device_properties(0).multi_processor_count if cuda else 1)
+    configs = ([(TritonAttentionBackend.block_n, 4, 2)] if tiny else
+               [(bn, w, st) for bn in (16, 32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)])
+    rows = []
+    for block_n, warps, stages in configs:
+        splits, per = split_plan(batch, kv_heads, context, target,
+                                 TritonAttentionBackend.min_split_tokens, block_n)
+
+        def launch():
+            tk.paged_decode(q, cache[0], cache[1], tables, ctx, d ** -0.5, out, splits, per,
+                            block_n, dot_fp32=not cuda, stages=stages, num_warps=warps)
+        try:
+            launch()
+        except Exception as e:         # a configuration the compiler refuses (resources)
+            rows.append({"block_n": block_n, "warps": warps, "stages": stages,
+                         "error": str(e).splitlines()[0][:200]})
+            continue
+        _sync(device)
+        reps = 2 if tiny else 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            launch()
+        _sync(device)
+        seconds = (time.perf_counter() - t0) / reps
+        rows.append({"block_n": block_n, "warps": warps, "stages": stages, "splits": splits,
+                     "us": seconds * 1e6, "bandwidth_fraction": kv_bytes / seconds / bandwidth})
+    timed = [r for r in rows if "us" in r]
+    best = min(timed, key=lambda r: r["us"])
+    default = next(r for r in timed if (r["block_n"], r["warps"], r["stages"])
+                   == (TritonAttentionBackend.block_n, 4, 2))
+    return {"device": _device_name(device), "batch": batch, "context": context,
+            "heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs,
+            "kv_bytes": kv_bytes, "default": default, "best": best, "configs": rows}
+
+
 def _weight_bytes(engine) -> int:
     model = engine.executor.runner.model
     return sum(t.numel() * t.element_size()
@@ -361,14 +426,21 @@ def run(args) -> dict:
         partial = {k: v for k, v in {**result, **(more or {})}.items() if not k.startswith("_")}
         (args.out / "result.partial.json").write_text(json.dumps(partial, indent=1))
 
+    bandwidth = memory_bandwidth(device, 1 << (32 if cuda else 26))
+    result["copy_bandwidth_bytes_per_s"] = bandwidth
+    # the decode kernel alone, its configurations swept (seconds, before the model)
+    t = time.perf_counter()
+    result["decode_attention"] = decode_attention(device, bandwidth, args.tiny)
+    steps["decode_attention_s"] = time.perf_counter() - t
+    _headline(args, "decode_attention", result["decode_attention"])
+    save()
+    _free(device)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.work or tmp) / "model"
         folder.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         hf_model = make_model(folder, shape, dtype, device)
         steps["make_model_s"] = time.perf_counter() - t
-        bandwidth = memory_bandwidth(device, 1 << (32 if cuda else 26))
-        result["copy_bandwidth_bytes_per_s"] = bandwidth
         # the headline figures first, each in its file as soon as it is done
         result.update(_engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens,
                                    bandwidth, steps, save))
@@ -539,6 +611,14 @@ def markdown(r: dict) -> str:
         ("throughput", f"{t['output_tokens_per_s']:.0f} output tok/s on {t['requests']} "
                        f"requests"),
     ]
+    da = r["decode_attention"]
+    for which in ("default", "best"):
+        k = da[which]
+        rows.insert(6 if which == "default" else 7, (
+            f"decode attention alone, {which} (batch {da['batch']}, context {da['context']})",
+            f"{k['us']:.0f} us, {100 * k['bandwidth_fraction']:.0f}% of the copy bandwidth "
+            f"(keys a tile {k['block_n']}, {k['warps']} warps, {k['stages']} stages, "
+            f"{k['splits']} splits)"))
     for kind, k in t.get("by_step", {}).items():
         rows.append((f"throughput run, {'decode' if kind == 'decode' else 'prompt'} steps",
                      f"{k['steps']} steps, {k['seconds']:.1f} s, {k['mean_ms']:.2f} ms mean, "

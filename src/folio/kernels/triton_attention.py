@@ -236,7 +236,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
                  num_splits: int, tokens_per_split: int, block_n: int = 32,
                  window: int = 0, softcap: float = 0.0, dot_fp32: bool = False,
-                 stages: int = 2) -> None:
+                 stages: int = 2, num_warps: int = 4) -> None:
     """q [S, H, D] (one token per sequence) -> out [S, H, D] (rows contiguous).
 
     One program per (sequence, KV head, split): the G query heads of the KV
@@ -268,7 +268,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         float(softcap), NUM_HEADS=H, NUM_KV_HEADS=hkv, G=G, G_PAD=max(_pow2(G), 16),
         D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, PAGES=tile_pages(bs, block_n),
         ROW=row, EIGHT=_eight(k_cache), SPLIT=split,
-        DOT_FP32=dot_fp32 or q.dtype == torch.float32, SOFTCAP=softcap > 0, STAGES=stages)
+        DOT_FP32=dot_fp32 or q.dtype == torch.float32, SOFTCAP=softcap > 0, STAGES=stages,
+        num_warps=num_warps)
     if split:
         _combine_kernel[(S, H)](part_out, part_m, part_l, out, out.stride(0), num_splits,
                                 NUM_HEADS=H, D=D, D_PAD=d_pad,
