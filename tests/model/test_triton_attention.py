@@ -356,3 +356,47 @@ def test_prefill_pages_larger_than_a_tile_and_odd_pages(block_size, heads, kv_he
     got, ref, *_ = run_both(seqs, block_size=block_size, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim)
     assert_close(got, ref, torch.float32)
+
+
+class TwoLaunches(TritonAttentionBackend):
+    """A mixed step as a decode launch and a prefill launch."""
+    mixed_launch = False
+
+
+def _mixed_step(seqs, window, dtype, backend, heads=8, kv_heads=2, head_dim=64,
+                block_size=16):
+    """(backend's answer, the torch backend's in fp32) on one random step."""
+    rng = np.random.default_rng(window)
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in seqs) + 3
+    step = make_step(seqs, block_size, num_blocks, rng)
+    g = torch.Generator().manual_seed(window)
+    T = len(step.slot_mapping)
+    q = torch.randn(T, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k, v = (torch.randn(T, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+            for _ in range(2))
+    shape = TorchAttentionBackend.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    cache = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    scale, w = head_dim ** -0.5, window or None
+    ref = TorchAttentionBackend(heads, kv_heads, head_dim, scale, sliding_window=w).forward(
+        q.float(), k.float(), v.float(), cache.float(), TorchAttentionBackend.build_metadata(step))
+    got = backend(heads, kv_heads, head_dim, scale, sliding_window=w).forward(
+        q, k, v, cache.clone(), backend.build_metadata(step))
+    return got, ref
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_in_one_launch(dtype, window, monkeypatch):
+    """Decodes and prompt chunks (a whole prompt, a chunk resuming mid-prompt)
+    in one launch: the torch backend's answer, and the two-launch answer
+    exactly (the same programs, started together)."""
+    from folio.kernels import triton_attention as tk
+    seqs = [(70, 1), (3, 1), (200, 1), (0, 21), (33, 18)]
+    launches = []
+    real = tk.paged_mixed
+    monkeypatch.setattr(tk, "paged_mixed", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    got, ref = _mixed_step(seqs, window, dtype, TritonAttentionBackend)
+    two, _ = _mixed_step(seqs, window, dtype, TwoLaunches)
+    assert launches == [1]                      # TwoLaunches never took it
+    assert_close(got, ref, dtype)
+    assert torch.equal(got, two)

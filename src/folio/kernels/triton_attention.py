@@ -18,6 +18,10 @@
   position, so a chunk that resumes mid-prompt (or after a prefix-cache hit)
   sees every key before it, all read from the cache the step just wrote.
 
+- `paged_mixed`: a step of decodes and prompt chunks in one launch (the
+  decode programs first, unsplit, then the chunks' tiles), the two bodies
+  above as functions of their program's ids.
+
 A sliding window W > 0 (a local layer) limits a query at position p to the
 keys p - W < k <= p: a decode's splits share out only the last W keys, a
 prefill tile starts at its first token's first key.
@@ -121,9 +125,23 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, PAGES: tl.constexpr,
                    ROW: tl.constexpr, EIGHT: tl.constexpr, SPLIT: tl.constexpr,
                    DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, STAGES: tl.constexpr):
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+                    q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_lens, scale,
+                    q_stride, out_stride, table_stride, tokens_per_split, window, softcap,
+                    NUM_HEADS, NUM_KV_HEADS, G, G_PAD, D, D_PAD, BS, BLOCK_N, PAGES, ROW,
+                    EIGHT, SPLIT, DOT_FP32, SOFTCAP, STAGES)
+
+
+@triton.jit
+def _decode_program(s, kvh, split, num_splits, q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr,
+                    tables, ctx_lens, scale, q_stride, out_stride, table_stride,
+                    tokens_per_split, window, softcap, NUM_HEADS: tl.constexpr,
+                    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PAGES: tl.constexpr, ROW: tl.constexpr,
+                    EIGHT: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                    SOFTCAP: tl.constexpr, STAGES: tl.constexpr):
+    """Sequence s's query heads of KV head kvh over split `split` of its keys."""
     ctx = tl.load(ctx_lens + s)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -170,7 +188,6 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, m_ptr, l_ptr, tables, ctx_l
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLIT:               # partial sums, merged by _combine_kernel
-        num_splits = tl.num_programs(2)
         part = (s * NUM_HEADS + heads) * num_splits + split                  # [G_PAD]
         tl.store(m_ptr + part, m_i, mask=gm)
         tl.store(l_ptr + part, l_i, mask=gm)
@@ -279,13 +296,55 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0, q_starts,
                     q_lens, start_positions, scale, q_stride, out_stride, table_stride, window,
-                    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                    softcap, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
                     ROW: tl.constexpr, EIGHT: tl.constexpr, PAGES: tl.constexpr,
-                    STAGES: tl.constexpr):
-    tile = tl.program_id(0)
+                    SOFTCAP: tl.constexpr, STAGES: tl.constexpr):
+    _prefill_program(tl.program_id(0), tl.program_id(1), q_ptr, k_cache, v_cache, out_ptr,
+                     tables, tile_seq, tile_q0, q_starts, q_lens, start_positions, scale,
+                     q_stride, out_stride, table_stride, window, softcap, NUM_KV_HEADS, G,
+                     G_PAD, D, D_PAD, BS, BLOCK_M, BLOCK_N, DOT_FP32, ROW, EIGHT, PAGES,
+                     SOFTCAP, STAGES)
+
+
+@triton.jit
+def _mixed_kernel(q_ptr, k_cache, v_cache, out_ptr, dec_tables, ctx_lens, tables, tile_seq,
+                  tile_q0, q_starts, q_lens, start_positions, num_decodes, scale, q_stride,
+                  out_stride, table_stride, all_keys, window, softcap, NUM_HEADS: tl.constexpr,
+                  NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, DEC_G_PAD: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                  ROW: tl.constexpr, EIGHT: tl.constexpr, PAGES: tl.constexpr,
+                  SOFTCAP: tl.constexpr, STAGES: tl.constexpr):
+    """A mixed step in one launch: programs 0 .. num_decodes - 1 are the
+    decodes (unsplit), the rest the prompt chunks' tiles."""
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    if pid < num_decodes:
+        _decode_program(pid, kvh, 0, 1, q_ptr, k_cache, v_cache, out_ptr, out_ptr, out_ptr,
+                        dec_tables, ctx_lens, scale, q_stride, out_stride, table_stride,
+                        all_keys, window, softcap, NUM_HEADS, NUM_KV_HEADS, G, DEC_G_PAD, D,
+                        D_PAD, BS, BLOCK_N, PAGES, ROW, EIGHT, False, DOT_FP32, SOFTCAP,
+                        STAGES)
+    else:
+        _prefill_program(pid - num_decodes, kvh, q_ptr, k_cache, v_cache, out_ptr, tables,
+                         tile_seq, tile_q0, q_starts, q_lens, start_positions, scale,
+                         q_stride, out_stride, table_stride, window, softcap, NUM_KV_HEADS, G,
+                         G_PAD, D, D_PAD, BS, BLOCK_M, BLOCK_N, DOT_FP32, ROW, EIGHT, PAGES,
+                         SOFTCAP, STAGES)
+
+
+@triton.jit
+def _prefill_program(tile, kvh, q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
+                     q_starts, q_lens, start_positions, scale, q_stride, out_stride,
+                     table_stride, window, softcap, NUM_KV_HEADS: tl.constexpr,
+                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                     D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, ROW: tl.constexpr,
+                     EIGHT: tl.constexpr, PAGES: tl.constexpr, SOFTCAP: tl.constexpr,
+                     STAGES: tl.constexpr):
+    """Tile `tile` of the prompt chunks: its BLOCK_M tokens x KV head kvh's query heads."""
     i = tl.load(tile_seq + tile)
     q0 = tl.load(tile_q0 + tile)
     q_start = tl.load(q_starts + i)
@@ -329,6 +388,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, tile_seq, tile_q0,
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP:
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         causal = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         causal = causal & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(causal, scores, float("-inf"))
@@ -353,7 +414,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tile_q0: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                   start_positions: torch.Tensor, scale: float, block_m: int,
                   block_n: int = 32, dot_fp32: bool = False, window: int = 0,
-                  stages: int = 2) -> None:
+                  softcap: float = 0.0, stages: int = 2) -> None:
     """The prompt chunks of q [T, H, D] -> the same rows of out [T, H, D]; chunk
     i is rows q_starts[i] .. + q_lens[i] at positions start_positions[i] ..,
     its keys in the cache through tables[i]; one program per (tile, KV head),
@@ -372,6 +433,34 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[(tile_seq.shape[0], hkv)](
         q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
-        window or NO_WINDOW, NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D, D_PAD=_pow2(D), BS=bs,
+        window or NO_WINDOW, float(softcap), NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D,
+        D_PAD=max(_pow2(D), 16), BS=bs,
         BLOCK_M=block_m, BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row,
-        EIGHT=_eight(k_cache), PAGES=tile_pages(bs, max(block_n, 16)), STAGES=stages)
+        EIGHT=_eight(k_cache), PAGES=tile_pages(bs, max(block_n, 16)),
+        SOFTCAP=softcap > 0, STAGES=stages)
+
+
+def paged_mixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                out: torch.Tensor, num_decodes: int, decode_tables: torch.Tensor,
+                ctx_lens: torch.Tensor, tables: torch.Tensor, tile_seq: torch.Tensor,
+                tile_q0: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                start_positions: torch.Tensor, scale: float, block_m: int,
+                block_n: int = 32, dot_fp32: bool = False, window: int = 0,
+                softcap: float = 0.0, stages: int = 2) -> None:
+    """A step of decodes (the first `num_decodes` rows of q) and prompt chunks
+    in one launch: `paged_decode` unsplit for the decodes (`decode_tables`,
+    `ctx_lens`), `paged_prefill` for the chunks (the other arguments, as
+    there); one program per decode or tile, per KV head."""
+    q = _rows(q)
+    H, D = q.shape[1], q.shape[2]
+    _, bs, hkv, row = k_cache.shape
+    G = H // hkv
+    block_n = max(block_n, 16)
+    _mixed_kernel[(num_decodes + tile_seq.shape[0], hkv)](
+        q, k_cache, v_cache, out, decode_tables, ctx_lens, tables, tile_seq, tile_q0, q_starts,
+        q_lens, start_positions, num_decodes, scale, q.stride(0), out.stride(0),
+        tables.stride(0), NO_WINDOW, window or NO_WINDOW, float(softcap), NUM_HEADS=H,
+        NUM_KV_HEADS=hkv, G=G, DEC_G_PAD=max(_pow2(G), 16), G_PAD=_pow2(G),
+        D=D, D_PAD=max(_pow2(D), 16), BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_FP32=dot_fp32 or q.dtype == torch.float32, ROW=row, EIGHT=_eight(k_cache),
+        PAGES=tile_pages(bs, block_n), SOFTCAP=softcap > 0, STAGES=stages)

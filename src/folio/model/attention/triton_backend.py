@@ -71,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
     block_m = 16              # query tokens per prefill program
     block_n = 32              # keys per inner step
     min_split_tokens = 256    # the fewest keys a decode split is given
+    mixed_launch = True       # a step of decodes and chunks in one launch (False: two)
     target_programs: Optional[int] = None   # None: 2 per streaming multiprocessor (1 on CPU)
 
     @classmethod
@@ -143,6 +144,15 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         window = self.sliding_window or 0
+        if d and meta.num_tiles and self.mixed_launch:
+            # decodes beside prompt chunks: one launch, the decodes unsplit (the
+            # chunks' tiles keep the device busy)
+            tk.paged_mixed(q, k_cache, v_cache, out, d, meta.decode_block_tables,
+                           meta.decode_context_lens, meta.prefill_block_tables,
+                           meta.tile_seqs, meta.tile_starts, meta.prefill_starts,
+                           meta.prefill_lens, meta.prefill_positions, self.scale,
+                           self.block_m, self.block_n, dot_fp32=interpreting(), window=window)
+            return out
         if d:
             # a windowed layer's decode reads at most `window` keys a sequence,
             # from the start of the tile of its first
