@@ -97,7 +97,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "
                         "default: TRITON on CUDA, else the first of the others that runs")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly, without CUDA graphs")
+                   help="CUDA: run every step eagerly, without CUDA graphs (decode, "
+                        "and the piecewise ones of steps with prompt tokens)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '

@@ -207,7 +207,7 @@ class FolioConfig:
     seed: int = 0
     max_logprobs: int = 20          # the most top logprobs a request may ask for
     attention_backend: Optional[str] = None   # None: chosen by device and dtype
-    enforce_eager: bool = False     # CUDA: no CUDA graphs for decode steps
+    enforce_eager: bool = False     # CUDA: no CUDA graphs (decode, nor piecewise)
     # quantized layers on the CPU: "int8" multiplies the codes by the
     # activations quantized to int8 at decode batch sizes (native/qlinear.c);
     # "none" keeps fp32 arithmetic (int16 activations for bf16)

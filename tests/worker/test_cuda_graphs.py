@@ -85,4 +85,67 @@ def test_graphs_on_a_gpu_give_the_eager_tokens(tmp_path):
         runs.append([o.outputs[0].token_ids for o in llm.generate(workload(), params)])
         graphs = llm.engine.executor.runner.graphs
         assert (graphs is None) == eager and (eager or graphs.replays > 0)
+        pieces = llm.engine.executor.runner.pieces       # the prompts' steps, piecewise
+        assert (pieces is None) == eager and (eager or pieces.replays > 0)
     assert runs[0] == runs[1]
+
+
+class EagerPieces(EagerReplay):
+    """The stand-in for pieces, whose outputs are tuples (None where the
+    fused rotary + cache write left no k and v)."""
+
+    def capture(self, fn):
+        outs = fn()
+        self.captured.append(outs[0].shape[0])
+
+        def replay():
+            for mine, new in zip(outs, fn()):
+                if mine is not None:
+                    mine.copy_(new)
+        return replay, outs
+
+
+def test_piecewise_sizes():
+    from folio.worker.cuda_graphs import piecewise_sizes
+    assert piecewise_sizes(16) == [16]
+    assert piecewise_sizes(48) == [16, 32, 48]
+    assert piecewise_sizes(512) == [16, 32, 64, 128, 256, 512]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the CPU stand-in needs the TRITON kernels interpreted; on a GPU "
+                           "test_graphs_on_a_gpu_give_the_eager_tokens takes real pieces")
+@pytest.mark.parametrize("fused", [False, True])
+def test_piecewise_replays_of_prefill_and_mixed_steps_give_the_eager_tokens(tmp_path,
+                                                                           monkeypatch, fused):
+    """Steps with prompt tokens replayed piecewise (prefill, chunks beside
+    decodes, padded to buckets of 16 and 32 tokens; decode-only steps eager
+    here): the torch backend's tokens, with the rotary + cache write fused
+    into the pieces (the fused kernels on, on the CPU a test switch) or left
+    to the attention."""
+    from folio.kernels import triton_elementwise
+    from folio.worker.cuda_graphs import PiecewiseGraphs
+    monkeypatch.setattr(triton_elementwise, "ON_CPU_FOR_TESTS", fused)
+    folder = make_tiny_model(tmp_path)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (10, 7, 13, 4, 9)]
+    kwargs = dict(dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128,
+                  max_num_seqs=4, max_num_batched_tokens=32)
+    with monkeypatch.context() as off:
+        off.setattr(triton_elementwise, "ON_CPU_FOR_TESTS", False)
+        eager = [o.outputs[0].token_ids for o in LLM(folder, attention_backend="TORCH_SDPA",
+                                                     **kwargs).generate(workload(), params)]
+    llm = LLM(folder, attention_backend="TRITON", **kwargs)
+    runner = llm.engine.executor.runner
+    assert runner.pieces is None                 # no CUDA: eager unless given pieces
+    assert PiecewiseGraphs.serves(runner.model)
+    factory = EagerPieces()
+    runner.pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.attn_backend,
+                                    [16, 32], runner.device, factory)
+    runner.pieces.capture()
+    layers = len(runner.pieces.layers)
+    assert factory.captured == [32] * (layers + 1) + [16] * (layers + 1)
+    got = [o.outputs[0].token_ids for o in llm.generate(workload(), params)]
+    assert got == eager
+    assert runner.pieces.replays > 0 and runner.pieces.padded_rows > 0
+    assert llm.engine.scheduler.kv.num_free_blocks == 64

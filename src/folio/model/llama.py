@@ -87,6 +87,14 @@ class LlamaAttention(nn.Module):
                 for p in (self.k_scale, self.v_scale))
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.project(rope, hidden, kv_cache, meta)
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(hidden.shape[0], -1))
+
+    def project(self, rope, hidden, kv_cache, meta: AttentionMetadata):
+        """q [T, H, D], k and v [T, Hkv, D] of the step's tokens, rotated; k and
+        v None where the backend's fused kernel wrote them into the cache (a
+        family with its own q/k treatment overrides this)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                      # [T, (H + 2 Hkv) * D]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -94,14 +102,11 @@ class LlamaAttention(nn.Module):
             # one launch rotates q in place and writes the rotated keys and the
             # values into the cache; the attention then reads them there
             self.attn.rotary_store(qkv, rope, kv_cache, meta)
-            out = self.attn.forward(qkv[:, :h * d].view(t, h, d), None, None, kv_cache, meta)
-            return self.o_proj(out.reshape(t, h * d))
+            return qkv[:, :h * d].view(t, h, d), None, None
         # q and k sit side by side in the fused output: one rotation for both.
         qk = apply_rotary(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), *rope)
         q, k = qk.split([h, hkv], dim=1)
-        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(t, h * d))
+        return q, k, qkv[:, (h + hkv) * d:].view(t, hkv, d)
 
 
 class LlamaMLP(nn.Module):
@@ -139,8 +144,20 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope, hidden, residual, kv_cache, meta):
         """(hidden, residual) in and out: the residual add joins the next norm."""
+        q, k, v, residual = self.before_attention(rope, hidden, residual, kv_cache, meta)
+        out = self.self_attn.attn.forward(q, k, v, kv_cache, meta)
+        return self.after_attention(out, residual)
+
+    # The layer in two pieces around its attention, which piecewise CUDA
+    # graphs capture apart (worker/cuda_graphs.py); forward is the two joined.
+    def before_attention(self, rope, hidden, residual, kv_cache, meta):
+        """(q, k, v, residual): the input norm and the attention's projection."""
         x, residual = self.input_layernorm(hidden, residual)
-        x = self.self_attn(rope, x, kv_cache, meta)
+        return (*self.self_attn.project(rope, x, kv_cache, meta), residual)
+
+    def after_attention(self, attn_out, residual):
+        """(hidden, residual) from the attention's output [T, H, D]."""
+        x = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -23,7 +23,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(self, rope, hidden, kv_cache, meta):
+    def project(self, rope, hidden, kv_cache, meta):
+        """Llama's, with each head of q and k normed before the rotation."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                      # [T, (H + 2 Hkv) * D]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -36,9 +37,7 @@ class Qwen3Attention(LlamaAttention):
             qk = torch.cat((self.q_norm.norm(q), self.k_norm.norm(k)), dim=1)
         qk = apply_rotary(qk, *rope)
         q, k = qk.split([h, hkv], dim=1)
-        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(t, h * d))
+        return q, k, qkv[:, (h + hkv) * d:].view(t, hkv, d)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -14,7 +14,18 @@ and a step pads its batch to the next bucket and replays:
   one copy, its block tables in a second, and the hidden states come back as
   a view of the graph's output.
 
-Prefill and mixed steps, and batches above the largest bucket, run eagerly.
+Steps with prompt tokens (prefill and mixed) are replayed piecewise
+(`PiecewiseGraphs`): their attention depends on each sequence's lengths, so
+it runs eagerly, and everything between two attentions (o_proj, add + norm,
+the MLP, the next layer's norm, qkv projection, rotary and cache write) is
+captured per bucket of token counts (16, 32, ... up to 512, or
+max_num_batched_tokens if less): layers + 1 graphs a bucket, the attention writing
+into one persistent buffer that the next piece reads. Padding tokens take id
+0 at position 0 and write to slot -1; the attention sees the real tokens
+only. Steps above the largest bucket run eagerly. (The pieces' memory is
+not in the KV cache's sizing: about 2 x 512 tokens x (q, k, v, residual)
+a layer, some 0.5 GB on Llama-3-8B.)
+
 Which bucket and what padding is plain logic, tested on the CPU with an eager
 stand-in for the capture (`graph_factory`); the capture itself needs CUDA.
 """
@@ -33,12 +44,46 @@ from folio.model.attention.backend import (AttentionBackend, StepDescription, pa
 logger = logging.getLogger("folio")
 
 
+def _graphs_serve(runner) -> bool:
+    """On CUDA with a backend that has a fixed decode plan, unless
+    --enforce-eager, LoRA or a pipeline stage (eager)."""
+    return not (runner.device.type != "cuda" or runner.config.enforce_eager
+                or not runner.attn_backend.supports_graphs or runner.loras is not None
+                or not runner.model.stage.whole)
+
+
+def capture_piecewise(runner) -> Optional["PiecewiseGraphs"]:
+    """Steps with prompt tokens from piecewise graphs, where decode graphs are
+    taken and the model's layers come in pieces (`PiecewiseGraphs.serves`)."""
+    if not _graphs_serve(runner) or not PiecewiseGraphs.serves(runner.model):
+        return None
+    sched = runner.config.scheduler
+    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.attn_backend,
+                             piecewise_sizes(min(sched.max_num_batched_tokens,
+                                                 PIECEWISE_MAX_TOKENS)), runner.device)
+    pieces.capture()
+    logger.info("CUDA graphs captured piecewise for steps of %s tokens", pieces.sizes)
+    return pieces
+
+
+# Steps of more tokens run eagerly: their products outweigh the launches, and
+# each bucket's pieces hold their outputs (q, k, v, residual a layer).
+PIECEWISE_MAX_TOKENS = 512
+
+
+def piecewise_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
+    """16, 32, 64, ... below max_tokens, then max_tokens itself."""
+    sizes, b = [], smallest
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_tokens]
+
+
 def capture_graphs(runner) -> Optional["DecodeGraphs"]:
     """Decode steps from CUDA graphs, on CUDA with a backend that has a fixed
     decode plan, unless --enforce-eager, LoRA or a pipeline stage (eager)."""
-    if (runner.device.type != "cuda" or runner.config.enforce_eager
-            or not runner.attn_backend.supports_graphs or runner.loras is not None
-            or not runner.model.stage.whole):
+    if not _graphs_serve(runner):
         return None
     sched = runner.config.scheduler
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.attn_backend,
@@ -72,7 +117,8 @@ class CudaGraphFactory:
         self.pool = None
 
     def capture(self, fn: Callable[[], torch.Tensor]):
-        """(replay callable, the output tensor the graph writes)."""
+        """(replay callable, the output the graph writes: a tensor, or a tuple
+        of tensors and Nones)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
@@ -138,3 +184,109 @@ class DecodeGraphs:
         self.padded_rows += b - n
         return out[:n]
 
+
+
+class _Slots:
+    """What a piece's layers read of the step's metadata: the slots that the
+    fused rotary + cache write takes (a persistent buffer)."""
+
+    def __init__(self, slot_mapping: torch.Tensor):
+        self.slot_mapping = slot_mapping
+
+
+class PiecewiseGraphs:
+    def __init__(self, model, kv_caches: list[torch.Tensor], backend: type[AttentionBackend],
+                 sizes: list[int], device: torch.device, graph_factory=None):
+        self.model, self.kv_caches, self.sizes, self.device = model, kv_caches, sizes, device
+        inner = model.model
+        self.layers = list(inner.stage.owned(inner.layers))
+        largest = sizes[-1]
+        self.inputs = torch.zeros(3, largest, dtype=torch.int64, device=device)  # ids, pos, slots
+        attn = self.layers[0].self_attn
+        # every layer's attention writes here; the piece after it reads it
+        self.attn_out = torch.zeros(largest, attn.num_heads, attn.head_dim,
+                                    dtype=inner.embed_tokens.dtype, device=device)
+        self.factory = graph_factory or CudaGraphFactory(device)
+        # per bucket: the pieces' (replay, outputs), layers + 1 of them
+        self.pieces: dict[int, list[tuple[Callable[[], None], tuple]]] = {}
+        self.replays = 0
+        self.padded_rows = 0
+
+    @staticmethod
+    def serves(model) -> bool:
+        """Whether every layer comes in pieces around its attention (Llama's
+        layers and the families that keep its forward)."""
+        from folio.model.llama import LlamaAttention, LlamaDecoderLayer
+        inner = getattr(model, "model", None)
+        layers = list(inner.stage.owned(inner.layers)) if inner is not None else []
+        return bool(layers) and inner.embed_tokens is not None and inner.norm is not None \
+            and all(isinstance(layer, LlamaDecoderLayer)
+                    and type(layer).forward is LlamaDecoderLayer.forward
+                    and type(layer.self_attn).forward is LlamaAttention.forward
+                    for layer in layers)
+
+    def _piece(self, b: int, i: int, carried: tuple):
+        """Piece i of bucket b: the layer before it after its attention (none
+        for i = 0: the embedding), then layer i up to its attention (for the
+        last piece: the final norm). carried: (cos, sin, residual) from piece
+        i - 1."""
+        inner = self.model.model
+        ids, positions, slots = self.inputs[:, :b]
+        if i == 0:
+            hidden, residual = inner.embed_tokens(ids), None
+            cos, sin = inner.rotary(positions)
+        else:
+            cos, sin, residual = carried
+            hidden, residual = self.layers[i - 1].after_attention(self.attn_out[:b], residual)
+        if i == len(self.layers):
+            return (inner.norm(hidden, residual)[0],)
+        q, k, v, residual = self.layers[i].before_attention(
+            (cos, sin), hidden, residual, self.kv_caches[i], _Slots(slots))
+        return cos, sin, residual, q, k, v
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every bucket, largest first (the others reuse its memory); each
+        piece warmed up eagerly first (kernels compiled outside the capture)."""
+        self.inputs.zero_()
+        self.inputs[2].fill_(-1)
+        for b in reversed(self.sizes):
+            pieces, carried = [], ()
+            for i in range(len(self.layers) + 1):
+                self._piece(b, i, carried)
+                replay, outs = self.factory.capture(
+                    lambda b=b, i=i, c=carried: self._piece(b, i, c))
+                pieces.append((replay, outs))
+                carried = outs[:3]
+            self.pieces[b] = pieces
+
+    def fits(self, step: StepDescription) -> bool:
+        return bucket_for(len(step.slot_mapping), self.sizes) is not None
+
+    def run(self, step: StepDescription, input_ids: np.ndarray, meta,
+            fill=None) -> torch.Tensor:
+        """The hidden states [T, hidden] of a step of T tokens (any mix of
+        decodes and prompt chunks): the pieces replayed, the attention of
+        each layer run eagerly on the real tokens between them."""
+        n = len(step.slot_mapping)
+        b = bucket_for(n, self.sizes)
+        host = np.zeros((3, b), dtype=np.int64)
+        host[2, n:] = -1            # padding tokens write nothing
+        host[0, :n] = input_ids
+        host[1, :n] = step.positions
+        host[2, :n] = step.slot_mapping
+        self.inputs[:, :b].copy_(staged(host, self.device), non_blocking=True)
+        if fill is not None:
+            fill(self.inputs[0])
+        pieces = self.pieces[b]
+        for i, layer in enumerate(self.layers):
+            replay, (_, _, _, q, k, v) = pieces[i]
+            replay()
+            layer.self_attn.attn.forward(q[:n], None if k is None else k[:n],
+                                         None if v is None else v[:n], self.kv_caches[i], meta,
+                                         out=self.attn_out[:n])
+        replay, (hidden,) = pieces[-1]
+        replay()
+        self.replays += 1
+        self.padded_rows += b - n
+        return hidden[:n]

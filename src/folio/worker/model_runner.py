@@ -26,7 +26,7 @@ from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
 from folio.worker.draft_proposer import build_drafter
 from folio.worker.lora_manager import LoRAManager, lora_key, lora_runs
-from folio.worker.cuda_graphs import capture_graphs
+from folio.worker.cuda_graphs import capture_graphs, capture_piecewise
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.ahead import AheadTokens, SampledRows
 from folio.worker.input_batch import BlockTables
@@ -82,6 +82,7 @@ class ModelRunner(SpecRunner):
         if self.drafter:
             self.drafter.allocate(self.num_blocks)
         self.graphs = capture_graphs(self)
+        self.pieces = capture_piecewise(self)      # steps with prompt tokens
         self.states: dict[int, SeqState] = {}
         self.scorer = PromptScorer(self.model, self.device, self.states,
                                    config.parallel.tensor_parallel_size)
@@ -228,6 +229,8 @@ class ModelRunner(SpecRunner):
         if self.graphs is not None and self.graphs.fits(step):
             return self.graphs.run(step, ids, fill)
         meta = self.attn_backend.build_metadata(step)
+        if self.pieces is not None and self.pieces.fits(step):
+            return self.pieces.run(step, ids, meta, fill)
         if self.loras is not None:
             self.loras.prepare_step(lora_runs(
                 [(self.states[s.seq_id].sampling.lora, len(s.token_ids)) for s in ordered]))

@@ -135,13 +135,16 @@ class TritonAttentionBackend(AttentionBackend):
                                         self.num_kv_heads, self.head_dim, kv_cache[0],
                                         kv_cache[1], meta.slot_mapping)
 
-    def forward(self, q, k, v, kv_cache, meta: TritonMetadata):
+    def forward(self, q, k, v, kv_cache, meta: TritonMetadata, out=None):
+        """`out` [T, H, D] (rows contiguous), where given, takes the answer (a
+        piecewise graph's persistent buffer); else a new tensor."""
         from folio.kernels import triton_attention as tk
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if k is not None:           # else rotary_store wrote them
             tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping,
                         (self.static_scale(0), self.static_scale(1)))
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         window = self.sliding_window or 0
         if d and meta.num_tiles and self.mixed_launch:
