@@ -271,3 +271,15 @@ def test_gguf_chat_is_tokenized_without_extra_bos(gguf_tok):
 def test_missing_gguf_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         Tokenizer.from_gguf(str(tmp_path / "nope.gguf"))
+
+
+def test_a_long_text_encodes_as_the_single_call_does(gguf_tok):
+    """Past 2,048 characters encode goes through the batch call, which lets go
+    of the GIL (the server's event loop runs beside it: test_request_size.py):
+    the same ids, with and without special tokens."""
+    text = ("The café's naïve résumé — 東京 🙂 costs $3.50.\n\tdef f(x): return x ** 2  "
+            * 400)
+    assert len(text) > 2048
+    for special in (True, False):
+        assert gguf_tok.encode(text, add_special_tokens=special) == \
+            gguf_tok._backend.encode(text, add_special_tokens=special).ids

@@ -103,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from folio.engine.llm_engine import LLMEngine
-    from folio.server.app import ServerConfig, ServerState, build_app, served_name_for
+    from folio.server.app import (ServerConfig, ServerState, build_app, request_bytes_for,
+                                  served_name_for)
     model = args.model_pos or args.model
     config = ServerConfig(
         served_model_name=args.served_model_name or served_name_for(model),
@@ -119,6 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from folio.engine.config_builder import build_config
     # checked before the server starts: a bad value is one line, and no port is bound
     engine_config = build_config(model, **engine_kwargs(args), max_logprobs=args.max_logprobs)
+    config.max_request_bytes = args.max_request_bytes or request_bytes_for(
+        engine_config.scheduler.max_model_len)
     template = _read_template(args.chat_template) if args.chat_template else None
     sock = _listen(args.host, args.port)        # before the model loads: a port in use fails now
 
@@ -278,6 +281,10 @@ def _add_serve(sub) -> None:
                        help="LoRA adapters served under their own names (needs --enable-lora): "
                             "name=path, or JSON {\"name\": ..., \"path\": ...}; a request "
                             "names one in its model field")
+    serve.add_argument("--max-request-bytes", type=positive_int, metavar="N", default=None,
+                       help="the largest request body taken: a larger one is a 413, before "
+                            "it is parsed (default: 1 MiB + 64 bytes a token of "
+                            "--max-model-len)")
     serve.add_argument("--request-timeout", type=positive_float, metavar="SECONDS", default=None,
                        help="seconds a request may generate for, from its start: past them it "
                             "is aborted and its client gets a 504 (default: no limit)")

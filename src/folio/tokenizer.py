@@ -183,6 +183,11 @@ class Tokenizer:
 
     # ---------------------------------------------------------- text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 2048:
+            # the batch call lets go of the GIL while it works (encode holds it:
+            # a megabyte of text stalled the server's event loop for a second)
+            return self._backend.encode_batch([text],
+                                              add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -48,7 +48,7 @@ from folio.server.responses import (ChatCompletionResponse, ChatCompletionStream
                                     UsageReport, VersionResponse)
 from folio.server.lora_routes import add_lora_routes, model_cards, register
 from folio.server.router_routes import add_router_routes
-from folio.server.serving import HTTPError, ServedModel
+from folio.server.serving import HTTPError, ServedModel, off_loop
 from folio.server.tenants import KeyBook
 from folio.server.tools import HermesParser
 from folio.server.usage_ledger import UsageLedger
@@ -73,6 +73,9 @@ class ServerConfig:
     max_tokens_limit: Optional[int] = None       # the most a request may generate
     request_timeout: Optional[float] = None      # seconds a request may generate for
     lora_modules: list[tuple[str, str]] = field(default_factory=list)   # (name, path)
+    # the largest request body taken (a 413 past it, before it is parsed);
+    # `folio serve` sizes it from max_model_len (request_bytes_for)
+    max_request_bytes: Optional[int] = 8 << 20
 
     def __post_init__(self) -> None:
         if self.max_tokens_default is not None and self.max_tokens_limit is not None and \
@@ -194,8 +197,69 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def request_bytes_for(max_model_len: int) -> int:
+    """`--max-request-bytes`' default: 1 MiB and 64 bytes a token of the context
+    (a prompt as JSON text, escapes included, or as ids, fits with room)."""
+    return (1 << 20) + 64 * max_model_len
+
+
 def _add_middleware(app: FastAPI, state: ServerState) -> None:
     app.add_middleware(AuthAndRequestId, state=state)
+    app.add_middleware(BodyLimit, limit=state.config.max_request_bytes)     # outermost
+
+
+class BodyLimit:
+    """A request body over `limit` bytes is answered 413 before anything
+    parses it: by its Content-Length at once, or as its chunks arrive; the
+    rest of an oversized body is read and dropped (up to 16 times the limit),
+    so that the client, still sending, reads the answer. A body within the
+    limit is handed on whole."""
+
+    def __init__(self, app, limit: Optional[int]):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.limit or scope["method"] in ("GET", "HEAD",
+                                                                             "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(int(length), receive, scope, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":       # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(None, receive, scope, send, more=message.get(
+                    "more_body", False))
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()              # then the disconnect, when it comes
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, length: Optional[int], receive, scope, send,
+                      more: bool = True) -> None:
+        drained = 0
+        while more and drained <= 16 * self.limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            drained += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        size = f"{length} bytes" if length is not None else "more"
+        response = _error(f"the request body is {size}, over this server's limit of "
+                          f"{self.limit} bytes (--max-request-bytes)", 413)
+        await response(scope, receive, send)
 
 
 class AuthAndRequestId:
@@ -354,7 +418,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         if req.messages is not None:       # rendered as /v1/chat/completions renders them
             ids = await chat_prompt_ids(served, req)
         elif req.prompt is not None:
-            ids = await asyncio.to_thread(served.tokenizer.encode, req.prompt,
+            ids = await off_loop(served.tokenizer.encode, req.prompt,
                                           req.add_special_tokens)
         else:
             raise HTTPError(400, "give 'prompt' or 'messages'", "prompt")

@@ -20,8 +20,8 @@ from folio.server.reasoning import Split, ThinkParser
 from folio.server.tools import (ForcedCallStream, forced_calls, forced_finish,
                                 template_messages)
 from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStream,
-                                  choice_usage, collect, holdback, json_logprob, merged, sse,
-                                  sse_error, token_text, usage)
+                                  choice_usage, collect, holdback, json_logprob, merged,
+                                  off_loop, sse, sse_error, token_text, usage)
 
 _TEMPLATE_FAULT = "the chat template"     # how chat_template.py's messages name the template
 
@@ -57,7 +57,7 @@ async def chat_prompt_ids(served: ServedModel, req) -> list[int]:
     tools = req.template_tools()
     if tools:
         kwargs["tools"] = tools
-    return await asyncio.to_thread(render_chat_ids, served, template_messages(req.messages),
+    return await off_loop(render_chat_ids, served, template_messages(req.messages),
                                    kwargs)
 
 

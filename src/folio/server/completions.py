@@ -19,8 +19,8 @@ from folio.engine.protocol import BeamSearchParams
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import CompletionRequest, now, random_id
 from folio.server.serving import (SSE_DONE, EngineCall, HTTPError, ServedModel, TicketedStream,
-                                  choice_usage, collect, holdback, json_logprob, merged, sse,
-                                  sse_error, token_text, usage)
+                                  choice_usage, collect, holdback, json_logprob, merged,
+                                  off_loop, sse, sse_error, token_text, usage)
 
 
 async def prompt_ids(served: ServedModel, prompt) -> list[tuple[Optional[str], list[int]]]:
@@ -36,7 +36,7 @@ async def prompt_ids(served: ServedModel, prompt) -> list[tuple[Optional[str], l
         if isinstance(p, str):
             if not p:
                 raise HTTPError(400, "prompt must not be empty", "prompt")
-            out.append((p, await asyncio.to_thread(served.tokenizer.encode, p)))
+            out.append((p, await off_loop(served.tokenizer.encode, p)))
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             out.append((None, list(p)))
         else:

@@ -15,7 +15,9 @@ stopped engine (EngineDeadError) is a 503.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -30,6 +32,18 @@ from folio.lora_request import LoRARequest
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.server.error_shape import error_body
+
+
+# Tokenizing and rendering chat templates: off the event loop, two at a time
+# (a request's text is at most --max-request-bytes; the rest wait their turn)
+_TEXT_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                   thread_name_prefix="folio-text")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in the server's bounded pool of text workers."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _TEXT_POOL, functools.partial(fn, *args, **kwargs))
 
 
 class HTTPError(Exception):
