@@ -22,8 +22,8 @@ from folio.cli_bench import add_bench
 from folio.cli_chat import CHAT_USAGE, Chat, print_stream, read_message, stream_outputs
 from folio.cli_engine import add_engine_args, add_lora_flags, engine_kwargs
 from folio.cli_types import (AppendCommaSeparated, FolioArgumentParser, add_command, fraction,
-                             non_negative_float, non_negative_int, port, positive_float,
-                             positive_int, probability, seed, top_k)
+                             existing_dir, non_negative_float, non_negative_int, port,
+                             positive_float, positive_int, probability, seed, top_k)
 from folio.errors import is_expected_error
 from folio.generation_config import CHAT_DEFAULTS, chat_defaults
 
@@ -116,7 +116,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage_db=args.usage_db, cost_per_hour=args.cost_per_hour,
         prompt_token_weight=args.prompt_token_weight,
         max_tokens_default=args.max_tokens_default, max_tokens_limit=args.max_tokens_limit,
-        request_timeout=args.request_timeout, lora_modules=args.lora_modules)
+        request_timeout=args.request_timeout, lora_modules=args.lora_modules,
+        runtime_lora=args.enable_runtime_lora, lora_roots=args.lora_root or [],
+        max_runtime_loras=args.max_cpu_loras or args.max_loras)
     from folio.engine.config_builder import build_config
     # checked before the server starts: a bad value is one line, and no port is bound
     engine_config = build_config(model, **engine_kwargs(args), max_logprobs=args.max_logprobs)
@@ -285,6 +287,14 @@ def _add_serve(sub) -> None:
                        help="the largest request body taken: a larger one is a 413, before "
                             "it is parsed (default: 1 MiB + 64 bytes a token of "
                             "--max-model-len)")
+    serve.add_argument("--enable-runtime-lora", action="store_true",
+                       help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
+                            "the adapters while serving (needs --enable-lora and --lora-root; "
+                            "an admin key with --api-keys-file; default: off)")
+    serve.add_argument("--lora-root", action="append", type=existing_dir, default=None,
+                       metavar="DIR",
+                       help="a folder whose adapters may be loaded while serving (repeat for "
+                            "several): a lora_path must resolve inside one, symlinks followed")
     serve.add_argument("--request-timeout", type=positive_float, metavar="SECONDS", default=None,
                        help="seconds a request may generate for, from its start: past them it "
                             "is aborted and its client gets a 504 (default: no limit)")
@@ -317,7 +327,11 @@ def _add_chat(sub) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)     # bad flags exit 2 here, before any import
+    parser = build_parser()
+    args = parser.parse_args(argv)     # bad flags exit 2 here, before any import
+    if getattr(args, "enable_runtime_lora", False) and not (args.enable_lora and args.lora_root):
+        parser.error("--enable-runtime-lora needs --enable-lora and at least one --lora-root "
+                     "DIR (the folders adapters may be loaded from)")
     from folio.logger import configure_logging
     configure_logging()
     try:
@@ -332,9 +346,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _lora_module(text: str) -> tuple[str, str]:
-    from folio.server.lora_routes import parse_lora_module
+    from folio.server.lora_routes import check_adapter_name, parse_lora_module
     try:
-        return parse_lora_module(text)
+        name, path = parse_lora_module(text)
+        check_adapter_name(name)
+        return name, path
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -10,6 +10,7 @@ Nothing here imports torch: `folio --help` and a rejected flag stay fast.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable, Optional
 
 from folio.sampling_params import INT64_MAX, INT64_MIN   # seeds reach torch as int64
@@ -30,6 +31,13 @@ def _float(text: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
     return value
+
+
+def existing_dir(text: str) -> str:
+    """A folder that exists (as given; it is resolved where it is used)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such folder: {text}")
+    return text
 
 
 def port(text: str) -> int:

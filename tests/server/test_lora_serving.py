@@ -4,6 +4,8 @@ a request picking one by `model` (its text the offline engine's with that
 adapter, itself held to transformers + peft in tests/engine/test_lora.py),
 and the load, generate, unload flow; what is refused."""
 
+import os
+
 import pytest
 
 from folio import LLM, LoRARequest, SamplingParams
@@ -22,7 +24,9 @@ def setup(tmp_path_factory):
     b, _ = make_lora_adapter(base, root / "b", seed=2, r=4, lora_alpha=8,
                              target_modules=["o_proj", "gate_proj"])
     srv = ServerProcess(tiny_server_args(base) + ["--enable-lora", "--max-loras", "2",
-                                                  "--lora-modules", f"a={a}"])
+                                                  "--lora-modules", f"a={a}",
+                                                  "--enable-runtime-lora",
+                                                  "--lora-root", str(root)])
     yield base, a, b, srv
     srv.stop()
 
@@ -74,16 +78,22 @@ def test_load_list_generate_unload_with_the_openai_client(setup):
     assert "a" in {m.id for m in client.models.list().data}
 
 
-def test_a_server_without_lora_refuses_adapters(tiny_model, tmp_path):
+def test_a_server_without_runtime_lora_refuses_to_load(tiny_model, tmp_path):
+    """Loading while serving is off by default, --enable-lora or not."""
     a, _ = make_lora_adapter(tiny_model, tmp_path / "a", r=4, lora_alpha=8,
                              target_modules=["q_proj"])
-    srv = ServerProcess(tiny_server_args(tiny_model))
-    try:
-        status, _, got = http("POST", srv.url + "/v1/load_lora_adapter",
-                              {"lora_name": "a", "lora_path": a})
-        assert status == 400 and "LoRA is not enabled" in got["error"]["message"]
-    finally:
-        srv.stop()
+    for extra in ([], ["--enable-lora"]):
+        srv = ServerProcess(tiny_server_args(tiny_model) + extra)
+        try:
+            for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": a}),
+                               ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+                status, _, got = http("POST", srv.url + path, body)
+                assert status == 403, got
+                assert "--enable-runtime-lora" in got["error"]["message"]
+                assert a not in got["error"]["message"]
+            assert [m["id"] for m in http("GET", srv.url + "/v1/models")[2]["data"]] == ["tiny"]
+        finally:
+            srv.stop()
 
 
 def test_a_key_limited_to_adapters_sees_only_those_and_its_usage_names_them(setup, tmp_path):
@@ -103,7 +113,8 @@ def test_a_key_limited_to_adapters_sees_only_those_and_its_usage_names_them(setu
     db = str(tmp_path / "usage.db")
     srv = ServerProcess(tiny_server_args(base) + [
         "--enable-lora", "--lora-modules", f"a={a}", f"b={b}",
-        "--api-keys-file", str(tmp_path / "keys.json"), "--usage-db", db])
+        "--api-keys-file", str(tmp_path / "keys.json"), "--usage-db", db,
+        "--enable-runtime-lora", "--lora-root", os.path.dirname(b)])
     try:
         def client(key):
             return OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
@@ -155,7 +166,8 @@ def test_unload_and_eviction_under_traffic_keep_each_request_s_adapter(setup):
     base, a, b, _ = setup
     srv = ServerProcess(tiny_server_args(base) + [
         "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
-        "--lora-modules", f"a={a}", f"b={b}"])
+        "--lora-modules", f"a={a}", f"b={b}", "--enable-runtime-lora",
+        "--lora-root", os.path.dirname(b)])
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         texts, errors, started = {}, [], threading.Event()
@@ -194,3 +206,77 @@ def test_unload_and_eviction_under_traffic_keep_each_request_s_adapter(setup):
             assert f'{name}{{model_name="tiny"}} 0.0' in text, name
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """A server that loads adapters while serving, from one root, two at most."""
+    top = tmp_path_factory.mktemp("runtime_lora")
+    base = make_tiny_model(top / "base", max_position_embeddings=256)
+    root = top / "root"
+    a, _ = make_lora_adapter(base, root / "a", seed=1, r=4, lora_alpha=8,
+                             target_modules=["q_proj"])
+    outside, _ = make_lora_adapter(base, top / "outside", seed=2, r=4, lora_alpha=8,
+                                   target_modules=["q_proj"])
+    os.symlink(outside, root / "link")            # inside the root, pointing out of it
+    srv = ServerProcess(tiny_server_args(base) + [
+        "--enable-lora", "--max-cpu-loras", "2", "--lora-modules", f"static={a}",
+        "--enable-runtime-lora", "--lora-root", str(root)])
+    yield srv, root, a, outside
+    srv.stop()
+
+
+def _load(srv, name, path):
+    return http("POST", srv.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+
+@pytest.mark.parametrize("path", ["../outside", "../../../../etc", "/etc", "/proc/self",
+                                  "link", "{outside}", "{root}/../outside", "{root}/missing"])
+def test_a_path_outside_the_roots_is_refused_without_repeating_it(runtime, path):
+    srv, root, _, outside = runtime
+    path = path.format(root=root, outside=outside)
+    status, _, got = _load(srv, "x", path)
+    assert status == 400 and got["error"]["param"] == "lora_path", got
+    message = got["error"]["message"]
+    assert "inside one of the server's --lora-root folders" in message
+    assert path not in message and str(outside) not in message and "/etc" not in message
+
+
+@pytest.mark.parametrize("name", ["x" * 129, "x" * 100_000, "has space", "ünïcode", "",
+                                  "a\nb", "<script>"])
+def test_an_unsafe_adapter_name_is_refused(runtime, name):
+    srv, root, a, _ = runtime
+    status, _, got = _load(srv, name, "a")
+    assert status == 400 and got["error"]["param"] == "lora_name", got
+    assert "1 to 128 characters" in got["error"]["message"]
+
+
+def test_adapters_load_from_the_root_up_to_max_cpu_loras(runtime):
+    """Relative to the root or absolute inside it; two loaded while serving
+    (--max-cpu-loras 2) beside the one of --lora-modules, then a 400 until one
+    is unloaded; /v1/models never lists more."""
+    srv, root, a, _ = runtime
+    assert _load(srv, "r1", "a")[0] == 200
+    assert _load(srv, "org/r2", str(root / "a"))[0] == 200
+    status, _, got = _load(srv, "r3", "a")
+    assert status == 400 and "at most 2 adapters loaded while serving" in \
+        got["error"]["message"]
+    models = [m["id"] for m in http("GET", srv.url + "/v1/models")[2]["data"]]
+    assert sorted(models) == ["org/r2", "r1", "static", "tiny"]
+    assert http("POST", srv.url + "/v1/unload_lora_adapter", {"lora_name": "r1"})[0] == 200
+    assert _load(srv, "r3", "a")[0] == 200
+    status, _, out = http("POST", srv.url + "/v1/completions",
+                          {"model": "r3", "prompt": "the cat", "max_tokens": 2})
+    assert status == 200 and out["model"] == "r3"
+
+
+def test_runtime_lora_needs_its_roots_when_the_command_line_is_read(tmp_path):
+    import subprocess
+    import sys
+    for extra in (["--enable-runtime-lora"], ["--enable-runtime-lora", "--enable-lora"],
+                  ["--enable-lora", "--lora-root", str(tmp_path / "nope")],
+                  ["--enable-lora", "--lora-modules", "bad name=/x"]):
+        done = subprocess.run([sys.executable, "-m", "folio.cli", "serve", *extra],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (extra, done.stderr)
+        assert "--lora-root" in done.stderr or "lora" in done.stderr

@@ -73,6 +73,11 @@ class ServerConfig:
     max_tokens_limit: Optional[int] = None       # the most a request may generate
     request_timeout: Optional[float] = None      # seconds a request may generate for
     lora_modules: list[tuple[str, str]] = field(default_factory=list)   # (name, path)
+    # POST /v1/load_lora_adapter: off unless --enable-runtime-lora; paths only
+    # inside these folders; at most this many loaded beside lora_modules
+    runtime_lora: bool = False
+    lora_roots: list[str] = field(default_factory=list)
+    max_runtime_loras: int = 1
     # the largest request body taken (a 413 past it, before it is parsed);
     # `folio serve` sizes it from max_model_len (request_bytes_for)
     max_request_bytes: Optional[int] = 8 << 20
