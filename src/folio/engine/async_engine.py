@@ -24,7 +24,7 @@ from folio.config import ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.protocol import (EngineClient, EngineDeadError, Params, RequestFailedError,
-                                   StepCallback, ValidatedPrompt)
+                                   StepCallback, ValidatedPrompt, engine_error)
 from folio.lora_request import LoRARequest
 from folio.outputs import RequestOutput
 
@@ -154,7 +154,7 @@ class AsyncLLMEngine(EngineClient):
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    raise RequestFailedError(f"the request failed in the engine: {item.error}")
+                    raise engine_error(item.error)
                 yield item
                 if finished:
                     return

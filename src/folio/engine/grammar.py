@@ -65,6 +65,7 @@ class Grammars:
                 self.hits += 1
             else:
                 compiled = self._compile(key)
+                _check_has_output(compiled, key[0], self.vocab_size)
                 self.misses += 1
                 self._cache[key] = compiled
                 if len(self._cache) > self.max_cached:
@@ -101,6 +102,18 @@ class Grammars:
         except RuntimeError as e:     # xgrammar's parse and conversion errors
             raise ValueError(f"structured outputs {kind} cannot be compiled: "
                              f"{_reason(e)}") from e
+
+
+def _check_has_output(compiled: Any, kind: str, vocab_size: int) -> None:
+    """A grammar that allows no first token has no output at all (a schema
+    that only refers to itself, {"$ref": "#"}): refused when compiled, rather
+    than a request that could not take one token."""
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise ValueError(f"structured outputs {kind} accepts no output at all (a schema "
+                         f"that only refers to itself, or contradicts itself)")
 
 
 # Any JSON, as xgrammar's compact JSON-schema grammars write it (", " and ": "

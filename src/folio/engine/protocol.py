@@ -49,6 +49,24 @@ class RequestFailedError(RuntimeError):
     so the server answers 500 for that request alone."""
 
 
+class RequestRefusedError(ValueError):
+    """One request the engine ended because of what it asked for (its
+    structured output left no token it could take: a ConstraintDeadEnd):
+    aborted, its blocks freed, and a 400 for that request alone."""
+
+
+# the faults (describe_fault's "Name: message") that are the request's own doing
+REFUSED_FAULTS = ("ConstraintDeadEnd",)
+
+
+def engine_error(error: str) -> Exception:
+    """The exception a request's engine error (RequestOutput.error) is raised as."""
+    name, _, message = error.partition(": ")
+    if name in REFUSED_FAULTS:
+        return RequestRefusedError(f"the request cannot go on: {message}")
+    return RequestFailedError(f"the request failed in the engine: {error}")
+
+
 class ValidatedPrompt(list):
     """Prompt token ids that passed the input processor's checks with `params`.
 

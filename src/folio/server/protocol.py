@@ -81,6 +81,18 @@ class _Request(BaseModel):
                 if v is not None or k not in cls.model_fields
                 or cls.model_fields[k].default is None}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        """Every string of the body is text: JSON's \\ud800 escapes give a lone
+        surrogate, which no tokenizer takes; a 400 naming where it is."""
+        bad = _lone_surrogate(data, "")
+        if bad is not None:
+            raise InvalidRequest(f"{bad or 'the body'} holds a lone UTF-16 surrogate (an "
+                                 f"unpaired \\ud800-\\udfff escape), which is not text",
+                                 bad or None)
+        return data
+
     @model_validator(mode="after")
     def _check_whole(self):
         _refuse_not_yet(self.model_extra or {}, self._not_yet)
@@ -89,6 +101,45 @@ class _Request(BaseModel):
 
     def _check(self) -> None:
         """Checks across fields; subclasses extend it."""
+
+
+def _lone_surrogate(value: Any, where: str) -> Optional[str]:
+    """The path of the first string (or key) in `value` that is not valid
+    Unicode text, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            path = f"{where}.{k}" if where else str(k)
+            found = _lone_surrogate(k, path) if isinstance(k, str) else None
+            found = found if found is not None else _lone_surrogate(v, path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+# the roles a chat message may have: OpenAI's, and Llama 3.1's "ipython"
+# (a tool's answer, as its template names it)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def check_messages(messages: list[Any]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with a role", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role is {str(role)[:40]!r}: a message's role is "
+                                 f"one of {', '.join(ROLES)}", f"messages[{i}].role")
 
 
 class StreamOptions(BaseModel):
@@ -247,6 +298,8 @@ class _Templated(_Request):
 
     def _check(self) -> None:
         super()._check()
+        if getattr(self, "messages", None) is not None:
+            check_messages(self.messages)
         self.template_kwargs()
 
     def template_kwargs(self) -> dict[str, Any]:

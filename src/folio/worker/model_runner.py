@@ -291,8 +291,14 @@ class ModelRunner(SpecRunner):
                 if proposals and seq_id in proposals and \
                         (row == 0 or seq_ids[row - 1] != seq_id):
                     by_row[row] = proposals[seq_id]
+            may_not_end = {}            # rows under their min_tokens, and what they may not take
+            for row, s in enumerate(states):
+                p = s.sampling.params if s.grammar is not None else None
+                if p is not None and p.min_tokens and s.sampling.min_tokens_banned and \
+                        len(s.history) - s.sampling.num_prompt_tokens < p.min_tokens:
+                    may_not_end[row] = s.sampling.min_tokens_banned
             apply_grammars(logits, [s.grammar for s in states], [s.history for s in states],
-                           by_row)
+                           by_row, may_not_end)
 
     def _check_fault(self, seq_ids: list[int]) -> None:
         if self.fault_hook is not None:
