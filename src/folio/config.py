@@ -88,6 +88,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # --tokenizer: another tokenizer's folder (tokenizer.json) or .gguf file;
+    # None: the checkpoint's own
+    tokenizer: Optional[str] = None
     # positions the rotary tables hold: the engine's max_model_len (build_config
     # sets it); None: max_position_embeddings. Gemma 3's 131072 positions were
     # two tables of ~135 MB each whatever the context served.

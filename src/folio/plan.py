@@ -319,7 +319,8 @@ def report(r: dict) -> str:
              f"{r['efficiencies']['bandwidth']:.2f} bandwidth / {r['efficiencies']['flops']:.2f} "
              f"FLOPs, {'measured' if r['calibrated'] else 'assumed, not measured'}): "
              f"{r['requests_per_s_per_replica']:.2f} requests/s",
-             f"  {r['replicas']} replicas, {r['gpus']} GPUs: ${r['monthly_cost']:,.0f}/month"
+             f"  {_count(r['replicas'], 'replica')}, {_count(r['gpus'], 'GPU')}: "
+             f"${r['monthly_cost']:,.0f}/month"
              + (f", ${r['cost_per_1k_tokens']:.4f} per 1K tokens"
                 if r["cost_per_1k_tokens"] is not None else "")]
     if r["api_monthly_cost"] is None:
@@ -340,3 +341,7 @@ def cmd_plan(args) -> int:
     result = plan(args)
     print(json.dumps(result) if args.json else report(result))
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -233,7 +233,12 @@ class Tokenizer:
 
 
 def get_tokenizer(model_config) -> Tokenizer:
-    """The tokenizer for a `folio.config.ModelConfig` (format "hf" or "gguf")."""
+    """The tokenizer for a `folio.config.ModelConfig` (format "hf" or "gguf"),
+    or of the folder or file its `tokenizer` names (--tokenizer)."""
+    other = getattr(model_config, "tokenizer", None)
+    if other is not None:
+        return Tokenizer.from_gguf(other) if other.endswith(".gguf") else \
+            Tokenizer.from_hf_folder(other)
     if model_config.format == "hf":
         return Tokenizer.from_hf_folder(model_config.path)
     if model_config.format == "gguf":

@@ -164,7 +164,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
                  max_cpu_loras: Optional[int] = None,
                  pipeline_parallel_size: int = 1,
-                 async_scheduling: bool = False) -> FolioConfig:
+                 async_scheduling: bool = False,
+                 tokenizer: Optional[str] = None) -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -190,6 +191,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
             f"max_position_embeddings ({limit})")
     # no position past max_model_len is ever computed (proposals included)
     model_config = dataclasses.replace(model_config, rope_positions=max_model_len)
+    if tokenizer is not None:
+        model_config = dataclasses.replace(model_config, tokenizer=_tokenizer_source(tokenizer))
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if num_kv_blocks is not None and num_kv_blocks < 1:
@@ -255,3 +258,15 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         max_logprobs=max_logprobs, attention_backend=attention_backend,
         enforce_eager=enforce_eager, activation_quantization=activation_quantization,
         lora=lora)
+
+
+def _tokenizer_source(tokenizer: str) -> str:
+    """--tokenizer: a Hugging Face folder with tokenizer.json, or a .gguf file
+    (whose vocabulary is read); resolved and checked before anything loads."""
+    import os
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if os.path.isfile(os.path.join(path, "tokenizer.json")) or \
+            (os.path.isfile(path) and path.endswith(".gguf")):
+        return path
+    raise ValueError(f"tokenizer {tokenizer!r}: expected a folder holding tokenizer.json or a "
+                     f".gguf file")

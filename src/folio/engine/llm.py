@@ -38,7 +38,7 @@ class LLM:
                  speculative_config: Union[None, str, dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
                  max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, tokenizer: Optional[str] = None):
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -57,7 +57,7 @@ class LLM:
             activation_quantization=activation_quantization, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, tokenizer=tokenizer)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

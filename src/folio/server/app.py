@@ -59,6 +59,8 @@ OPEN_PATHS = ("/health", "/metrics", "/get_load")
 @dataclass
 class ServerConfig:
     served_model_name: str
+    served_model_aliases: list[str] = field(default_factory=list)   # other names it answers to
+    sampling_defaults: dict = field(default_factory=dict)   # --generation-config's
     api_key: Optional[str] = None
     allowed_origins: list[str] = field(default_factory=list)
     drain_timeout: float = 30.0
@@ -130,7 +132,9 @@ class ServerState:
                                       reasoning_parser=self.config.reasoning_parser,
                                       max_tokens_default=self.config.max_tokens_default,
                                       max_tokens_limit=self.config.max_tokens_limit,
-                                      request_timeout=self.config.request_timeout)
+                                      request_timeout=self.config.request_timeout,
+                                      aliases=tuple(self.config.served_model_aliases),
+                                      sampling_defaults=dict(self.config.sampling_defaults))
             for name, path in self.config.lora_modules:
                 register(self.served, name, path)
                 logger.info("serving LoRA adapter %s (%s)", name, path)
@@ -393,9 +397,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def models(raw: Request):
         served = state.ready()
         root = served.engine.model_config.path
-        return JSONResponse({"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": now(), "owned_by": "folio",
-            "root": root, "parent": None, "max_model_len": served.max_model_len},
+        return JSONResponse({"object": "list", "data": [
+            *({"id": name, "object": "model", "created": now(), "owned_by": "folio",
+               "root": root, "parent": None, "max_model_len": served.max_model_len}
+              for name in served.names),
             *model_cards(served, now(), raw.state.tenant)]})
 
 
@@ -446,3 +451,23 @@ def served_name_for(model: Optional[str]) -> str:
     if model is None:
         return default_model()
     return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
+
+
+def own_names(model: Optional[str]) -> list[str]:
+    """Other names a model served by its path answers to: a .gguf file's name
+    without the extension, and the default model's names for its own file
+    (so the README's requests work whichever way it was named)."""
+    if model is None or not os.path.exists(model):
+        return []
+    from folio.model.loader import _DEFAULT_ALIASES, resolve_model_path
+    names = []
+    base = os.path.basename(os.path.normpath(model))
+    if base.endswith(".gguf"):
+        names.append(base[:-len(".gguf")])
+    try:
+        path, _ = resolve_model_path(model)
+        if path == resolve_model_path(None)[0]:
+            names += list(_DEFAULT_ALIASES)
+    except ValueError:
+        pass
+    return [n for n in dict.fromkeys(names) if n != base]

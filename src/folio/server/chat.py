@@ -66,7 +66,7 @@ def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int],
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = served.max_tokens_for(len(ids), asked, req.min_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = req.sampling_params(max_tokens, logprobs)
+    params = req.sampling_params(max_tokens, logprobs, defaults=served.sampling_defaults)
     if req.auto_tools:      # a model's call markers may be special tokens: keep them
         params.skip_special_tokens = False
     return EngineCall(random_id("chatcmpl"), None, ids, params, req.priority, lora)

@@ -64,7 +64,8 @@ def _calls(served: ServedModel, req: CompletionRequest, prompts, lora=None
                                     req.priority, lora))
             continue
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        params = req.sampling_params(max_tokens, req.logprobs, prompt_lp)
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_lp,
+                                     defaults=served.sampling_defaults)
         calls.append(EngineCall(f"{base}-{i}", text, ids, params, req.priority, lora))
     return calls
 

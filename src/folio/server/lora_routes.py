@@ -73,7 +73,7 @@ def under_roots(path: str, roots: list[str]) -> str:
 
 def register(served: ServedModel, name: str, path: str) -> LoRARequest:
     """An adapter served as `name`: loaded and checked first (ValueError)."""
-    if name == served.name or name in served.loras:
+    if name in served.names or name in served.loras:
         raise ValueError(f"a model or adapter named {name!r} is already served")
     lora = LoRARequest(name, next(served.lora_ids), path)
     served.engine.check_lora(lora)

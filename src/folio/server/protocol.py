@@ -222,12 +222,19 @@ class _Sampling(_Request):
         return self.structured_outputs if fmt is None else fmt
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None,
+                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         """The request's SamplingParams: every field of the same name, by name
         (null meaning the default, as at OpenAI), and the three whose request
-        form differs per endpoint given here."""
+        form differs per endpoint given here. `defaults` (the model's
+        generation_config.json, --generation-config) fill the fields the
+        request does not set."""
         named = {name: getattr(self, name) for name in _SAMPLING_FIELDS
                  if name in type(self).model_fields}
+        for name, value in (defaults or {}).items():
+            if name in named and (name not in self.model_fields_set
+                                  or getattr(self, name) is None):
+                named[name] = value
         named["structured_outputs"] = self.constraint()
         return SamplingParams(**{k: v for k, v in named.items() if v is not None},
                               max_tokens=max_tokens, logprobs=logprobs,

@@ -73,6 +73,15 @@ class ServedModel:
     # LoRA adapters served under their own names (--lora-modules, load/unload)
     loras: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
     lora_ids: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
+    # other names the base model answers to (--served-model-name A B ..., or a
+    # model served by path: its own name)
+    aliases: tuple[str, ...] = ()
+    # sampling fields a request leaves unset take these (--generation-config)
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
     @property
     def tokenizer(self):
@@ -86,7 +95,7 @@ class ServedModel:
         """The adapter a request's `model` names (None: the base model); 404
         for a name that is neither, or an adapter the caller's tenant may not
         use (its key's "adapters"), as if it were not there."""
-        if requested is None or requested == self.name:
+        if requested is None or requested == self.name or requested in self.aliases:
             return None
         lora = self.loras.get(requested)
         if lora is None or (tenant is not None and not tenant.may_use(requested)):
