@@ -448,3 +448,51 @@ def test_the_hermes_parser():
     assert p.safe_prefix("Hello <tool_call>{") == len("Hello")
     assert p.safe_prefix("Hello there") == len("Hello there")
     assert p.safe_prefix("Hello\n") == len("Hello")
+
+
+def test_tools_reach_a_template_that_does_not_write_them(tmp_path):
+    """The default model's template ignores `tools`: Folio writes them into a
+    system message of its own (the rendered prompt grows by them, an
+    existing system message keeps its text first), says so at start-up, and
+    a template that writes tools itself is left alone."""
+    from tests.server.conftest import ServerProcess, http
+    srv = ServerProcess(["--num-kv-blocks", "256", "--max-model-len", "1024",
+                         "--uvicorn-log-level", "warning"])
+    try:
+        tool = {"type": "function", "function": {
+            "name": "record_city", "description": "Record a city",
+            "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                           "required": ["name"]}}}
+        base = {"model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Record Paris."}]}
+
+        def rendered(**extra):
+            status, _, out = http("POST", srv.url + "/tokenize", {**base, **extra})
+            assert status == 200, out
+            return out["tokens"]
+        plain, with_tools = rendered(), rendered(tools=[tool])
+        assert len(with_tools) > len(plain) + 20
+        status, _, text = http("POST", srv.url + "/detokenize", {"tokens": with_tools})
+        prompt = text["prompt"]
+        assert "record_city" in prompt and prompt.index("Be brief.") < prompt.index("record_city")
+        assert "does not write the tools a request gives" in srv.output()
+        forced = {**base, "tools": [tool], "max_tokens": 40, "temperature": 0,
+                  "tool_choice": {"type": "function", "function": {"name": "record_city"}}}
+        status, _, out = http("POST", srv.url + "/v1/chat/completions", forced)
+        assert status == 200, out
+        call = out["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "record_city" and "name" in json.loads(call["arguments"])
+    finally:
+        srv.stop()
+
+
+def test_a_template_that_writes_tools_is_left_alone():
+    from folio.server.tools import template_renders_tools
+    from folio.tokenizer import Tokenizer
+    from tests.test_tokenizer import _default_gguf
+    tok = Tokenizer.from_gguf(_default_gguf())
+    writes = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+              "{% if tools %}{{ tools | tojson }}{% endif %}")
+    ignores = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert template_renders_tools(tok, writes) and not template_renders_tools(tok, ignores)

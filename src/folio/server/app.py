@@ -50,7 +50,7 @@ from folio.server.lora_routes import add_lora_routes, model_cards, register
 from folio.server.router_routes import add_router_routes
 from folio.server.serving import HTTPError, ServedModel, off_loop
 from folio.server.tenants import KeyBook
-from folio.server.tools import HermesParser
+from folio.server.tools import HermesParser, template_renders_tools
 from folio.server.usage_ledger import UsageLedger
 from folio.usage_report import usage_rows
 
@@ -135,6 +135,10 @@ class ServerState:
                                       request_timeout=self.config.request_timeout,
                                       aliases=tuple(self.config.served_model_aliases),
                                       sampling_defaults=dict(self.config.sampling_defaults))
+            if not template_renders_tools(engine.tokenizer, None):
+                logger.info("the model's chat template does not write the tools a request "
+                            "gives: Folio writes them into a system message of its own "
+                            "(README: tool calls)")
             for name, path in self.config.lora_modules:
                 register(self.served, name, path)
                 logger.info("serving LoRA adapter %s (%s)", name, path)

@@ -18,7 +18,8 @@ from folio.outputs import CompletionOutput, RequestOutput
 from folio.server.protocol import ChatCompletionRequest, InvalidRequest, now, random_id
 from folio.server.reasoning import Split, ThinkParser
 from folio.server.tools import (ForcedCallStream, forced_calls, forced_finish,
-                                template_messages)
+                                template_messages, template_renders_tools, tools_note,
+                                with_tools_note)
 from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStream,
                                   choice_usage, collect, holdback, json_logprob, merged,
                                   off_loop, sse, sse_error, token_text, usage)
@@ -26,8 +27,11 @@ from folio.server.serving import (SSE_DONE, EngineCall, ServedModel, TicketedStr
 _TEMPLATE_FAULT = "the chat template"     # how chat_template.py's messages name the template
 
 
-def render_chat_ids(served: ServedModel, messages: list, kwargs: dict[str, Any]) -> list[int]:
-    """The conversation's prompt token ids; blocking (run it off the event loop)."""
+def render_chat_ids(served: ServedModel, messages: list, kwargs: dict[str, Any],
+                    note: Optional[str] = None) -> list[int]:
+    """The conversation's prompt token ids; blocking (run it off the event loop).
+    `note`: the tools in a system message, for a template that does not
+    render the `tools` it is given (tools.template_renders_tools)."""
     chosen = kwargs.get("chat_template")
     own = chosen is not None and chosen not in served.tokenizer.chat_templates
     if own and not served.trust_request_chat_template:
@@ -37,6 +41,9 @@ def render_chat_ids(served: ServedModel, messages: list, kwargs: dict[str, Any])
                              "the model's templates (start it with "
                              "--trust-request-chat-template to allow request templates)",
                              "chat_template")
+    if note is not None and kwargs.get("tools") and \
+            not template_renders_tools(served.tokenizer, chosen):
+        messages = with_tools_note(messages, note)
     try:
         return served.tokenizer.encode_chat(messages, **kwargs)
     except ValueError as e:
@@ -55,10 +62,13 @@ async def chat_prompt_ids(served: ServedModel, req) -> list[int]:
     templates take it, the tools shown to the template; rendered off the loop."""
     kwargs = req.template_kwargs()
     tools = req.template_tools()
+    note = None
     if tools:
         kwargs["tools"] = tools
-    return await off_loop(render_chat_ids, served, template_messages(req.messages),
-                                   kwargs)
+        note = tools_note(req.tools, getattr(req, "tool_choice", None),
+                          getattr(req, "parallel_tool_calls", True))
+    return await off_loop(render_chat_ids, served, template_messages(req.messages), kwargs,
+                          note)
 
 
 def _call(served: ServedModel, req: ChatCompletionRequest, ids: list[int],

@@ -393,3 +393,65 @@ def _with_object_arguments(call: Any) -> Any:
     except ValueError:
         return call
     return dict(call, function=dict(fn, arguments=arguments))
+
+
+# A template that never writes `tools` (SmolLM2's, many small models'): the
+# model would be asked to call tools it was never shown. Folio then writes
+# them into a system message of its own, in a generic form (as llama.cpp's
+# generic tool format does), with what the answer must look like.
+_PROBE_TOOL = {"type": "function", "function": {"name": "folio_probe_tool",
+                                                "description": "probe",
+                                                "parameters": {"type": "object"}}}
+_renders_tools: dict[str, bool] = {}
+
+
+def template_renders_tools(tokenizer, chat_template: Optional[str]) -> bool:
+    """Whether the template a request renders with writes its tools into the
+    prompt (rendered once with a probe tool and once without; cached by the
+    template's text)."""
+    try:
+        source = tokenizer._pick_template(chat_template, [_PROBE_TOOL])
+    except ValueError:          # no template: the real render says so
+        return True
+    if source not in _renders_tools:
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            with_tool = tokenizer.apply_chat_template(probe, chat_template=chat_template,
+                                                      tools=[_PROBE_TOOL])
+            without = tokenizer.apply_chat_template(probe, chat_template=chat_template)
+            _renders_tools[source] = with_tool != without
+        except Exception:       # noqa: BLE001 - the real render reports the template's fault
+            return True
+    return _renders_tools[source]
+
+
+def tools_note(tools: list[Tool], choice: Optional[ToolChoice], parallel: bool) -> str:
+    """The system message text that shows `tools` to a model whose template
+    does not, and says what its answer must be (what the forced call's
+    grammar, or the Hermes parser of tool_choice "auto", reads)."""
+    lines = ["You can call these tools (each with the JSON schema of its arguments):"]
+    lines += [json.dumps({"name": t.function.name, "description": t.function.description or "",
+                          "parameters": _parameters(t)}, ensure_ascii=False) for t in tools]
+    if isinstance(choice, NamedToolChoice):
+        lines.append(f"Call {choice.function.name}: answer with only the JSON object of its "
+                     f"arguments.")
+    elif choice == "required":
+        many = "one call or more" if parallel else "one call"
+        lines.append(f'Answer with only a JSON array of {many}, each {{"name": <a tool\'s '
+                     f'name>, "arguments": <its arguments>}}.')
+    elif choice == "none":
+        lines.append("Do not call them now: answer in text.")
+    else:
+        lines.append('To call one, answer with <tool_call>{"name": <its name>, "arguments": '
+                     '<its arguments>}</tool_call>; otherwise answer in text.')
+    return "\n".join(lines)
+
+
+def with_tools_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """`note` added to the conversation's system message (a new first one if
+    it has none, or one whose content is not plain text)."""
+    if messages and messages[0].get("role") in ("system", "developer") and \
+            isinstance(messages[0].get("content"), str):
+        return [dict(messages[0], content=messages[0]["content"] + "\n\n" + note),
+                *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
