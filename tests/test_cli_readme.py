@@ -15,7 +15,11 @@ import pytest
 from folio.cli import build_parser
 from folio.cli_types import subcommand_parsers
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# the reference pages the README links, where the commands' paragraphs live
+PAGES = [README] + [ROOT / "docs" / f"{name}.md" for name in
+                    ("models", "offline", "serving", "scaling", "command-line", "deployment")]
 
 # command -> (the start of its own paragraph, the shared paragraphs it takes)
 COMMANDS = {
@@ -36,8 +40,9 @@ COMMANDS = {
 
 
 def paragraph(start: str) -> str:
-    found = [p for p in re.split(r"\n\s*\n", README.read_text()) if p.startswith(start)]
-    assert len(found) == 1, f"the README needs one paragraph starting with {start!r}"
+    text = "\n\n".join(page.read_text() for page in PAGES)
+    found = [p for p in re.split(r"\n\s*\n", text) if p.startswith(start)]
+    assert len(found) == 1, f"the README's pages need one paragraph starting with {start!r}"
     return " ".join(found[0].split())
 
 
@@ -96,3 +101,28 @@ def test_the_commands_taking_engine_flags_are_those_the_readme_says(parsers):
     assert with_engine == takers
     lead = paragraph("Engine flags").split(":")[0]
     assert all(f"`{c}`" in lead for c in takers) and "not by `bench serve`" in lead
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_readmes_links_reach_their_pages_and_sections():
+    text = README.read_text()
+    links = re.findall(r"\]\((docs/[\w.-]+\.md)(?:#([\w-]+))?\)", text)
+    assert len(links) >= 10
+    for path, anchor in links:
+        page = ROOT / path
+        assert page.is_file(), path
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+            assert anchor in {_anchor(h) for h in headings}, (path, anchor)
+
+
+def test_the_readmes_first_request_runs_as_written(capsys):
+    """The README's python, the default model offline, as a newcomer pastes it."""
+    [code] = re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.S | re.M)
+    exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.strip()

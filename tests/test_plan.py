@@ -131,7 +131,7 @@ def test_the_readmes_worked_example_is_what_the_command_prints(capsys):
     import re
     import shlex
     from pathlib import Path
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     block = re.search(r"```\n\$ (folio plan .*?)\n```", readme, re.S)[1]
     command, _, printed = block.partition("\nllama")
     argv = shlex.split(command.replace("\\\n", " "))[1:]

@@ -22,7 +22,7 @@ pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (a depen
 from tests.server.conftest import ServerProcess, http
 
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat_templates" / "hermes_tool_use.jinja"
-README = Path(__file__).parents[2] / "README.md"
+README = Path(__file__).parents[2] / "docs" / "serving.md"    # the README's server page
 MODEL = "SmolLM2-135M-Instruct"     # the default model's served name, as the README calls it
 
 
@@ -379,11 +379,14 @@ def test_tool_answers_match_the_published_models(client):
         ChatCompletionStreamResponse.model_validate(json.loads(e))
 
 
-def readme_python(section: str = "## The server") -> list[str]:
+def _server_examples() -> str:
+    """The server page's opening, before its first section."""
     text = README.read_text()
-    start = text.index(f"\n{section}\n")
-    end = text.find("\n## ", start + 1)
-    return re.findall(r"^```python\n(.*?)^```$", text[start:end], re.S | re.M)
+    return text[:text.find("\n## ")]
+
+
+def readme_python() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", _server_examples(), re.S | re.M)
 
 
 def test_the_readme_server_examples_run_as_written(client, monkeypatch, capsys):
@@ -408,10 +411,7 @@ def test_the_readme_server_curl_examples_run_as_written(client):
     """The README's curl commands of its server section, verbatim but for the
     address: a completion, and a streamed chat that ends with [DONE]."""
     import subprocess
-    text = README.read_text()
-    start = text.index("\n## The server\n")
-    [block] = [b for b in re.findall(r"^```sh\n(.*?)^```$",
-                                     text[start:text.find("\n## ", start + 1)], re.S | re.M)
+    [block] = [b for b in re.findall(r"^```sh\n(.*?)^```$", _server_examples(), re.S | re.M)
                if "curl " in b]
     commands = ["curl " + c for c in block.split("\ncurl ")[1:]]    # after `make run`
     assert len(commands) == 2

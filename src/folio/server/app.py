@@ -138,7 +138,7 @@ class ServerState:
             if not template_renders_tools(engine.tokenizer, None):
                 logger.info("the model's chat template does not write the tools a request "
                             "gives: Folio writes them into a system message of its own "
-                            "(README: tool calls)")
+                            "(docs/serving.md: tools)")
             for name, path in self.config.lora_modules:
                 register(self.served, name, path)
                 logger.info("serving LoRA adapter %s (%s)", name, path)
