@@ -201,6 +201,19 @@ def cases() -> list:
                        ("trailing", b'{"prompt": "x"} trailing')):
         add(C, raw, f"body-{label}")
         add(H, raw, f"chat-body-{label}")
+    # issue 52: text that is not Unicode, roles no chat has, constraints with no way on
+    for label, raw in (("surrogate-prompt", b'{"prompt": "a\\ud800", "max_tokens": 2}'),
+                       ("surrogate-stop", b'{"prompt": "a", "stop": ["\\udfff"]}'),
+                       ("surrogate-key", b'{"prompt": "a", "\\ud800": 1}')):
+        add(C, raw, f"raw-{label}")
+    add(H, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "raw-chat-surrogate")
+    for role in ("hacker", "", "SYSTEM"):
+        add(H, {**CHAT, "messages": [{"role": role, "content": "x"}]}, f"chat-role-{role}")
+    recursive = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#"}}}
+    add(H, {**CHAT, "response_format": recursive}, "chat-schema-ref-self")
+    for stream in (False, True):
+        add(C, {**CMPL, "max_tokens": 20, "min_tokens": 16, "stream": stream,
+                "structured_outputs": {"regex": "a"}}, f"regex-dead-end-stream-{stream}")
     return out
 
 
