@@ -36,14 +36,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=memory_size, metavar="SIZE", default=None,
                    help="memory for the KV cache, in bytes or as 4GiB, 512MiB, 2GB "
                         "(default: 2GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
-    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+    g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
+                   metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                    help="the KV cache's element type: auto (--dtype's: bfloat16 also where "
                         "a CPU without native bf16 runs it as float32 arithmetic); bfloat16 "
                         "under a float32 run (half the memory, keys and values rounded to "
                         "bf16); float32; int8 or fp8 (e4m3): each key and value row in 8 "
                         "bits with its own fp32 scale, about a quarter of a float32 "
                         "cache's memory and half a bf16 one's (logprobs move slightly: "
-                        "docs/benchmarks.md says how much); fp8_e5m2 is not built")
+                        "docs/benchmarks.md says how much; fp8_e4m3 is the same; "
+                        "fp8_e5m2 is not built)")
     g.add_argument("--gpu-memory-utilization", type=probability, metavar="F", default=0.9,
                    help="CUDA: the share of the card's memory that weights, the activations' "
                         "profiled peak and the KV cache take together")
@@ -114,6 +116,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--quantization for it); the model checks them all in one step and "
                         "keeps what it would have picked itself (sampled requests: "
                         "rejection sampling)")
+
+
+def _kv_cache_dtype(text: str) -> str:
+    from folio.config import kv_cache_dtype_named
+    try:
+        return kv_cache_dtype_named(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _tokenizer_path(text: str) -> str:

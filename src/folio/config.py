@@ -193,6 +193,21 @@ class ParallelConfig:
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
 # --kv-cache-dtype: auto is --dtype's (build_config resolves it)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
+# vLLM's other spellings: the same e4m3 cache; e5m2 is not built
+KV_CACHE_ALIASES = {"fp8_e4m3": "fp8"}
+
+
+def kv_cache_dtype_named(name: str) -> str:
+    """--kv-cache-dtype's value as Folio names it (ValueError for one it lacks)."""
+    name = KV_CACHE_ALIASES.get(name, name)
+    if name == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype fp8_e5m2 is not built: fp8 (e4m3, each row with its "
+                         "own scale, also spelled fp8_e4m3) holds the same bytes with more "
+                         "precision")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
+    return name
 
 
 @dataclass(frozen=True)

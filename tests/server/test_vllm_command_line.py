@@ -108,3 +108,10 @@ def test_defaults_fill_only_what_a_request_leaves_unset():
     from folio import SamplingParams
     p, plain = req.sampling_params(8, None), SamplingParams()
     assert (p.temperature, p.top_p, p.top_k) == (0.0, plain.top_p, plain.top_k)
+
+
+def test_vllms_fp8_e4m3_is_folios_fp8_and_e5m2_says_it_is_not_built():
+    from folio.config import kv_cache_dtype_named
+    assert kv_cache_dtype_named("fp8_e4m3") == "fp8" and kv_cache_dtype_named("int8") == "int8"
+    with pytest.raises(ValueError, match="fp8_e5m2 is not built"):
+        kv_cache_dtype_named("fp8_e5m2")

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
                           LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                          SpeculativeConfig, parse_size)
+                          SpeculativeConfig, kv_cache_dtype_named, parse_size)
 from folio.core.spec_decode import parse_speculative_config
 from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
@@ -170,6 +170,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
     (or a GGUF's metadata) alone, before a tokenizer, worker or weight loads."""
+    kv_cache_dtype = kv_cache_dtype_named(kv_cache_dtype)
     device = devices.resolve_device(device)
     asked = devices.resolve_dtype(dtype, device)
     run_dtype, weight_dtype = devices.split_cpu_bf16(asked, device)
