@@ -103,8 +103,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from folio.engine.llm_engine import LLMEngine
-    from folio.server.app import (ServerConfig, ServerState, build_app, own_names,
-                                  request_bytes_for, served_name_for)
+    from folio.model.loader import own_names
+    from folio.server.app import (ServerConfig, ServerState, build_app, request_bytes_for,
+                                  served_name_for)
     model = args.model_pos or args.model
     config = ServerConfig(
         served_model_name=(args.served_model_name or [served_name_for(model)])[0],

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -71,6 +72,24 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
         f"model {model!r} not found: expected a Hugging Face folder with config.json, a .gguf "
         f"file, a folder holding one .gguf file, or {DEFAULT_MODEL!r} (Folio does not "
         "download from the Hugging Face hub)")
+
+
+def own_names(model: str | None) -> list[str]:
+    """Other names a model served by its path answers to: a .gguf file's name
+    without the extension, and the default model's names for its own file
+    (so the README's requests work whichever way it was named)."""
+    if model is None or not os.path.exists(model):
+        return []
+    names = []
+    base = os.path.basename(os.path.normpath(model))
+    if base.endswith(".gguf"):
+        names.append(base[:-len(".gguf")])
+    try:
+        if resolve_model_path(model)[0] == resolve_model_path(None)[0]:
+            names += list(_DEFAULT_ALIASES)
+    except ValueError:
+        pass
+    return [n for n in dict.fromkeys(names) if n != base]
 
 
 def _default_gguf_path() -> str:

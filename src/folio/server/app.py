@@ -456,22 +456,3 @@ def served_name_for(model: Optional[str]) -> str:
         return default_model()
     return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
 
-
-def own_names(model: Optional[str]) -> list[str]:
-    """Other names a model served by its path answers to: a .gguf file's name
-    without the extension, and the default model's names for its own file
-    (so the README's requests work whichever way it was named)."""
-    if model is None or not os.path.exists(model):
-        return []
-    from folio.model.loader import _DEFAULT_ALIASES, resolve_model_path
-    names = []
-    base = os.path.basename(os.path.normpath(model))
-    if base.endswith(".gguf"):
-        names.append(base[:-len(".gguf")])
-    try:
-        path, _ = resolve_model_path(model)
-        if path == resolve_model_path(None)[0]:
-            names += list(_DEFAULT_ALIASES)
-    except ValueError:
-        pass
-    return [n for n in dict.fromkeys(names) if n != base]
