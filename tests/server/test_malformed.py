@@ -2,7 +2,7 @@
 text that is not Unicode (a lone surrogate), a role no chat has, a schema
 with no output at all (refused when compiled), and a constraint that
 dead-ends while it runs (one character of regex under min_tokens 16),
-with and without n-gram proposals: the request ends with a 400 (an error
+with no proposals, n-gram proposals and a draft model's: the request ends with a 400 (an error
 event in a stream), the server keeps serving, no block stays held."""
 
 import json
@@ -17,9 +17,13 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_look
                     "prompt_lookup_min": 1})
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "draft"])
 def server(tiny_model, request):
-    extra = ["--speculative-config", NGRAM] if request.param == "ngram" else []
+    """No proposals, n-gram proposals, and the model drafting for itself."""
+    draft = json.dumps({"method": "draft_model", "model": tiny_model,
+                        "num_speculative_tokens": 3})
+    extra = {"plain": [], "ngram": ["--speculative-config", NGRAM],
+             "draft": ["--speculative-config", draft]}[request.param]
     srv = ServerProcess(tiny_server_args(tiny_model) + extra)
     yield srv
     srv.stop()
