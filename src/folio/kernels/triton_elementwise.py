@@ -22,6 +22,7 @@ tests hold them to it in triton's interpreter). They serve CUDA tensors;
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -33,12 +34,14 @@ if _AVAILABLE:
 # Set by tests to run these kernels on CPU tensors under triton's interpreter
 # (TRITON_INTERPRET=1), where nothing else would take them.
 ON_CPU_FOR_TESTS = False
+# FOLIO_FUSED_KERNELS=0: the torch layers on CUDA too (a device run's A/B)
+_ENABLED = os.environ.get("FOLIO_FUSED_KERNELS", "1") != "0"
 
 
 def serves(x: torch.Tensor) -> bool:
     """Whether the fused kernels run on this tensor: floating CUDA tensors
     where triton is installed."""
-    if not _AVAILABLE or not x.is_floating_point():
+    if not _AVAILABLE or not _ENABLED or not x.is_floating_point():
         return False
     return x.is_cuda or (ON_CPU_FOR_TESTS and x.device.type == "cpu")
 

@@ -33,6 +33,7 @@ stand-in for the capture (`graph_factory`); the capture itself needs CUDA.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Optional
 
 import numpy as np
@@ -55,13 +56,20 @@ def _graphs_serve(runner) -> bool:
 def capture_piecewise(runner) -> Optional["PiecewiseGraphs"]:
     """Steps with prompt tokens from piecewise graphs, where decode graphs are
     taken and the model's layers come in pieces (`PiecewiseGraphs.serves`)."""
-    if not _graphs_serve(runner) or not PiecewiseGraphs.serves(runner.model):
+    if not _graphs_serve(runner) or not PiecewiseGraphs.serves(runner.model) or \
+            os.environ.get("FOLIO_PIECEWISE_GRAPHS", "1") == "0":
         return None
     sched = runner.config.scheduler
-    pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.attn_backend,
-                             piecewise_sizes(min(sched.max_num_batched_tokens,
-                                                 PIECEWISE_MAX_TOKENS)), runner.device)
-    pieces.capture()
+    try:
+        pieces = PiecewiseGraphs(runner.model, runner.kv_caches, runner.attn_backend,
+                                 piecewise_sizes(min(sched.max_num_batched_tokens,
+                                                     PIECEWISE_MAX_TOKENS)), runner.device)
+        pieces.capture()
+    except Exception as e:      # noqa: BLE001 - new on the cards: eager beats no server
+        logger.warning("piecewise CUDA graphs could not be captured (%s: %s): steps with "
+                       "prompt tokens run eagerly", type(e).__name__, e)
+        torch.cuda.synchronize()
+        return None
     logger.info("CUDA graphs captured piecewise for steps of %s tokens", pieces.sizes)
     return pieces
 
