@@ -92,12 +92,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "plain weights). none on a GGUF dequantizes its blocks to float at "
                         "load; int8/int4: round-to-nearest at load of a float checkpoint "
                         "or of a GGUF's dequantized weights")
-    g.add_argument("--activation-quantization", choices=list(ACTIVATION_QUANTIZATIONS),
-                   default="int8",
-                   help="quantized weights on the CPU: int8 (default) multiplies their codes "
-                        "by the activations rounded to int8 per block of 32 at decode batch "
-                        "sizes (integer dot products; logprobs move slightly, "
-                        "docs/benchmarks.md says how much); none keeps fp32 arithmetic")
+    g.add_argument("--activation-quantization", choices=["auto", *ACTIVATION_QUANTIZATIONS],
+                   default="auto",
+                   help="quantized weights on the CPU: int8 multiplies their codes by the "
+                        "activations rounded to int8 per block of 32 at decode batch sizes "
+                        "(integer dot products; logprobs move slightly, docs/benchmarks.md "
+                        "says how much); none keeps fp32 arithmetic; auto (default): none "
+                        "for GPTQ, AWQ and compressed-tensors checkpoints, which declare "
+                        "16-bit activations, int8 for a GGUF's codes and -q int8|int4")
     g.add_argument("--attention-backend", default=None, metavar="NAME",
                    help="TRITON (Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), "
                         "CPU_NATIVE (the native CPU kernel) or TORCH_SDPA (portable PyTorch); "

@@ -191,6 +191,9 @@ class ParallelConfig:
 
 # --activation-quantization: what the activations of quantized layers become
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
+# the formats whose checkpoints declare 16-bit activations (GPTQ, AWQ and
+# compressed-tensors W4A16/W8A16): "auto" runs them as declared
+DECLARE_FLOAT_ACTIVATIONS = ("gptq", "awq", "compressed-tensors")
 # --kv-cache-dtype: auto is --dtype's (build_config resolves it)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 # vLLM's other spellings: the same e4m3 cache; e5m2 is not built

@@ -62,5 +62,22 @@ def test_none_keeps_the_fp32_path_and_the_flag_reaches_every_layer():
     assert {m.quantize_x(torch.float32) for m in methods} == {0}
     assert model.model.native_decoder.quantize_x == 0
     llm.shutdown()
-    with pytest.raises(ValueError, match="activation_quantization must be one of int8, none"):
+    with pytest.raises(ValueError, match="activation_quantization must be one of auto, int8, none"):
         LLM(activation_quantization="int4")
+
+
+@pytest.mark.parametrize("fixture, expected", [("gptq-w4-g32-sym", "none"), ("awq-w4-g32", "none"),
+                                               ("ct-w4a16-g32", "none"), (None, "int8")])
+def test_auto_runs_a_checkpoints_declared_activations(fixture, expected):
+    """GPTQ, AWQ and compressed-tensors W4A16 checkpoints declare 16-bit
+    activations: by default they run them (fp32 arithmetic on the CPU), and
+    int8 stays an explicit choice; the default model's GGUF codes, Folio's
+    own form, take int8 activations by default."""
+    from pathlib import Path
+
+    from folio.engine.config_builder import build_config
+    model = None if fixture is None else str(Path(__file__).parents[1] / "fixtures" / "quant"
+                                              / fixture)
+    assert build_config(model, dtype="float32").activation_quantization == expected
+    assert build_config(model, dtype="float32",
+                        activation_quantization="int8").activation_quantization == "int8"

@@ -13,7 +13,8 @@ from typing import Optional, Union
 
 from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
                           LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                          SpeculativeConfig, kv_cache_dtype_named, parse_size)
+                          SpeculativeConfig, DECLARE_FLOAT_ACTIVATIONS, kv_cache_dtype_named,
+                          parse_size)
 from folio.core.spec_decode import parse_speculative_config
 from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
@@ -158,7 +159,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  attention_backend: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False,
-                 activation_quantization: str = "int8",
+                 activation_quantization: str = "auto",
                  kv_cache_dtype: str = "auto",
                  speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
@@ -213,8 +214,13 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                          f"{gpu_memory_utilization}")
+    if activation_quantization == "auto":
+        # a checkpoint that declares 16-bit activations runs them as declared;
+        # Folio's own codes (a GGUF's, -q int8|int4) take int8 ones
+        activation_quantization = ("none" if model_config.quantization
+                                   in DECLARE_FLOAT_ACTIVATIONS else "int8")
     if activation_quantization not in ACTIVATION_QUANTIZATIONS:
-        raise ValueError(f"activation_quantization must be one of "
+        raise ValueError(f"activation_quantization must be one of auto, "
                          f"{', '.join(ACTIVATION_QUANTIZATIONS)}, got {activation_quantization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

@@ -34,7 +34,7 @@ class LLM:
                  scheduling_policy: str = "fcfs", distributed_executor_backend: str = "mp",
                  quantization: Optional[str] = None, attention_backend: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 activation_quantization: str = "int8", kv_cache_dtype: str = "auto",
+                 activation_quantization: str = "auto", kv_cache_dtype: str = "auto",
                  speculative_config: Union[None, str, dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
                  max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1,
