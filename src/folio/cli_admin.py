@@ -73,10 +73,11 @@ def add_plan(sub) -> None:
                    help="the hosted API's dollars per 1M input and output tokens, to compare")
     p.add_argument("--gpu-hour-price", type=non_negative_float, default=None, metavar="D",
                    help="dollars an hour per GPU (default: the catalog's illustrative price)")
-    p.add_argument("--kv-cache-dtype", choices=["bfloat16", "float32", "int8", "fp8"],
+    p.add_argument("--kv-cache-dtype",
+                   choices=["bfloat16", "float32", "int8", "fp8", "fp8_e5m2"],
                    default="bfloat16",
-                   help="the KV cache's element type, as folio serve's flag (int8, fp8: 8-bit "
-                        "rows with their scales)")
+                   help="the KV cache's element type, as folio serve's flag (int8, fp8, "
+                        "fp8_e5m2: 8-bit rows with their scales)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
                    help="the share of a GPU's memory Folio may use, as folio serve's flag")
     p.add_argument("--catalog", default=None, metavar="FILE",

@@ -41,11 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type: auto (--dtype's: bfloat16 also where "
                         "a CPU without native bf16 runs it as float32 arithmetic); bfloat16 "
                         "under a float32 run (half the memory, keys and values rounded to "
-                        "bf16); float32; int8 or fp8 (e4m3): each key and value row in 8 "
-                        "bits with its own fp32 scale, about a quarter of a float32 "
-                        "cache's memory and half a bf16 one's (logprobs move slightly: "
-                        "docs/benchmarks.md says how much; fp8_e4m3 is the same; "
-                        "fp8_e5m2 is not built)")
+                        "bf16); float32; int8, fp8 (e4m3; also spelled fp8_e4m3) or "
+                        "fp8_e5m2: each key and value row in 8 bits with its own fp32 "
+                        "scale, about a quarter of a float32 cache's memory and half a "
+                        "bf16 one's (logprobs move slightly, e5m2's most: "
+                        "docs/benchmarks.md says how much)")
     g.add_argument("--gpu-memory-utilization", type=probability, metavar="F", default=0.9,
                    help="CUDA: the share of the card's memory that weights, the activations' "
                         "profiled peak and the KV cache take together")

@@ -129,8 +129,9 @@ class CacheConfig:
                                                   # and KV cache may take together
     # the cache's element type (--kv-cache-dtype, resolved): None is the run
     # dtype; "bfloat16" under a float32 run (asked for, or --dtype bfloat16 on a
-    # CPU without native bf16) halves the bytes a decode step reads; "int8" or
-    # "fp8" under any run dtype: 8-bit rows with their scales (attention/kv_quant.py)
+    # CPU without native bf16) halves the bytes a decode step reads; "int8",
+    # "fp8" (e4m3) or "fp8_e5m2" under any run dtype: 8-bit rows with their
+    # scales (attention/kv_quant.py)
     kv_cache_dtype: Optional[str] = None
 
 
@@ -195,18 +196,15 @@ ACTIVATION_QUANTIZATIONS = ("int8", "none")
 # compressed-tensors W4A16/W8A16): "auto" runs them as declared
 DECLARE_FLOAT_ACTIVATIONS = ("gptq", "awq", "compressed-tensors")
 # --kv-cache-dtype: auto is --dtype's (build_config resolves it)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
-# vLLM's other spellings: the same e4m3 cache; e5m2 is not built
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8", "fp8_e5m2")
+EIGHT_BIT_KV = ("int8", "fp8", "fp8_e5m2")    # 8-bit rows with their scales (kv_quant.py)
+# vLLM's other spelling of the e4m3 cache
 KV_CACHE_ALIASES = {"fp8_e4m3": "fp8"}
 
 
 def kv_cache_dtype_named(name: str) -> str:
     """--kv-cache-dtype's value as Folio names it (ValueError for one it lacks)."""
     name = KV_CACHE_ALIASES.get(name, name)
-    if name == "fp8_e5m2":
-        raise ValueError("kv_cache_dtype fp8_e5m2 is not built: fp8 (e4m3, each row with its "
-                         "own scale, also spelled fp8_e4m3) holds the same bytes with more "
-                         "precision")
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                          f"got {name!r}")

@@ -96,7 +96,7 @@ def test_default_model_drifts_little_from_its_float32_cache():
 def test_refusals(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, "
-                                         "float32, int8, fp8, got 'int4'"):
+                                         "float32, int8, fp8, fp8_e5m2, got 'int4'"):
         LLM(folder, kv_cache_dtype="int4")
     # a bf16 run (forced where the CPU would run bfloat16 as fp32 arithmetic)
     monkeypatch.setattr(device, "split_cpu_bf16", lambda dtype, dev: (dtype, None))
@@ -134,5 +134,5 @@ def test_the_flag_reaches_the_engine_and_refuses_unknown_names(capsys):
     assert engine_kwargs(build_parser().parse_args(["serve"]))["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int3"])
-    assert "kv_cache_dtype must be one of auto, bfloat16, float32, int8, fp8, got 'int3'" \
+    assert "kv_cache_dtype must be one of auto, bfloat16, float32, int8, fp8, fp8_e5m2, got 'int3'" \
         in capsys.readouterr().err

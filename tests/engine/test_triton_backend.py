@@ -27,7 +27,7 @@ def workload():
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "fp8_e5m2"])
 def test_greedy_tokens_equal_the_torch_backend_under_pressure(tmp_path, kv_cache_dtype):
     """Preemption and prefix hits on a float cache and on the 8-bit ones."""
     folder = make_tiny_model(tmp_path)

@@ -131,3 +131,36 @@ def test_the_kernel_reads_every_fp8_byte_as_torch_does(flags):
                                  torch.ones(4, dtype=torch.int64), 0.125, lib)
     want = steps.view(torch.float8_e4m3fn).float() * 0.75
     assert torch.equal(out[:, 0], want)
+
+
+def test_fp8_e5m2_rows_are_e5m2_steps_of_their_scale():
+    x = _rows(4, 40, 2, 64)
+    q = kv_quant.quantize(x, "fp8_e5m2")
+    assert q.dtype == torch.float8_e5m2 and q.shape == (40, 2, 68)
+    scale = kv_quant.scales(q)
+    torch.testing.assert_close(scale, x.abs().amax(-1, keepdim=True) / 57344)
+    back = kv_quant.dequantize(q, torch.float32)
+    # e5m2: 2 mantissa bits, half a step is 1/8 of the value (subnormals: 2^-17)
+    assert ((back - x).abs() <= (x.abs() / 8 + 2 ** -17 * scale) * (1 + 1e-6)).all()
+    assert kv_quant.stored(x, torch.float8_e5m2).dtype == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("flags", native_builds.builds())
+def test_the_kernel_reads_every_e5m2_byte_as_torch_does(flags):
+    """Rows holding every finite e5m2 byte (subnormals, zeros, both signs),
+    each the only key of a decode: the output is the row, dequantized as
+    torch dequantizes it, whichever build (AVX-512, AVX2, portable) runs."""
+    from folio.kernels import native
+    lib = native_builds.library(flags)
+    values = [b for b in range(256) if (b & 0x7c) != 0x7c]         # not inf or nan
+    values += [0] * (256 - len(values))
+    steps = torch.tensor(values, dtype=torch.uint8).view(4, 64)
+    rows = torch.cat([steps, torch.tensor([0.75], dtype=torch.float32).view(torch.uint8)
+                      .repeat(4, 1)], dim=1)                        # scale 0.75
+    cache = torch.zeros(2, 4, 1, 1, 68, dtype=torch.uint8)
+    cache[1, :, 0, 0] = rows
+    q = torch.zeros(4, 1, 64)
+    out = native.paged_attention(q, cache.view(torch.float8_e5m2), torch.arange(4).view(4, 1),
+                                 torch.arange(4), torch.ones(4, dtype=torch.int64), 0.125, lib)
+    want = steps.view(torch.float8_e5m2).float() * 0.75
+    assert torch.equal(out[:, 0], want)

@@ -145,17 +145,18 @@ def test_float32_queries_on_a_bfloat16_cache():
     assert (wide - got).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_8bit_cache(dtype, kind):
-    """--kv-cache-dtype int8 and fp8: the store writes each row's steps (e4m3
-    bytes) and scale as torch's quantization does, and decode (split) and
-    prefill read the rows widened and scaled, as the torch backend does on
-    the same cache."""
+    """--kv-cache-dtype int8, fp8 and fp8_e5m2: the store writes each row's
+    steps (e4m3 or e5m2 bytes) and scale as torch's quantization does, and
+    decode (split) and prefill read the rows widened and scaled, as the torch
+    backend does on the same cache."""
     from folio.model.attention import kv_quant
     _, cache, (ref, ref_cache), (got, got_cache), _ = _on_a_cache(
         7, dtype, lambda g, nb, bs: kv_quant.quantize(
             torch.randn(2, nb, bs, KV_HEADS, HEAD_DIM, generator=g), kind))
+    got_cache, ref_cache, cache = (c.view(torch.uint8) for c in (got_cache, ref_cache, cache))
     assert torch.equal(got_cache, ref_cache) and not torch.equal(got_cache, cache)
     assert_close(got, ref.float(), dtype)
 

@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
                           LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                          SpeculativeConfig, DECLARE_FLOAT_ACTIVATIONS, kv_cache_dtype_named,
-                          parse_size)
+                          SpeculativeConfig, DECLARE_FLOAT_ACTIVATIONS, EIGHT_BIT_KV,
+                          kv_cache_dtype_named, parse_size)
 from folio.core.spec_decode import parse_speculative_config
 from folio.model import gguf_loader
 from folio.model.attention.selector import get_attention_backend
@@ -183,7 +183,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                             weight_dtype=weight_dtype)
     if attention_backend is not None:
         get_attention_backend(device, devices.torch_dtype(run_dtype), attention_backend,
-                              kv_cache_dtype if kv_cache_dtype in ("int8", "fp8") else None)
+                              kv_cache_dtype if kv_cache_dtype in EIGHT_BIT_KV else None)
     limit = model_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = limit
@@ -229,7 +229,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     # native bf16 (float32 arithmetic on bf16 weights) keeps a bf16 cache too
     kv = asked if kv_cache_dtype == "auto" else kv_cache_dtype
     cache_dtype = None if kv == run_dtype else kv
-    if cache_dtype not in (None, "int8", "fp8") and run_dtype != "float32":
+    if cache_dtype not in (None, *EIGHT_BIT_KV) and run_dtype != "float32":
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype} under dtype {run_dtype}: a "
                          "cache of its own dtype serves a float32 run only (auto keeps "
                          f"the run's, {run_dtype})")

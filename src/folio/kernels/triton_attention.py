@@ -70,8 +70,14 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, k_stride, v_strid
 
 
 def _eight(cache: torch.Tensor) -> int:
-    """The kernels' EIGHT of a cache: 0 float, 1 int8, 2 fp8 (uint8 bytes)."""
-    return {torch.int8: 1, torch.uint8: 2}.get(cache.dtype, 0)
+    """The kernels' EIGHT of a cache: 0 float, 1 int8, 2 fp8 e4m3 (uint8
+    bytes), 3 fp8 e5m2."""
+    return {torch.int8: 1, torch.uint8: 2, torch.float8_e5m2: 3}.get(cache.dtype, 0)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An e5m2 cache as its bytes (the kernels widen them themselves)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e5m2 else cache
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -90,11 +96,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.dtype != k_cache.dtype:            # an 8-bit cache: each row's steps and scale
         k = kv_quant.stored(k, k_cache.dtype, static[0])
         v = kv_quant.stored(v, v_cache.dtype, static[1])
-    k, v = _rows(k), _rows(v)
+    k, v = _bytes(_rows(k)), _bytes(_rows(v))
     row = k.shape[1] * k.shape[2]
     if k.shape[0]:
-        _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
-                                        v.stride(0), ROW=row, ROW_PAD=_pow2(row))
+        _store_kv_kernel[(k.shape[0],)](k, v, _bytes(k_cache), _bytes(v_cache), slot_mapping,
+                                        k.stride(0), v.stride(0), ROW=row, ROW_PAD=_pow2(row))
 
 
 @triton.jit
@@ -203,9 +209,12 @@ def _load_rows(cache, offs, d, valid, kv_mask, D: tl.constexpr, EIGHT: tl.conste
     """BLOCK_N cached rows of one KV head: a float cache's as they are (EIGHT
     0), an 8-bit one's widened to fp32: 1
     int8 steps, 2 fp8 e4m3 bytes (exponent rebiased, a subnormal given
-    exponent 1 and 2^-6 taken off, as native/simd.h does); an 8-bit row's
+    exponent 1 and 2^-6 taken off, as native/simd.h does), 3 fp8 e5m2 bytes
+    (a float16's top byte); an 8-bit row's
     values times its scale (the fp32 in its last 4 bytes)."""
     x = tl.load(cache + offs[:, None] + d[None, :], mask=kv_mask, other=0)
+    if EIGHT == 3:          # e5m2: a float16's top byte
+        x = ((x.to(tl.int32) & 0xFF) << 8).to(tl.uint16).to(tl.float16, bitcast=True)
     if EIGHT == 2:
         b = x.to(tl.int32) & 0xFF
         o = (b & 0x7F) << 20
@@ -279,12 +288,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_l = torch.empty_like(part_m)
     else:
         part_out, part_m, part_l = out, out, out        # written directly, unused
+    eight = _eight(k_cache)
+    k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
     _decode_kernel[(S, hkv, num_splits)](
         q, k_cache, v_cache, part_out, part_m, part_l, tables, ctx_lens, scale, q.stride(0),
         out.stride(0), tables.stride(0), tokens_per_split, window or NO_WINDOW,
         float(softcap), NUM_HEADS=H, NUM_KV_HEADS=hkv, G=G, G_PAD=max(_pow2(G), 16),
         D=D, D_PAD=d_pad, BS=bs, BLOCK_N=block_n, PAGES=tile_pages(bs, block_n),
-        ROW=row, EIGHT=_eight(k_cache), SPLIT=split,
+        ROW=row, EIGHT=eight, SPLIT=split,
         DOT_FP32=dot_fp32 or q.dtype == torch.float32, SOFTCAP=softcap > 0, STAGES=stages,
         num_warps=num_warps)
     if split:
@@ -430,13 +441,15 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     G = H // hkv
     g_pad = _pow2(G)
     fp32 = q.dtype == torch.float32 or dot_fp32
+    eight = _eight(k_cache)
+    k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
     _prefill_kernel[(tile_seq.shape[0], hkv)](
         q, k_cache, v_cache, out, tables, tile_seq, tile_q0, q_starts, q_lens,
         start_positions, scale, q.stride(0), out.stride(0), tables.stride(0),
         window or NO_WINDOW, float(softcap), NUM_KV_HEADS=hkv, G=G, G_PAD=g_pad, D=D,
         D_PAD=max(_pow2(D), 16), BS=bs,
         BLOCK_M=block_m, BLOCK_N=max(block_n, 16), DOT_FP32=fp32, ROW=row,
-        EIGHT=_eight(k_cache), PAGES=tile_pages(bs, max(block_n, 16)),
+        EIGHT=eight, PAGES=tile_pages(bs, max(block_n, 16)),
         SOFTCAP=softcap > 0, STAGES=stages)
 
 
@@ -456,11 +469,13 @@ def paged_mixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, bs, hkv, row = k_cache.shape
     G = H // hkv
     block_n = max(block_n, 16)
+    eight = _eight(k_cache)
+    k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
     _mixed_kernel[(num_decodes + tile_seq.shape[0], hkv)](
         q, k_cache, v_cache, out, decode_tables, ctx_lens, tables, tile_seq, tile_q0, q_starts,
         q_lens, start_positions, num_decodes, scale, q.stride(0), out.stride(0),
         tables.stride(0), NO_WINDOW, window or NO_WINDOW, float(softcap), NUM_HEADS=H,
         NUM_KV_HEADS=hkv, G=G, DEC_G_PAD=max(_pow2(G), 16), G_PAD=_pow2(G),
         D=D, D_PAD=max(_pow2(D), 16), BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32 or q.dtype == torch.float32, ROW=row, EIGHT=_eight(k_cache),
+        DOT_FP32=dot_fp32 or q.dtype == torch.float32, ROW=row, EIGHT=eight,
         PAGES=tile_pages(bs, block_n), SOFTCAP=softcap > 0, STAGES=stages)

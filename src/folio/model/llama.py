@@ -190,7 +190,8 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary(positions)           # gathered once per step, used by every layer
-        if self.native_decoder is not None and self.native_decoder.usable(hidden, meta):
+        if self.native_decoder is not None and \
+                self.native_decoder.usable(hidden, meta, kv_caches):
             # the same kernels as the modules below, in one call (bf16 CPU)
             hidden, residual = self.native_decoder(hidden, rope, kv_caches, meta, residual)
         else:

@@ -186,9 +186,12 @@ class NativeDecoder:
             return None
         return cls(layers, kind)
 
-    def usable(self, hidden: torch.Tensor, meta) -> bool:
-        """Checked every step: the kernels may be switched off (tests do)."""
+    def usable(self, hidden: torch.Tensor, meta, kv_caches=None) -> bool:
+        """Checked every step: the kernels may be switched off (tests do). An
+        fp8 e5m2 cache is the modules' (decoder.c writes int8 and e4m3 rows)."""
         if hidden.dtype != self.dtype or meta.token_rows is None or hidden.dim() != 2:
+            return False
+        if kv_caches and kv_caches[0].dtype == torch.float8_e5m2:
             return False
         if self.quantized and not native.runs_qlinear(hidden):    # what the layers ask
             return False

@@ -11,12 +11,15 @@ import torch
 from folio.kernels.native import _DTYPE_CODES, load
 
 # the KV cache's: float32, bfloat16, and the 8-bit caches' rows with their
-# scales (attention/kv_quant.py): int8, fp8 e4m3 stored as uint8
-_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+# scales (attention/kv_quant.py): int8, fp8 e4m3 stored as uint8, fp8 e5m2
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3,
+             torch.float8_e5m2: 4}
+EIGHT_BIT = (torch.int8, torch.uint8, torch.float8_e5m2)
 
 
 def kv_code(dtype: torch.dtype) -> int:
-    """The kernels' code for a KV cache's dtype (2 int8, 3 fp8: rows with their scales)."""
+    """The kernels' code for a KV cache's dtype (2 int8, 3 fp8 e4m3, 4 fp8 e5m2:
+    rows with their scales)."""
     return _KV_CODES[dtype]
 
 
@@ -35,7 +38,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if kv_cache.dtype in (torch.int8, torch.uint8):
+    if kv_cache.dtype in EIGHT_BIT:
         head_dim -= 4                       # each 8-bit row's scale
     tables = block_tables.contiguous()
     lib = lib or load()

@@ -11,7 +11,7 @@
  * Scores, softmax and the weighted sum of values are accumulated in fp32;
  * dtype (of q and out) is 0 float32 or 1 bfloat16; kv_dtype (of the cache,
  * --kv-cache-dtype) 0 float32, 1 bfloat16 (fp32 queries may read a bf16
- * cache, half the bytes a decode step streams), 2 int8 or 3 fp8 (e4m3): each
+ * cache, half the bytes a decode step streams), 2 int8, 3 fp8 (e4m3) or 4 fp8 e5m2: each
  * row of a token and KV head is head_dim 8-bit steps followed by its fp32
  * scale (4 bytes; attention/kv_quant.py), so a row is head_dim + 4 elements;
  * the steps are widened in registers, and the scales multiply a block's
@@ -58,6 +58,21 @@ static inline float fp8_to_float(uint8_t b) {
     return b & 0x80 ? -f : f;
 }
 
+/* An fp8 e5m2 as a float: the top byte of a float16, widened exactly. */
+static inline float e5m2_to_float(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80) << 24;
+    const uint32_t e = (b >> 2) & 0x1f, m = b & 0x3;
+    float f;
+    if (e == 0) {                               /* zero or a subnormal: m * 2^-16 */
+        f = (float)m * 0x1p-16f;
+        return sign ? -f : f;
+    }
+    uint32_t bits = sign | ((e + 112u) << 23) | (m << 21);
+    if (e == 0x1f) bits = sign | (0xffu << 23) | (m << 21);   /* inf, nan */
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* The scale of the 8-bit cache row of n steps at base[index]. */
 static inline float row_scale(const void *base, int64_t index, int n) {
     float s;
@@ -83,6 +98,10 @@ static inline void load_row(const void *base, int64_t index, int dtype, int n, f
         const uint8_t *src = (const uint8_t *)base + index;
         const float s = row_scale(base, index, n);
         for (int i = 0; i < n; i++) dst[i] = fp8_to_float(src[i]) * s;
+    } else if (dtype == 4) {
+        const uint8_t *src = (const uint8_t *)base + index;
+        const float s = row_scale(base, index, n);
+        for (int i = 0; i < n; i++) dst[i] = e5m2_to_float(src[i]) * s;
     } else {
         const uint16_t *src = (const uint16_t *)base + index;
 #pragma omp simd

@@ -48,8 +48,8 @@ static inline int fv_first_eq(fvec a, fvec b) {
     return hit ? __builtin_ctz(hit) : -1;
 }
 
-/* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16, 2 int8 and
- * 3 fp8 e4m3: the 8-bit KV caches' steps, their row scale not applied). An
+/* VW values at base[index] as fp32 (dtype 0 float32, 1 bfloat16, 2 int8, 3 fp8
+ * e4m3 and 4 fp8 e5m2: the 8-bit KV caches' steps, their row scale not applied). An
  * e4m3's bits move into a float16's (its 4 exponent bits the low ones of
  * fp16's 5, its 3 mantissa bits the top of fp16's 10), which the hardware
  * widens, subnormals included: that is the e4m3 value times 2^-8, which
@@ -69,6 +69,9 @@ static inline fvec fv_load(const void *base, int64_t index, int dtype) {
             _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
         return _mm512_cvtph_ps(h);
     }
+    if (dtype == 4)             /* fp8 e5m2: the top byte of a float16, exactly */
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(
+            _mm_loadu_si128((const __m128i *)((const uint8_t *)base + index))), 8));
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -170,6 +173,9 @@ static inline fvec fv_load(const void *base, int64_t index, int dtype) {
             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
         return _mm256_cvtph_ps(h);
     }
+    if (dtype == 4)             /* fp8 e5m2: the top byte of a float16, exactly */
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(
+            _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + index))), 8));
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }

@@ -22,7 +22,8 @@ class CPUNativeAttentionBackend(TorchAttentionBackend):
     name = "CPU_NATIVE"
     native_kind = "paged_cpu"
     supports_sliding_window = True
-    reads_8bit_kv = ("int8", "fp8")     # paged_attention.c widens the rows in registers
+    # paged_attention.c widens the rows in registers
+    reads_8bit_kv = ("int8", "fp8", "fp8_e5m2")
 
     @classmethod
     def supports(cls, device, dtype):

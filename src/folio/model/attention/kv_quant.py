@@ -9,7 +9,10 @@ bits and, right after them, the row's scale as the 4 bytes of an fp32:
   native/decoder.c, round the same way bit for bit);
 - fp8 (e4m3, storage uint8: the bytes of torch.float8_e4m3fn): value =
   e4m3 * scale, scale = max |row| / 448 (e4m3's largest), the row times
-  (1 / max) * 448 rounded to e4m3 by torch (nearest even).
+  (1 / max) * 448 rounded to e4m3 by torch (nearest even);
+- fp8_e5m2 (storage torch.float8_e5m2, vLLM's other fp8 cache): value =
+  e5m2 * scale, scale = max |row| / 57344 (e5m2's largest), rounded by
+  torch; an e5m2 is the top byte of a float16, so it widens exactly.
 
 Both scales are computed when the token is written, unless a checkpoint
 gives an fp8 cache static ones (compressed-tensors' kv_cache_scheme: one
@@ -29,11 +32,11 @@ from typing import Optional
 import torch
 
 SCALE_BYTES = 4
-QUANTIZED = ("int8", "fp8")     # cache dtypes stored this way
+QUANTIZED = ("int8", "fp8", "fp8_e5m2")     # cache dtypes stored this way
 # the largest step of each kind, and its storage
-_LARGEST = {"int8": 127.0, "fp8": 448.0}
-_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}
-_KIND = {torch.int8: "int8", torch.uint8: "fp8"}
+_LARGEST = {"int8": 127.0, "fp8": 448.0, "fp8_e5m2": 57344.0}
+_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "fp8_e5m2": torch.float8_e5m2}
+_KIND = {torch.int8: "int8", torch.uint8: "fp8", torch.float8_e5m2: "fp8_e5m2"}
 
 
 def row_width(head_dim: int, kv_dtype: str) -> int:
@@ -71,12 +74,16 @@ def quantize(x: torch.Tensor, kind: str = "int8", static: Optional[torch.Tensor]
         scaled = xf * torch.where(amax > 0, (1.0 / amax) * largest, 0.0)
     out = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=_STORAGE[kind],
                       device=x.device)
+    raw = out.view(torch.uint8) if kind == "fp8_e5m2" else out
     if kind == "int8":
-        out[..., :x.shape[-1]] = scaled.round().clamp(-127, 127).to(torch.int8)
-    else:
-        out[..., :x.shape[-1]] = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(
+        raw[..., :x.shape[-1]] = scaled.round().clamp(-127, 127).to(torch.int8)
+    elif kind == "fp8":
+        raw[..., :x.shape[-1]] = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(
             torch.uint8)
-    out[..., x.shape[-1]:] = scale.view(_STORAGE[kind])
+    else:
+        raw[..., :x.shape[-1]] = scaled.clamp(-largest, largest).to(torch.float8_e5m2).view(
+            torch.uint8)
+    raw[..., x.shape[-1]:] = scale.view(raw.dtype)
     return out
 
 

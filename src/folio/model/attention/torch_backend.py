@@ -34,7 +34,7 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     name = "TORCH_SDPA"
     supports_sliding_window = True
-    reads_8bit_kv = ("int8", "fp8")
+    reads_8bit_kv = ("int8", "fp8", "fp8_e5m2")
 
     @classmethod
     def supports(cls, device, dtype):
@@ -64,12 +64,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         width = kv_cache.shape[-1]          # head_dim, and an 8-bit row's scale
-        flat_k = kv_cache[0].view(-1, self.num_kv_heads, width)
-        flat_v = kv_cache[1].view(-1, self.num_kv_heads, width)
+        # torch copies e5m2 rows as their bytes (index_copy_ has no float8 kernel)
+        raw = (lambda t: t.view(torch.uint8)) if kv_cache.dtype == torch.float8_e5m2 \
+            else (lambda t: t)
+        flat_k = raw(kv_cache[0]).view(-1, self.num_kv_heads, width)
+        flat_v = raw(kv_cache[1]).view(-1, self.num_kv_heads, width)
         flat_k.index_copy_(0, meta.slot_mapping,
-                           kv_quant.stored(k, kv_cache.dtype, self.static_scale(0)))
+                           raw(kv_quant.stored(k, kv_cache.dtype, self.static_scale(0))))
         flat_v.index_copy_(0, meta.slot_mapping,
-                           kv_quant.stored(v, kv_cache.dtype, self.static_scale(1)))
+                           raw(kv_quant.stored(v, kv_cache.dtype, self.static_scale(1))))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         self.write_kv(k, v, kv_cache, meta)

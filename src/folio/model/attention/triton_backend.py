@@ -65,7 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "TRITON"
     supports_graphs = True
     supports_sliding_window = True
-    reads_8bit_kv = ("int8", "fp8")
+    reads_8bit_kv = ("int8", "fp8", "fp8_e5m2")
     requirement = (" (it needs triton, and CUDA, or on the CPU triton's interpreter: "
                    "TRITON_INTERPRET=1, slow, for tests)")
     block_m = 16              # query tokens per prefill program
