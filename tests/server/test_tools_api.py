@@ -496,3 +496,17 @@ def test_a_template_that_writes_tools_is_left_alone():
               "{% if tools %}{{ tools | tojson }}{% endif %}")
     ignores = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert template_renders_tools(tok, writes) and not template_renders_tools(tok, ignores)
+
+
+def test_the_probe_remembers_a_bounded_number_of_templates():
+    """Requests may bring templates of their own (--trust-request-chat-template):
+    the probe's memory of them stays bounded, the newest kept."""
+    from folio.server import tools
+    from folio.tokenizer import Tokenizer
+    from tests.test_tokenizer import _default_gguf
+    tok = Tokenizer.from_gguf(_default_gguf())
+    for i in range(tools._RENDERS_TOOLS_KEPT + 20):
+        template = "{% for m in messages %}{{ m.content }}{% endfor %}" + f"{{# {i} #}}"
+        assert not tools.template_renders_tools(tok, template)
+    assert len(tools._renders_tools) <= tools._RENDERS_TOOLS_KEPT
+    assert any(f"{{# {tools._RENDERS_TOOLS_KEPT + 19} #}}" in k for k in tools._renders_tools)

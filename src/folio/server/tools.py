@@ -403,6 +403,7 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "folio_probe_tool",
                                                 "description": "probe",
                                                 "parameters": {"type": "object"}}}
 _renders_tools: dict[str, bool] = {}
+_RENDERS_TOOLS_KEPT = 64       # templates remembered (a request's own may be any text)
 
 
 def template_renders_tools(tokenizer, chat_template: Optional[str]) -> bool:
@@ -419,6 +420,8 @@ def template_renders_tools(tokenizer, chat_template: Optional[str]) -> bool:
             with_tool = tokenizer.apply_chat_template(probe, chat_template=chat_template,
                                                       tools=[_PROBE_TOOL])
             without = tokenizer.apply_chat_template(probe, chat_template=chat_template)
+            if len(_renders_tools) >= _RENDERS_TOOLS_KEPT:
+                _renders_tools.pop(next(iter(_renders_tools)))     # the oldest
             _renders_tools[source] = with_tool != without
         except Exception:       # noqa: BLE001 - the real render reports the template's fault
             return True
