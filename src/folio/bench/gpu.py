@@ -545,14 +545,13 @@ def _device_name(device: str) -> str:
 def served(args, folder: Path, dtype_name: str, device: str, lens) -> dict:
     """`folio serve` on the folder (TRITON), `folio bench serve` with
     `--served-streams` streams at once: its summary (output tok/s, TTFT, ITL)."""
-    import socket
     import subprocess
     import sys
     import urllib.request
+
+    from folio.worker.multiproc import free_local_port
     streams = args.served_streams or (4 if args.tiny else 64)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_local_port()
     url = f"http://127.0.0.1:{port}"
     cli = [sys.executable, "-c", "from folio.cli import main; raise SystemExit(main())"]
     serve = cli + ["serve", str(folder), "--port", str(port), "--dtype", dtype_name,

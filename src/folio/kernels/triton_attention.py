@@ -174,25 +174,8 @@ def _decode_program(s, kvh, split, num_splits, q_ptr, k_cache, v_cache, out_ptr,
         kv_mask = valid[:, None] & dm[None, :]
         k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT)
         v = _load_rows(v_cache, offs, d, valid, kv_mask, D, EIGHT)
-        if DOT_FP32:
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
-        scores = scores * scale                                         # [G_PAD, BLOCK_N]
-        if SOFTCAP:         # softcap * tanh(scores / softcap)
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], scale, softcap, m_i,
+                                             l_i, acc, DOT_FP32, SOFTCAP)
     if SPLIT:               # partial sums, merged by _combine_kernel
         part = (s * NUM_HEADS + heads) * num_splits + split                  # [G_PAD]
         tl.store(m_ptr + part, m_i, mask=gm)
@@ -202,6 +185,35 @@ def _decode_program(s, kvh, split, num_splits, q_ptr, k_cache, v_cache, out_ptr,
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + s * out_stride + heads[:, None] * D + d[None, :],
                  res.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, scale, softcap, m_i, l_i, acc,
+                         DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One tile of keys k and values v [BLOCK_N, D_PAD] for the query rows q
+    [R, D_PAD]: scores (soft-capped where SOFTCAP), `allowed` [R or 1,
+    BLOCK_N] of them kept, folded into the running max m_i, sum l_i and
+    accumulator acc (fp32); the products in fp32 (DOT_FP32) or in q's dtype.
+    A row that has seen no key yet (its window starts past these) stays at
+    -inf without a NaN. -> (m_i, l_i, acc)."""
+    if DOT_FP32:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+    scores = scores * scale
+    if SOFTCAP:             # softcap * tanh(scores / softcap)
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -387,34 +399,12 @@ def _prefill_program(tile, kvh, q_ptr, k_cache, v_cache, out_ptr, tables, tile_s
         offs = (_key_slots(table, n0, pos, valid, end, BS, BLOCK_N, PAGES) * NUM_KV_HEADS
                 + kvh) * ROW
         kv_mask = valid[:, None] & dm[None, :]
-        if EIGHT:           # widened and scaled, in the queries' dtype for the matmuls
-            k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT).to(q.dtype)
-            v = _load_rows(v_cache, offs, d, valid, kv_mask, D, EIGHT).to(q.dtype)
-        else:
-            k = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        if SOFTCAP:
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        k = _load_rows(k_cache, offs, d, valid, kv_mask, D, EIGHT)
+        v = _load_rows(v_cache, offs, d, valid, kv_mask, D, EIGHT)
         causal = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         causal = causal & (pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # a row whose window starts past these keys has seen none yet: no NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, scale, softcap, m_i, l_i, acc,
+                                             DOT_FP32, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # padding rows may have seen no key
     tl.store(out_ptr + (q_start + tok)[:, None] * out_stride + head[:, None] * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
