@@ -462,3 +462,18 @@ def make_lora_adapter(base: str | os.PathLike, out: str | os.PathLike, seed: int
             p.data *= scale
     model.save_pretrained(str(out))
     return str(out), model.merge_and_unload().eval()
+
+
+def triton_device(monkeypatch):
+    """Where a Triton kernel test runs: CUDA where there is one, else the CPU
+    under triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py),
+    where the kernels serve CPU tensors while the test runs. Skips without
+    triton."""
+    import pytest
+    import torch
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the dev extra pins it)")
+    from folio.kernels import triton_elementwise
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    monkeypatch.setattr(triton_elementwise, "ON_CPU_FOR_TESTS", True)
+    return torch.device("cpu")

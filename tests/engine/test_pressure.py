@@ -28,6 +28,32 @@ def test_hundred_requests_in_a_tiny_pool(tmp_path):
     assert tight.engine.scheduler.kv.num_free_blocks == 40
 
 
+def test_seeded_samples_are_the_same_preempted_and_chunked_differently(tmp_path):
+    """A sampled sequence's draws are a function of its seed and the position
+    drawn for (model/layers/draws.py): recomputed after a preemption, its
+    prompt chunked otherwise, in other batches, it draws the same tokens,
+    penalties and n > 1 included."""
+    path = make_tiny_model(tmp_path / "m", max_position_embeddings=512)
+    prompts = mixed_prompts(40, 3, 4, 120)
+    rng = random.Random(4)
+    params = [SamplingParams(temperature=rng.choice([0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
+                             seed=rng.randrange(1000), n=rng.choice([1, 1, 2]),
+                             max_tokens=rng.randint(4, 40), ignore_eos=True,
+                             **rng.choice([{}, {"frequency_penalty": 0.5,
+                                                "repetition_penalty": 1.2}]))
+              for _ in prompts]
+    roomy = LLM(path, dtype="float32", num_kv_blocks=4096, block_size=8)
+    tight = LLM(path, dtype="float32", num_kv_blocks=40, block_size=8, max_num_seqs=16,
+                max_num_batched_tokens=64)
+
+    def tokens(llm):
+        return [[c.token_ids for c in o.outputs]
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens(tight) == tokens(roomy)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.scheduler.kv.num_free_blocks == 40
+
+
 def test_default_model_under_pressure(default_llm):
     prompts = mixed_prompts(14, 2, 40, 160, vocab=49000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -224,31 +224,30 @@ def test_rejection_sampling_with_the_drafts_own_distribution():
     fixed seeds); the correction drawn from p itself fails it."""
     import torch
 
+    from folio.model.layers import draws
     from folio.worker.spec_verify import rejection_sample
     p = torch.tensor([[0.10, 0.30, 0.25, 0.15, 0.12, 0.08],
                       [0.30, 0.10, 0.10, 0.20, 0.20, 0.10]])
     q = torch.tensor([[0.40, 0.05, 0.05, 0.30, 0.10, 0.10]])
 
     def trial(sampler, seed):
-        g = torch.Generator().manual_seed(seed)
         firsts = []
-        for _ in range(20000):
-            d = int(torch.multinomial(q[0], 1, generator=g))
-            firsts.append(sampler(p, [d], g, q)[0])
+        for t in range(20000):          # each trial a sequence of its own seed
+            d = draws.draw_one(q[0], seed + t, 5, draws.DRAFT)
+            firsts.append(sampler(p, [d], seed + t, 5, q)[0])
         counts = torch.bincount(torch.tensor(firsts), minlength=6).double()
         expected = p[0].double() * len(firsts)
         return float(((counts - expected) ** 2 / expected).sum())
     assert trial(rejection_sample, 0) < 20.52
 
-    def broken(p, d, g, q):
-        if torch.rand((), generator=g) * q[0, d[0]] < p[0, d[0]]:
+    def broken(p, d, seed, first, q):
+        if draws.uniform(seed, first, draws.ACCEPT) * q[0, d[0]] < p[0, d[0]]:
             return [d[0]]
-        return [int(torch.multinomial(p[0], 1, generator=g))]
+        return [draws.draw_one(p[0], seed, first, draws.RESIDUAL)]
     assert trial(broken, 0) > 20.52
     # q all on the proposal is the deterministic case
     sure = torch.tensor([[0., 1., 0.], [0., 0., 1.]])
-    g = torch.Generator().manual_seed(1)
-    assert rejection_sample(sure, [1], g, torch.tensor([[0., 1., 0.]])) == [1, 2]
+    assert rejection_sample(sure, [1], 1, 0, torch.tensor([[0., 1., 0.]])) == [1, 2]
 
 
 def test_a_request_arriving_to_more_load_than_the_limit_takes_no_draft():

@@ -32,6 +32,13 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
              max_position_embeddings=2048)
 PROMPT_LEN = 4
+# --sampling: each request's SamplingParams fields
+SAMPLING = {
+    "greedy": dict(temperature=0),
+    "random": dict(temperature=0.8, top_p=0.95),
+    "penalized": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1,
+                      frequency_penalty=0.2, presence_penalty=0.1),
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -61,6 +68,10 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps each measurement times")
     p.add_argument("--rounds", type=positive_int, default=3, metavar="R",
                    help="measurements of each row: the fastest is kept")
+    p.add_argument("--sampling", choices=list(SAMPLING), default="greedy",
+                   help="the requests' sampling: greedy; random (temperature 0.8, top-p "
+                        "0.95, a seed each); penalized (random, with repetition, frequency "
+                        "and presence penalties)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine's --async-scheduling: each step scheduled while the one "
                         "before runs")
@@ -142,8 +153,8 @@ def _runner(llm):
     return llm.engine.executor.runner
 
 
-def step_cost(llm, device: StandInDevice, batch: int, steps: int, rounds: int
-              ) -> tuple[float, float]:
+def step_cost(llm, device: StandInDevice, batch: int, steps: int, rounds: int,
+              sampling: str = "greedy") -> tuple[float, float]:
     """Seconds per pure-decode step at `batch` requests, (T(M + S) - T(M)) / S,
     and of those the model's own (forward and LM head, the stand-in's sleep
     not counted): the fastest of `rounds`."""
@@ -152,7 +163,8 @@ def step_cost(llm, device: StandInDevice, batch: int, steps: int, rounds: int
                for i in range(batch)]
 
     def timed(max_tokens: int) -> tuple[float, float]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = [SamplingParams(**SAMPLING[sampling], seed=i, max_tokens=max_tokens,
+                                 ignore_eos=True) for i in range(batch)]
         gc.collect()
         device.seconds = 0.0
         t0 = time.perf_counter()
@@ -177,6 +189,7 @@ def run(args) -> dict:
     from folio import LLM
     result = {"cpu": _cpu(), "device": args.device, "shape": SHAPE,
               "async_scheduling": args.async_scheduling, "steps": args.steps,
+              "sampling": args.sampling,
               "step_ms": {}, "model_ms": {},
               "host_ms": {},
               "stand_in": []}
@@ -190,14 +203,15 @@ def run(args) -> dict:
         torch.set_num_threads(1)
         device = StandInDevice(_runner(llm).model, _runner(llm), bool(args.delays)).install()
         for b in args.batches:
-            step, model = step_cost(llm, device, b, args.steps, args.rounds)
+            step, model = step_cost(llm, device, b, args.steps, args.rounds, args.sampling)
             result["step_ms"][str(b)] = 1e3 * step
             result["model_ms"][str(b)] = 1e3 * model
             result["host_ms"][str(b)] = 1e3 * (step - model)
         host = result["step_ms"][str(biggest)]      # what the device waits on today
         for d in args.delays:
             device.delay = d / 1e3
-            period = 1e3 * step_cost(llm, device, biggest, args.steps, args.rounds)[0]
+            period = 1e3 * step_cost(llm, device, biggest, args.steps, args.rounds,
+                                     args.sampling)[0]
             result["stand_in"].append({"batch": biggest, "device_ms": d, "period_ms": period,
                                        "of_max": period / max(d, host),
                                        "of_sum": period / (d + host)})
@@ -223,7 +237,8 @@ def _cpu() -> str:
 def print_host(r: dict) -> None:
     print(f"host cost per pure-decode step ({r['cpu']}; on {r.get('device', 'cpu')}; "
           f"random Llama hidden 64, 2 layers, "
-          f"vocab 4096, float32, 1 thread; {r['steps']} steps"
+          f"vocab 4096, float32, 1 thread; {r['steps']} steps; "
+          f"{r.get('sampling', 'greedy')} sampling"
           f"{'; --async-scheduling' if r['async_scheduling'] else ''})")
     print("| batch | ms per step | of which the model | host ms | host µs per sequence |")
     print("|---:|---:|---:|---:|---:|")

@@ -18,8 +18,8 @@ decides.
 
 A greedy request's proposals are the draft's greedy picks. A sampled one's
 are drawn from the draft's own distribution q under the request's sampling
-settings (temperature, top-k/p, min-p: the runner's `distribution`), with the
-request's generator, and q goes to the rejection sampler, which accepts d
+settings (temperature, top-k/p, min-p: the runner's `distribution`), by the
+request's seeded draws (model/layers/draws.py), and q goes to the rejection sampler, which accepts d
 with probability min(1, p(d) / q(d)) (worker/spec_verify.py): the closer the
 draft is to the target, the more stand, and every kept token is distributed
 as the target's.
@@ -37,6 +37,7 @@ import torch
 from folio.config import FolioConfig
 from folio.core.outputs import ScheduledSeq
 from folio.model.attention.backend import StepDescription, to_device
+from folio.model.layers import draws
 from folio.model.layers.quantization.int_groups import set_activation_quantization
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
@@ -150,13 +151,14 @@ class DraftProposer:
         d.drafted = []
 
     @torch.inference_mode()
-    def propose(self, seqs: list[ScheduledSeq], generators: dict[int, torch.Generator],
+    def propose(self, seqs: list[ScheduledSeq], seeds: dict[int, int],
                 distribution: Callable[[list[int], torch.Tensor], torch.Tensor]
                 ) -> dict[int, torch.Tensor]:
         """Write the draft's proposals over the placeholders of every sequence
         in `seqs` that has them (spec_token_ids and the tail of token_ids).
-        Sequences in `generators` sample theirs from `distribution(seq_ids,
-        logits)`; returned: each one's q, [k, V] over the target's vocabulary."""
+        Sequences in `seeds` sample theirs from `distribution(seq_ids,
+        logits)`, with their draws at each proposal's position (draws.DRAFT);
+        returned: each one's q, [k, V] over the target's vocabulary."""
         proposing = [s for s in seqs if s.spec_token_ids]
         if not proposing:
             return {}
@@ -172,15 +174,15 @@ class DraftProposer:
         feeds.sort(key=lambda f: len(f[2]) > 1)
         order = [s for s, _, _ in feeds]
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in order}
-        qs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in order if s.seq_id in generators}
+        qs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in order if s.seq_id in seeds}
         logits = self._run_spans([(first, toks, arrays[s.seq_id]) for s, first, toks in feeds])
-        self._pick(order, logits, drafts, qs, generators, distribution)
+        self._pick(order, logits, drafts, qs, seeds, distribution)
         # then one token at a time, for those that want more
         for i in range(1, max(len(s.spec_token_ids) for s in order)):
             more = [s for s in order if len(s.spec_token_ids) > i]
             logits = self._run([(s.start_pos + i, [drafts[s.seq_id][-1]], arrays[s.seq_id])
                                 for s in more])
-            self._pick(more, logits, drafts, qs, generators, distribution)
+            self._pick(more, logits, drafts, qs, seeds, distribution)
         for s in order:
             d, mine = self.seqs[s.seq_id], drafts[s.seq_id]
             self._advance(d, s.start_pos + 1)
@@ -191,17 +193,21 @@ class DraftProposer:
 
     @staticmethod
     def _pick(seqs: list[ScheduledSeq], logits: torch.Tensor, drafts: dict, qs: dict,
-              generators: dict, distribution) -> None:
+              seeds: dict, distribution) -> None:
         """Each sequence's next proposal from its row of the draft's logits:
-        the greedy pick, or a draw from q for a sampled sequence."""
+        the greedy pick, or a draw from q for a sampled sequence (all of
+        them in one race, each at its proposal's position)."""
         picks = logits.argmax(dim=-1).tolist()
-        rows = [i for i, s in enumerate(seqs) if s.seq_id in generators]
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in seeds]
         if rows:
-            q = distribution([seqs[i].seq_id for i in rows], logits[rows])
-            for j, i in enumerate(rows):
-                seq_id = seqs[i].seq_id
-                picks[i] = int(torch.multinomial(q[j], 1, generator=generators[seq_id]))
-                qs[seq_id].append(q[j])
+            ids = [seqs[i].seq_id for i in rows]
+            q = distribution(ids, logits[rows])
+            keys = draws.keys_tensor([seeds[i] for i in ids],
+                                     [seqs[i].start_pos + 1 + len(drafts[seqs[i].seq_id])
+                                      for i in rows], draws.DRAFT, q.device)
+            for j, (i, token) in enumerate(zip(rows, draws.race(q, keys).tolist())):
+                picks[i] = token
+                qs[ids[j]].append(q[j])
         for s, t in zip(seqs, picks):
             drafts[s.seq_id].append(t)
 

@@ -1,8 +1,10 @@
 """SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
 
 The runner keeps, per sequence, its copy of the block table and its sampling
-state (including its own torch.Generator, seeded once, never a global one); the
-scheduler sends only what changed each step.
+state, rows of persistent arrays (worker/input_batch.py,
+worker/sampling_columns.py: its random draws are a function of its seed and
+the position drawn for, model/layers/draws.py, never a global generator's);
+the scheduler sends only what changed each step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from folio.core.outputs import (ModelRunnerOutput, SamplingInfo, ScheduledSeq, S
 from folio.model.attention.backend import StepDescription, to_device
 from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization.int_groups import set_activation_quantization
-from folio.model.layers.sampler import SamplingBatch, build_sampling_batch, sample
+from folio.model.layers.sampler import SamplingBatch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
 from folio.worker.cpu_threads import default_threads
@@ -30,6 +32,7 @@ from folio.worker.cuda_graphs import capture_graphs, capture_piecewise
 from folio.worker.grammar_state import GrammarState, apply_grammars
 from folio.worker.ahead import AheadTokens, SampledRows
 from folio.worker.input_batch import BlockTables
+from folio.worker.sampling_columns import SamplingColumns
 from folio.worker.prompt_scoring import PromptScorer
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from folio.worker.pipeline_stage import PipelineStage, stage_config
@@ -39,11 +42,15 @@ from folio.worker.spec_verify import verify_greedy
 
 @dataclass
 class SeqState:
-    row: int                      # its block table's row of ModelRunner.tables
+    row: int                      # its row of ModelRunner.tables and .columns
     sampling: SamplingInfo
-    generator: Optional[torch.Generator]
     history: Optional[list[int]] = None    # every token computed, for penalties / min_tokens
     grammar: Optional[GrammarState] = None   # structured outputs: the sequence's matcher
+
+    @property
+    def random(self) -> bool:
+        """Whether it samples (draws), not greedy."""
+        return self.sampling.temperature > 0
 
 
 class ModelRunner(SpecRunner):
@@ -92,6 +99,9 @@ class ModelRunner(SpecRunner):
         # every sequence's block table, a row of one persistent array
         self.tables = BlockTables(-(-(config.max_model_len + 64) // self.block_size),
                                   config.scheduler.max_num_seqs)
+        # and its sampling parameters, penalty counts and seed, at the same row
+        self.columns = SamplingColumns(self.model.config.vocab_size, self.device,
+                                       config.scheduler.max_num_seqs)
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
 
@@ -174,28 +184,30 @@ class ModelRunner(SpecRunner):
         self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
         self.scorer.score(hidden, ordered, last_rows, out)
-        targets: list[tuple[int, int]] = []          # (sequence, row of its logits)
+        # (sequence, row of its logits, position of the token sampled there)
+        targets: list[tuple[int, int, int]] = []
         proposals: dict[int, list[int]] = {}         # greedy sequences' proposals
         sampled: list[tuple[ScheduledSeq, int]] = []  # sampled ones with proposals, last row
         for s, row in zip(ordered, last_rows):
             if s.sample and s.seq_id not in out.failed:
-                if s.spec_token_ids and self.states[s.seq_id].generator is not None:
+                if s.spec_token_ids and self.states[s.seq_id].random:
                     sampled.append((s, row))
                     continue
+                end = s.start_pos + len(s.token_ids)    # where the sampled token goes
                 if s.spec_token_ids:
                     # a row for the decode token and for each proposal: what
                     # the model itself picks after each
                     proposals[s.seq_id] = s.spec_token_ids
-                    targets.extend((s.seq_id, r)
+                    targets.extend((s.seq_id, r, end - (row - r))
                                    for r in range(row - len(s.spec_token_ids), row))
-                targets.append((s.seq_id, row))
+                targets.append((s.seq_id, row, end))
                 for child_id, info in s.fork_children or ():
                     self._start_child(child_id, info, s.seq_id)
-                    targets.append((child_id, row))
+                    targets.append((child_id, row, end))
         # a sampled sequence's proposals: its rows verified together (below)
         spec_rows = [(s, list(range(row - len(s.spec_token_ids), row + 1)))
                      for s, row in sampled]
-        rows = [r for _, r in targets] + [r for _, rs in spec_rows for r in rs]
+        rows = [r for _, r, _ in targets] + [r for _, rs in spec_rows for r in rs]
         if rows:
             # Forked samples share their parent's row: the LM head runs once per row.
             unique = sorted(set(rows))
@@ -210,9 +222,10 @@ class ModelRunner(SpecRunner):
                     return logits
                 return logits[torch.tensor([index[r] for r in picked], device=self.device)]
             if targets:
-                self._sample_into(out, of([r for _, r in targets]),
-                                  [seq_id for seq_id, _ in targets], proposals,
-                                  defer=so.ahead)
+                self._sample_into(out, of([r for _, r, _ in targets]),
+                                  [seq_id for seq_id, _, _ in targets],
+                                  np.array([p for _, _, p in targets], dtype=np.int64),
+                                  proposals, defer=so.ahead)
                 if proposals:
                     verify_greedy(out, proposals)
             for s, rs in spec_rows:
@@ -245,18 +258,17 @@ class ModelRunner(SpecRunner):
                 self.loras.end_step()
 
     def _sample_into(self, out: ModelRunnerOutput, logits: torch.Tensor,
-                     seq_ids: list[int], proposals: Optional[dict[int, list[int]]] = None,
+                     seq_ids: list[int], positions: np.ndarray,
+                     proposals: Optional[dict[int, list[int]]] = None,
                      defer: bool = False) -> None:
         """Sample the whole batch at once; if that raises, row by row, so that
-        only the rows that fail on their own are failed. (The failed attempt may
-        have drawn from the other rows' generators already: their tokens are
-        still samples of their distributions, but a seeded row's stream moves
-        on. Saving every generator's state each step would cost more than this
-        exceptional path is worth.)"""
+        only the rows that fail on their own are failed (the others draw what
+        they would have drawn: draws are a function of seed and position)."""
         try:
             self._check_fault(seq_ids)
             self._constrain(logits, seq_ids, proposals)
-            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids, proposals)))]
+            rows = [(seq_ids, sample(logits, self._sampling_batch(seq_ids, proposals,
+                                                                  positions)))]
             if defer:                   # --async-scheduling: read back when taken
                 out.pending.append(self.ahead.keep(self._sampled(*rows[0])))
                 return
@@ -271,7 +283,8 @@ class ModelRunner(SpecRunner):
                     self._check_fault([seq_id])
                     self._constrain(logits[i:j], seq_ids[i:j], proposals)
                     rows.append((seq_ids[i:j], sample(
-                        logits[i:j], self._sampling_batch(seq_ids[i:j], proposals))))
+                        logits[i:j], self._sampling_batch(seq_ids[i:j], proposals,
+                                                          positions[i:j]))))
                 except Exception as e:  # noqa: BLE001 - this sequence's fault
                     out.failed[seq_id] = _describe(e)
                 i = j
@@ -306,12 +319,16 @@ class ModelRunner(SpecRunner):
                 self.fault_hook("sample", seq_id)
 
     def _start_child(self, child_id: int, info: SamplingInfo, parent_id: int) -> None:
-        """A forked sample: its own generator, and the parent's block table (the
-        scheduler shares the same blocks; copy-on-write comes later)."""
+        """A forked sample: its own seed, and the parent's block table (the
+        scheduler shares the same blocks; copy-on-write comes later) and
+        penalty counts."""
         parent = self.states[parent_id]
         self._forget(child_id)
-        self.states[child_id] = SeqState(self.tables.copy_row(parent.row), info,
-                                         self._generator(info),
+        row = self.tables.copy_row(parent.row)
+        self.columns.set(row, info)
+        if info.params.needs_history:
+            self.columns.penalties.copy(parent.row, row, self.columns.num_rows)
+        self.states[child_id] = SeqState(row, info,
                                          None if parent.history is None else list(parent.history),
                                          self._grammar(info))
 
@@ -326,13 +343,6 @@ class ModelRunner(SpecRunner):
             raise RuntimeError("structured outputs reached the runner uncompiled")
         return GrammarState(spec.compiled, info.num_prompt_tokens)
 
-    def _generator(self, info: SamplingInfo) -> Optional[torch.Generator]:
-        if info.temperature <= 0:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(info.seed)
-        return generator
-
     def _sampled(self, seq_ids: list[int], result) -> SampledRows:
         """A sampling call's rows, with the top logprobs each row asked for."""
         return SampledRows(seq_ids, result,
@@ -343,9 +353,9 @@ class ModelRunner(SpecRunner):
         if state is None:
             if s.sampling is None or s.block_ids is None:
                 raise RuntimeError(f"sequence {s.seq_id} scheduled before it was started")
-            generator, grammar = self._generator(s.sampling), self._grammar(s.sampling)
-            state = SeqState(self.tables.add(s.block_ids), s.sampling, generator,
-                             grammar=grammar)
+            state = SeqState(self.tables.add(s.block_ids), s.sampling,
+                             grammar=self._grammar(s.sampling))
+            self.columns.set(state.row, s.sampling)
             self.states[s.seq_id] = state
         elif s.block_ids is not None:   # resumed after preemption, or table rewritten
             self.tables.set(state.row, s.block_ids)
@@ -353,11 +363,21 @@ class ModelRunner(SpecRunner):
             self.tables.append(state.row, s.new_block_ids)
         if state.sampling.params.keeps_history:
             if s.start_pos == 0 or s.history_prefix is not None:
-                state.history = list(s.history_prefix or [])
+                state.history = []
+                if state.sampling.params.needs_history:
+                    self.columns.penalties.reset(state.row)
+                self._see(state, s.history_prefix or [])
             # proposals join it once accepted (_record_accepted)
-            state.history.extend(s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
+            self._see(state, s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
         if self.drafter:
             self.drafter.observe(s, self.tables.ids(state.row))
+
+    def _see(self, state: SeqState, tokens: list[int]) -> None:
+        """The sequence's history grows by `tokens` (and its penalty counts)."""
+        if state.sampling.params.needs_history:
+            self.columns.penalties.add(state.row, tokens, len(state.history),
+                                       state.sampling.num_prompt_tokens)
+        state.history.extend(tokens)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
@@ -389,18 +409,21 @@ class ModelRunner(SpecRunner):
         return to_device(a, self.device)
 
     def _sampling_batch(self, seq_ids: list[int],
-                        proposals: Optional[dict[int, list[int]]] = None) -> SamplingBatch:
-        """The rows' sampling tensors; a sequence's proposal run (consecutive
-        rows) sees at its row j its tokens and the j proposals before that row,
-        as penalties and min_tokens would have seen them one decode at a time."""
+                        proposals: Optional[dict[int, list[int]]] = None,
+                        positions: Optional[np.ndarray] = None) -> SamplingBatch:
+        """The rows' sampling tensors, gathered from the persistent columns;
+        `positions`: where each row's token goes (its draws' keys; None for a
+        distribution only). A sequence's proposal run (consecutive rows) sees
+        at its row j its tokens and the j proposals before that row, as
+        penalties and min_tokens would have seen them one decode at a time."""
         states = [self.states[seq_id] for seq_id in seq_ids]
-        histories = [s.history for s in states]
+        extra: list[tuple[int, list[int]]] = []
         if proposals:
             for row, seq_id in enumerate(seq_ids):
                 j = 0
                 while row - j - 1 >= 0 and seq_ids[row - j - 1] == seq_id:
                     j += 1
-                if j and seq_id in proposals and histories[row] is not None:
-                    histories[row] = histories[row] + proposals[seq_id][:j]
-        return build_sampling_batch([s.sampling for s in states], [s.generator for s in states],
-                                    histories, self.model.config.vocab_size, self.device)
+                if j and seq_id in proposals and states[row].history is not None:
+                    extra.append((row, proposals[seq_id][:j]))
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        return self.columns.batch(rows, positions, [s.history for s in states], extra)

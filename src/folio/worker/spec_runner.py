@@ -2,7 +2,8 @@
 before the step (worker/draft_proposer.py), a sampled sequence's proposals
 verified by rejection sampling (worker/spec_verify.py), and accepted
 proposals recorded where a sequence keeps its tokens. A mixin of
-ModelRunner, on its state (states, drafter, _sampling_batch, _constrain)."""
+ModelRunner, on its state (states, drafter, _sampling_batch, _constrain,
+_see)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class SpecRunner:
         for seq_id, n in kept.items():
             state = self.states[seq_id]
             if state.history is not None and n > 1:
-                state.history.extend(proposals[seq_id][:n - 1])
+                self._see(state, proposals[seq_id][:n - 1])
 
     def _draft(self, ordered: list[ScheduledSeq]) -> dict[int, torch.Tensor]:
         """The draft model's proposals over the scheduler's placeholders (and
@@ -37,11 +38,11 @@ class SpecRunner:
         placeholders stay: proposals like any others, which the target rejects
         (its rows wasted, its tokens right)."""
         # Under tensor parallelism every rank runs the draft and must propose
-        # alike, and only the driver's generators move with its sampling: there
-        # a sampled request's proposals are the draft's greedy picks (q all on d)
+        # alike, and only the driver samples: there a sampled request's
+        # proposals are the draft's greedy picks (q all on d)
         sampled = {} if self.config.parallel.tensor_parallel_size > 1 else {
-            s.seq_id: self.states[s.seq_id].generator for s in ordered
-            if s.spec_token_ids and self.states[s.seq_id].generator is not None}
+            s.seq_id: self.states[s.seq_id].sampling.seed for s in ordered
+            if s.spec_token_ids and self.states[s.seq_id].random}
         try:
             return self.drafter.propose(ordered, sampled, self._draft_distribution)
         except Exception:               # noqa: BLE001 - the draft's, not the target's
@@ -65,8 +66,8 @@ class SpecRunner:
             probs, logprobs = sampling_distribution(
                 logits, self._sampling_batch([s.seq_id] * (k + 1),
                                              {s.seq_id: s.spec_token_ids}))
-            tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].generator,
-                                      q)
+            tokens = rejection_sample(probs, s.spec_token_ids, self.states[s.seq_id].sampling.seed,
+                                      s.start_pos + len(s.token_ids) - k, q)
         except Exception as e:          # noqa: BLE001 - this sequence's fault
             out.failed[s.seq_id] = describe_fault(e)
             return

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from folio.model.layers import draws
+
 from folio.core.outputs import ModelRunnerOutput
 
 
@@ -52,18 +54,19 @@ def verify_greedy(out: ModelRunnerOutput, proposals: dict[int, list[int]]) -> No
             out.top_logprobs = [out.top_logprobs[x] for x in keep]
 
 
-def rejection_sample(probs: torch.Tensor, drafts: list[int], generator: torch.Generator,
+def rejection_sample(probs: torch.Tensor, drafts: list[int], seed: int, first: int,
                      q: Optional[torch.Tensor] = None) -> list[int]:
     """Tokens kept for one sequence: probs [k + 1, V], the target's sampling
     distribution (temperature, top-k/p, min-p applied, rows summing to 1) after
     the decode token and after each of the k proposals; q [k, V], the
     distributions the proposals were drawn from (None: deterministic ones,
-    q all on d)."""
+    q all on d). The draws are the sequence's (`seed`) at the positions of
+    the tokens decided, `first` for the first proposal's (draws.py)."""
     kept = []
     for i, d in enumerate(drafts):
-        u = torch.rand((), generator=generator, device=probs.device)
-        q_d = 1.0 if q is None else q[i, d]
-        if u * q_d < probs[i, d]:          # with probability min(1, p(d) / q(d))
+        u = draws.uniform(seed, first + i, draws.ACCEPT)
+        q_d = 1.0 if q is None else float(q[i, d])
+        if u * q_d < float(probs[i, d]):   # with probability min(1, p(d) / q(d))
             kept.append(d)
             continue
         if q is None:
@@ -72,12 +75,8 @@ def rejection_sample(probs: torch.Tensor, drafts: list[int], generator: torch.Ge
         else:
             residual = (probs[i] - q[i]).clamp_min(0)
         # (p no larger than q anywhere means p = q, which accepts: mass is left)
-        kept.append(_draw(residual if residual.sum() > 0 else probs[i], generator))
+        kept.append(draws.draw_one(residual if residual.sum() > 0 else probs[i], seed,
+                                   first + i, draws.RESIDUAL))
         return kept
-    kept.append(_draw(probs[len(drafts)], generator))
+    kept.append(draws.draw_one(probs[len(drafts)], seed, first + len(drafts), draws.SAMPLE))
     return kept
-
-
-def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from non-negative weights (normalized here)."""
-    return int(torch.multinomial(weights / weights.sum(), 1, generator=generator).item())

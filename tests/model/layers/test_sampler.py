@@ -3,9 +3,11 @@ filtered distribution, each logit adjustment is exactly as defined."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from folio.model.layers import draws
 from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, apply_adjustments, sample
 
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02])
@@ -14,14 +16,11 @@ ROWS = 4000
 
 def batch_of(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0, **kw):
     vocab = PROBS.numel()
-    gens = []
-    for i in range(rows):
-        g = torch.Generator()
-        g.manual_seed(seed0 + i)
-        gens.append(g)
     return SamplingBatch(
         temperature=torch.full((rows,), temperature), top_k=torch.full((rows,), top_k or vocab),
-        top_p=torch.full((rows,), top_p), generators=gens, all_greedy=False,
+        top_p=torch.full((rows,), top_p),
+        keys=draws.keys_tensor(range(seed0, seed0 + rows), [7] * rows, draws.SAMPLE),
+        random=np.ones(rows, dtype=bool), all_greedy=False,
         needs_top_k=bool(top_k), needs_top_p=top_p < 1.0,
         min_p=torch.full((rows,), min_p) if min_p else None, **kw)
 
@@ -105,8 +104,8 @@ def test_logit_bias_and_ban():
 
 
 def test_greedy_rows_use_adjusted_logits_but_report_raw_logprobs():
-    b = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), [None], True, False,
-                      False, adjust=adjustments(bias=torch.tensor([[0.0, 10.0, 0.0, 0.0]])))
+    b = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), None,
+                      np.zeros(1, dtype=bool), True, False, False, adjust=adjustments(bias=torch.tensor([[0.0, 10.0, 0.0, 0.0]])))
     out = sample(LOGITS.clone(), b)
     assert out.tokens.item() == 1
     assert out.logprobs.item() == pytest.approx(torch.log_softmax(LOGITS, -1)[0, 1].item())
@@ -126,7 +125,8 @@ def test_greedy_batch_takes_the_first_maximum_and_its_raw_logprob(monkeypatch, n
     logits = logits.to(dtype)                        # bf16: what the LM head hands over
     rows = logits.shape[0]
     batch = SamplingBatch(temperature=torch.zeros(rows), top_k=torch.full((rows,), 5000),
-                          top_p=torch.ones(rows), generators=[None] * rows, all_greedy=True,
+                          top_p=torch.ones(rows), keys=None, random=np.zeros(rows, dtype=bool),
+                          all_greedy=True,
                           needs_top_k=False, needs_top_p=False)
     out = sample(logits, batch)
     assert torch.equal(out.tokens, logits.argmax(dim=-1)) and out.tokens[3] == 17

@@ -3,7 +3,8 @@
 - `paged_attention.c`: attention of a step's tokens through the block tables
   (wrapped in `attention.py`).
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
-  greedy sampling.
+  greedy sampling, sampling's random draws (the exponential race) and
+  penalties read from persistent counts.
 - `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16 (many rows on
   the AMX tiles where the CPU has them).
 - `linear_avx2.c`: an fp32 linear layer whose weights are stored as bf16, on
@@ -134,6 +135,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_head_rmsnorm": (None, [p, i64, i64, i32, i32, p, f32, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
+        "folio_race": (None, [p, p, p, i64, i64, i32]),
+        "folio_penalize": (None, [p] * 8 + [i64, i64, i32]),
         "folio_linear_available": (ctypes.c_int, []),
         "folio_linear_amx": (ctypes.c_int, []),
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
@@ -445,6 +448,35 @@ def greedy(logits: torch.Tensor, lib: Optional[ctypes.CDLL] = None
     (lib or load()).folio_greedy(logits.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), rows, vocab,
                         _DTYPE_CODES[logits.dtype], torch.get_num_threads())
     return tokens, logprobs
+
+
+def race(probs: torch.Tensor, keys: torch.Tensor, lib: Optional[ctypes.CDLL] = None
+         ) -> torch.Tensor:
+    """fp32 weights [R, V], int64 keys [R] -> each row's draw [R] int64 (the
+    exponential race of model/layers/draws.py). `lib`: the tests' other
+    builds."""
+    probs, keys = probs.float().contiguous(), keys.contiguous()
+    rows, vocab = probs.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    (lib or load()).folio_race(probs.data_ptr(), keys.data_ptr(), tokens.data_ptr(), rows,
+                               vocab, torch.get_num_threads())
+    return tokens
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+             rows: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+             repetition: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """fp32 logits [S, V]; the persistent counts [R, V] fp32 and seen [R, V]
+    bool; rows [S] int64 (each logits row's table row); the penalties [S] fp32
+    -> the penalized logits, a new [S, V]. `lib`: the tests' other builds."""
+    logits = logits.float().contiguous()
+    out = torch.empty_like(logits)
+    n, vocab = logits.shape
+    args = [t.contiguous() for t in (counts, seen, rows, presence, frequency, repetition)]
+    (lib or load()).folio_penalize(logits.data_ptr(), out.data_ptr(),
+                                   *[t.data_ptr() for t in args], n, vocab,
+                                   torch.get_num_threads())
+    return out
 
 
 # paged attention's wrapper lives in attention.py (re-exported: native.paged_attention)

@@ -176,3 +176,74 @@ void folio_greedy(const void *logits, int64_t *tokens, float *logprobs, int64_t 
         logprobs[r] = -logf(sum);
     }
 }
+
+/* Sampling's exponential race (model/layers/draws.py): each row's draw from
+ * its weights, argmax of p / E over the vocabulary, E = -log u and u the
+ * row key's uniform for the token, hashed as the torch definition does. A
+ * token whose ratio cannot beat the best so far (-log u >= 1 - u, so p / E
+ * <= p / (1 - u)) skips the log: after the first few tokens, nearly all. */
+static inline uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    return x ^ (x >> 16);
+}
+
+void folio_race(const float *probs, const int64_t *keys, int64_t *tokens, int64_t rows,
+                int64_t vocab, int num_threads) {
+    int threads = rows * vocab >= 4 * FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = probs + r * vocab;
+        const uint64_t key = (uint64_t)keys[r];
+        const uint32_t lo = (uint32_t)key, hi = (uint32_t)(key >> 32);
+        float best = -1.f;
+        int64_t best_i = 0;
+        for (int64_t v = 0; v < vocab; v++) {
+            const float w = p[v];
+            if (w <= 0.f && best >= 0.f) continue;
+            const uint32_t x = lowbias32(lowbias32((uint32_t)v ^ lo) ^ hi);
+            const float u = (float)((x >> 9) * 2u + 1u) * 5.9604644775390625e-08f;
+            /* a margin of 2^-20 over the bound covers the log's rounding */
+            if (w < best * (1.f - u) * (1.f - 9.5367431640625e-07f)) continue;
+            const float ratio = w / -logf(u);
+            if (ratio > best) {
+                best = ratio;
+                best_i = v;
+            }
+        }
+        tokens[r] = best_i;
+    }
+}
+
+/* Repetition, frequency and presence penalties (model/layers/sampler.py,
+ * step 2) read in place from the runner's persistent counts and seen masks
+ * (worker/sampling_columns.py): out = logits of row r adjusted by the table
+ * row rows[r], with no [rows, V] gather of the tables. */
+/* (without -ffast-math's reciprocals and fused multiply-adds: rounded as
+ * the torch definition rounds, so the two agree to the bit) */
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+void folio_penalize(const float *logits, float *out, const float *counts,
+                    const uint8_t *seen, const int64_t *rows, const float *presence,
+                    const float *frequency, const float *repetition, int64_t n,
+                    int64_t vocab, int num_threads) {
+    int threads = n * vocab >= 4 * FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = logits + r * vocab;
+        float *y = out + r * vocab;
+        const float *c = counts + rows[r] * vocab;
+        const uint8_t *s = seen + rows[r] * vocab;
+        const float rep = repetition[r], f = frequency[r], p = presence[r];
+        for (int64_t v = 0; v < vocab; v++) {
+            float a = x[v];
+            if (s[v]) a = a > 0.f ? a / rep : a * rep;
+            const float k = c[v];
+            a = a - f * k;
+            y[v] = k > 0.f ? a - p : a;
+        }
+    }
+}
+#pragma GCC pop_options

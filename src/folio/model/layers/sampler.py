@@ -15,9 +15,11 @@ Order of operations, per row of fp32 logits:
   8. top-p: keep the smallest prefix of the sorted distribution whose mass
      reaches p (the most likely token always stays);
   9. min-p: drop tokens whose probability is below min_p x the top one;
- 10. sample by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) drawn
-     from the sequence's own generator, equivalent to sampling from p and
-     independent of what else is in the batch.
+ 10. sample by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1),
+     equivalent to sampling from p; the E_i are a function of the row's key
+     (its sequence's seed and the position sampled: model/layers/draws.py),
+     all rows' in one kernel, so a row's draw does not depend on what else
+     is in the batch.
 A batch that is all greedy, with no adjustments and no top logprobs, takes one
 native pass on the CPU (argmax and its logprob) instead of steps 1 and 5. Step
 1 makes the whole [S, V] of logprobs only when a row asks for top logprobs;
@@ -26,17 +28,14 @@ otherwise each chosen token's comes from one log-sum-exp of its row.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from folio.kernels import native
-
-if TYPE_CHECKING:
-    from folio.core.outputs import SamplingInfo
+from folio.kernels import native, triton_sampling
+from folio.model.layers import draws
 
 
 @dataclass
@@ -44,7 +43,8 @@ class SamplingBatch:
     temperature: torch.Tensor          # [S] fp32 (0 for greedy rows)
     top_k: torch.Tensor                # [S] int64, vocab size where disabled
     top_p: torch.Tensor                # [S] fp32
-    generators: list[Optional[torch.Generator]]   # None for greedy rows
+    keys: Optional[torch.Tensor]       # [S] int64: each row's draw key (draws.py); None: no draws
+    random: np.ndarray                 # [S] bool: the rows that sample (temperature > 0)
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
@@ -62,85 +62,17 @@ class LogitAdjustments:
     seen: torch.Tensor             # [S, V] bool: in the prompt or the output
     bias: Optional[torch.Tensor]   # [S, V] fp32
     banned: Optional[torch.Tensor] # [S, V] bool
-
-
-def build_sampling_batch(infos: "list[SamplingInfo]", generators: list[Optional[torch.Generator]],
-                         histories: list[Optional[list[int]]], vocab: int,
-                         device: torch.device) -> SamplingBatch:
-    """The batch's sampling tensors, from each row's SamplingInfo (its request's
-    SamplingParams as they are), its generator and the tokens it has seen
-    (penalties, min_tokens). A new sampling field is read here and used in
-    `sample`: the runner does not copy it."""
-    params = [i.params for i in infos]
-    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-    f32 = dict(dtype=torch.float32, device=device)
-    return SamplingBatch(
-        temperature=torch.tensor([i.temperature for i in infos], **f32),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-        top_p=torch.tensor([p.top_p for p in params], **f32),
-        generators=generators,
-        all_greedy=all(i.temperature == 0 for i in infos),
-        needs_top_k=any(k < vocab for k in top_k),
-        needs_top_p=any(p.top_p < 1.0 for p in params),
-        max_logprobs=max((p.logprobs or 0) for p in params),
-        adjust=_adjustments(infos, histories, vocab, device),
-        min_p=(torch.tensor([p.min_p for p in params], **f32)
-               if any(p.min_p > 0 for p in params) else None))
-
-
-def _adjustments(infos, histories, vocab: int, device) -> Optional[LogitAdjustments]:
-    """Penalty, bias and min_tokens inputs; None when no row uses any. The
-    tokens seen and the output counts of every row are set by one indexed
-    write each over all the rows' histories laid end to end (not a few small
-    ops a row: 11 ms a step at 256 rows of 200 tokens, measured)."""
-    if not any(i.needs_history or i.params.logit_bias for i in infos):
-        return None
-    f32 = dict(dtype=torch.float32, device=device)
-    n = len(infos)
-    counts = torch.zeros(n, vocab, **f32)
-    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-    lens = [len(h) if h else 0 for h in histories]
-    total = sum(lens)
-    if total:
-        tokens = torch.from_numpy(np.fromiter(
-            itertools.chain.from_iterable(h for h in histories if h), np.int64, total))
-        lengths = torch.tensor(lens)
-        rows = torch.repeat_interleave(torch.arange(n), lengths)
-        # each token's place in its row's history, against where its outputs start
-        place = torch.arange(total) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
-                                                              lengths)
-        outputs = place >= torch.repeat_interleave(
-            torch.tensor([i.num_prompt_tokens for i in infos]), lengths)
-        rows, tokens, outputs = rows.to(device), tokens.to(device), outputs.to(device)
-        seen[rows, tokens] = True
-        counts.index_put_((rows[outputs], tokens[outputs]),
-                          torch.ones(int(outputs.sum()), **f32), accumulate=True)
-    bias = (torch.zeros(n, vocab, **f32) if any(i.params.logit_bias for i in infos)
-            else None)
-    banned = None
-    for row, info in enumerate(infos):
-        p = info.params
-        if p.logit_bias:
-            ids, values = zip(*p.logit_bias.items())
-            bias[row, torch.tensor(ids, device=device)] = torch.tensor(values, **f32)
-        num_outputs = max(0, lens[row] - info.num_prompt_tokens)
-        if p.min_tokens and num_outputs < p.min_tokens and info.min_tokens_banned:
-            if banned is None:
-                banned = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-            banned[row, torch.tensor(info.min_tokens_banned, device=device)] = True
-    return LogitAdjustments(
-        presence=torch.tensor([i.params.presence_penalty for i in infos], **f32),
-        frequency=torch.tensor([i.params.frequency_penalty for i in infos], **f32),
-        repetition=torch.tensor([i.params.repetition_penalty for i in infos], **f32),
-        output_counts=counts, seen=seen, bias=bias, banned=banned)
+    # when set, output_counts and seen are the runner's persistent [R, V]
+    # tables and row i of the batch reads their row rows[i] (in place, by a
+    # kernel: no [S, V] gather)
+    rows: Optional[torch.Tensor] = None    # [S] int64
 
 
 def apply_adjustments(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor:
-    rep = a.repetition[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(a.seen, penalized, logits)
-    logits = logits - a.frequency[:, None] * a.output_counts
-    logits = logits - a.presence[:, None] * (a.output_counts > 0).float()
+    if a.rows is not None:
+        logits = penalize(logits, a)
+    else:
+        logits = _penalize_reference(logits, a.output_counts, a.seen, a)
     if a.bias is not None:
         logits = logits + a.bias
     if a.banned is not None:
@@ -148,8 +80,29 @@ def apply_adjustments(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor
     return logits
 
 
-def _sampling_probs(logits: torch.Tensor, batch: SamplingBatch,
-                    idx: torch.Tensor) -> torch.Tensor:
+def penalize(logits: torch.Tensor, a: LogitAdjustments) -> torch.Tensor:
+    """Step 2 for a batch whose tables are the persistent ones (a.rows): in
+    one kernel that reads them in place (Triton's on CUDA, the native one on
+    the CPU), else by the torch definition on the gathered rows."""
+    args = (a.output_counts, a.seen, a.rows, a.presence, a.frequency, a.repetition)
+    if triton_sampling.serves(logits):
+        return triton_sampling.penalize(logits, *args)
+    if logits.device.type == "cpu" and native.load() is not None:
+        return native.penalize(logits, *args)
+    return _penalize_reference(logits, a.output_counts[a.rows], a.seen[a.rows], a)
+
+
+def _penalize_reference(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                        a: LogitAdjustments) -> torch.Tensor:
+    """Step 2 by its definition: counts and seen [S, V], aligned with logits."""
+    rep = a.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - a.frequency[:, None] * counts
+    return logits - a.presence[:, None] * (counts > 0).float()
+
+
+def _sampling_probs(logits: torch.Tensor, batch: SamplingBatch, idx) -> torch.Tensor:
     """Steps 6-9 on the (adjusted, fp32) logits of the batch's rows `idx`: the
     distribution a row samples from (min-p's dropped tokens at 0; the rest
     not renormalized, which the exponential race does not need)."""
@@ -174,8 +127,7 @@ def sampling_distribution(logits: torch.Tensor, batch: SamplingBatch
     logprobs = torch.log_softmax(logits, dim=-1)
     if batch.adjust is not None:
         logits = apply_adjustments(logits, batch.adjust)
-    idx = torch.arange(logits.shape[0], device=logits.device)
-    probs = _sampling_probs(logits, batch, idx)
+    probs = _sampling_probs(logits, batch, slice(None))
     return probs / probs.sum(dim=-1, keepdim=True), logprobs
 
 
@@ -221,13 +173,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = apply_adjustments(logits, batch.adjust)
     tokens = logits.argmax(dim=-1)
     if not batch.all_greedy:
-        random_rows = [i for i, g in enumerate(batch.generators) if g is not None]
-        idx = torch.tensor(random_rows, device=logits.device)
-        probs = _sampling_probs(logits[idx], batch, idx)
-        noise = torch.empty_like(probs)
-        for j, row in enumerate(random_rows):
-            noise[j].exponential_(generator=batch.generators[row])
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        if batch.random.all():
+            tokens = draws.race(_sampling_probs(logits, batch, slice(None)), batch.keys)
+        else:
+            idx = torch.from_numpy(np.flatnonzero(batch.random)).to(logits.device)
+            tokens[idx] = draws.race(_sampling_probs(logits[idx], batch, idx), batch.keys[idx])
     if logprobs is None:
         chosen = raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)
     else:
