@@ -115,7 +115,7 @@ def test_invalid_beam_params():
 def test_a_failing_beam_step_fails_that_request_alone(tiny, monkeypatch):
     """The scheduler's beam bookkeeping is one request's too: if it raises,
     that request ends with an error and the others finish."""
-    import folio.core.step_results as scheduler_mod      # where the scheduler steps beams
+    import folio.core.scheduler as scheduler_mod      # where the scheduler steps beams
     engine = LLMEngine.from_args(tiny[0], dtype="float32", num_kv_blocks=40, block_size=4)
     real = scheduler_mod.step_beams
 

@@ -154,5 +154,5 @@ def test_ngram_proposals_past_the_window_keep_transformers_tokens(mistral):
     for ids, out in zip(batch, outs):
         ref, gaps = reference_greedy(ref_model, ids, 40, ())
         assert_greedy_parity(out.outputs[0].token_ids, ref, gaps, label="ngram")
-    assert llm.engine.scheduler.spec_num_draft_tokens > 0
+    assert llm.engine.scheduler.spec_counts.draft_tokens > 0
     assert llm.engine.scheduler.kv.num_free_blocks == 24

@@ -192,7 +192,7 @@ def test_rejected_slots_go_back_and_only_accepted_tokens_are_cached():
     # entries verify_greedy leaves)
     _step(sched, so, {s.seq_id: [5, 6, 8]})
     assert seq.token_ids[10:] == [4, 5, 6, 8] and req.num_computed_tokens == 13
-    assert sched.spec_num_draft_tokens == 6 and sched.spec_num_accepted_tokens == 2
+    assert sched.spec_counts.draft_tokens == 6 and sched.spec_counts.accepted_tokens == 2
     # 14 tokens to hold next step (13 computed, 8 to write): 4 blocks, the 5th went back
     assert sched.kv.num_blocks_of(seq.seq_id) == 4
     # published: the 3 full blocks of computed tokens (12 of the 13), nothing of 8 or 0
@@ -322,12 +322,12 @@ def test_greedy_tokens_are_those_without_proposals(default_llm, spec_llm):
     chats = [COPY, [{"role": "user", "content": "Name three colours."}], COPY[:1]]
     plain = _ids(default_llm.chat(chats, params, use_tqdm=False))
     sched = spec_llm.engine.scheduler
-    drafts = sched.spec_num_draft_tokens
+    drafts = sched.spec_counts.draft_tokens
     alone = _ids(spec_llm.chat(chats[:1], params, use_tqdm=False))
     batched = _ids(spec_llm.chat(chats, params, use_tqdm=False))
     assert alone[0] == plain[0] and batched == plain
-    accepted = sched.spec_num_accepted_tokens
-    assert sched.spec_num_draft_tokens > drafts and accepted > 0.8 * len(plain[0])
+    accepted = sched.spec_counts.accepted_tokens
+    assert sched.spec_counts.draft_tokens > drafts and accepted > 0.8 * len(plain[0])
     # a prefix hit: the same prompt again, its blocks from the cache
     again = spec_llm.chat(COPY, params, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == plain[0]
@@ -359,17 +359,17 @@ def test_sampled_requests_take_proposals_and_seeded_ones_keep_their_text(spec_ll
                                                                         default_llm):
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=80, logprobs=1)
     sched = spec_llm.engine.scheduler
-    before = sched.spec_num_accepted_tokens
+    before = sched.spec_counts.accepted_tokens
     # four unseeded samples (one alone may wander off the passage at once,
     # where no n-gram recurs)
     outs = [o.outputs[0] for o in spec_llm.chat([COPY] * 4, params, use_tqdm=False)]
-    assert sched.spec_num_accepted_tokens > before
+    assert sched.spec_counts.accepted_tokens > before
     # a seeded request: no proposals, the text it has without them
     seeded = SamplingParams(temperature=0.7, top_p=0.95, seed=42, max_tokens=40)
-    before = sched.spec_num_draft_tokens
+    before = sched.spec_counts.draft_tokens
     got = spec_llm.chat(COPY, seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert got == default_llm.chat(COPY, seeded, use_tqdm=False)[0].outputs[0].token_ids
-    assert sched.spec_num_draft_tokens == before
+    assert sched.spec_counts.draft_tokens == before
     assert all(len(lp) >= 1 and t in lp for a in outs for t, lp in zip(a.token_ids, a.logprobs))
     assert spec_llm.engine.scheduler.kv.num_free_blocks == 256
 
@@ -388,15 +388,15 @@ def test_structured_outputs_take_proposals_the_grammar_allows(default_llm, spec_
                             structured_outputs={"json": schema})
     want = [o.outputs[0] for o in default_llm.chat(chats, params, use_tqdm=False)]
     sched = spec_llm.engine.scheduler
-    before = sched.spec_num_accepted_tokens, sched.spec_num_draft_tokens
+    before = sched.spec_counts.accepted_tokens, sched.spec_counts.draft_tokens
     got = [o.outputs[0] for o in spec_llm.chat(chats, params, use_tqdm=False)]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     for g in got:
         value = json.loads(g.text)
         assert isinstance(value["title"], str) and isinstance(value["year"], int)
-    assert sched.spec_num_accepted_tokens > before[0]
+    assert sched.spec_counts.accepted_tokens > before[0]
     # the second prompt's proposals ("the year ...") are not JSON: refused ones
-    assert sched.spec_num_draft_tokens - before[1] > sched.spec_num_accepted_tokens - before[0]
+    assert sched.spec_counts.draft_tokens - before[1] > sched.spec_counts.accepted_tokens - before[0]
 
 
 def test_penalties_and_min_tokens_see_the_proposals_before_each_row(default_llm, spec_llm):
@@ -413,11 +413,11 @@ def test_penalties_and_min_tokens_see_the_proposals_before_each_row(default_llm,
                    SamplingParams(temperature=0, max_tokens=natural + 20,
                                   min_tokens=natural - 1)]:
         sched = spec_llm.engine.scheduler
-        before = sched.spec_num_accepted_tokens
+        before = sched.spec_counts.accepted_tokens
         want = default_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0].token_ids
         got = spec_llm.chat(COPY, params, use_tqdm=False)[0].outputs[0].token_ids
         assert got == want, params
-        assert sched.spec_num_accepted_tokens > before, params
+        assert sched.spec_counts.accepted_tokens > before, params
 
 
 def test_under_preemption():
@@ -531,7 +531,7 @@ def test_tensor_parallel_2_verifies_on_every_rank(tmp_path):
         a, b = (llm.generate({"prompt_token_ids": prompts[0]}, sampled,
                              use_tqdm=False)[0].outputs[0].token_ids for _ in range(2))
         assert a == b and len(a) == 24
-        assert llm.engine.scheduler.spec_num_draft_tokens > 0
+        assert llm.engine.scheduler.spec_counts.draft_tokens > 0
     finally:
         llm.shutdown()
     for ids, out in zip(prompts, greedy):

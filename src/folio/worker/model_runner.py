@@ -36,7 +36,7 @@ from folio.worker.sampling_columns import SamplingColumns
 from folio.worker.prompt_scoring import PromptScorer
 from folio.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_kv_blocks
 from folio.worker.pipeline_stage import PipelineStage, stage_config
-from folio.worker.spec_runner import SpecRunner
+from folio.worker.spec_runner import RowSampling, SpecDecoding
 from folio.worker.spec_verify import verify_greedy
 
 
@@ -53,7 +53,7 @@ class SeqState:
         return self.sampling.temperature > 0
 
 
-class ModelRunner(SpecRunner):
+class ModelRunner:
     def __init__(self, config: FolioConfig, num_threads: Optional[int] = None,
                  is_driver: bool = True):
         if config.device == "cpu":
@@ -103,6 +103,10 @@ class ModelRunner(SpecRunner):
         self.columns = SamplingColumns(self.model.config.vocab_size, self.device,
                                        config.scheduler.max_num_seqs)
         self.is_driver = is_driver     # tensor parallel: only rank 0 samples
+        # speculative decoding's part: the draft's proposals, rejection sampling
+        self.spec = SpecDecoding(self.drafter, self.states, RowSampling(
+            self._sampling_batch, self._constrain, self._check_fault, self._see),
+            config.parallel.tensor_parallel_size)
         self.num_computed_tokens_total = 0     # tokens run through the model (for tests/benchmarks)
 
     def _size_kv_cache(self, num_kv_heads: int, draft_bytes: int) -> int:
@@ -169,7 +173,7 @@ class ModelRunner(SpecRunner):
         else:
             ordered = sorted(so.seqs, key=lambda s: (
                 len(s.token_ids) > 1, lora_key(self.states[s.seq_id].sampling.lora)))
-        draft_q = self._draft(ordered) if self.drafter else {}
+        draft_q = self.spec.draft(ordered) if self.drafter else {}
         if self.pipeline is not None:   # each micro-batch described on its own
             hidden, last_rows = self.pipeline.forward(ordered)  # worker/pipeline_stage.py
             if hidden is None:          # a later stage: its layers are done; forks
@@ -229,8 +233,8 @@ class ModelRunner(SpecRunner):
                 if proposals:
                     verify_greedy(out, proposals)
             for s, rs in spec_rows:
-                self._verify_sampled(out, of(rs), s, draft_q.get(s.seq_id))
-            self._record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
+                self.spec.verify_sampled(out, of(rs), s, draft_q.get(s.seq_id))
+            self.spec.record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
         return out
 
@@ -367,7 +371,7 @@ class ModelRunner(SpecRunner):
                 if state.sampling.params.needs_history:
                     self.columns.penalties.reset(state.row)
                 self._see(state, s.history_prefix or [])
-            # proposals join it once accepted (_record_accepted)
+            # proposals join it once accepted (SpecDecoding.record_accepted)
             self._see(state, s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
         if self.drafter:
             self.drafter.observe(s, self.tables.ids(state.row))
