@@ -47,14 +47,16 @@ for f in batch1 throughput served; do
 done
 tail -n 30 "$OUT/bench.log"
 
-# the host's cost per step on the card, synchronous and scheduled ahead (issue 50)
+# the host's cost per step on the card (issue 50): greedy synchronous and
+# scheduled ahead, then sampled requests ahead (their draws in one kernel)
 start=$(date +%s)
-for ahead in "" --async-scheduling; do
-    timeout 30 "$PYTHON" -m folio.cli bench host --device cuda --delays '' --rounds 2 \
-        $ahead >> "$OUT/host.log" 2>&1
+for run in "--sampling greedy" "--sampling greedy --async-scheduling" \
+           "--sampling random --async-scheduling"; do
+    timeout 20 "$PYTHON" -m folio.cli bench host --device cuda --delays '' --rounds 2 \
+        $run >> "$OUT/host.log" 2>&1
 done
 echo "host: rc=$? in $(( $(date +%s) - start )) s"
-grep -E "^\|" "$OUT/host.log" | tail -n 12
+grep -E "^\|" "$OUT/host.log" | tail -n 18
 
 # The tests whose code takes another path when CUDA is there: the Triton
 # kernels compiled for the card, the TRITON backend and CUDA graphs, the
@@ -62,7 +64,8 @@ grep -E "^\|" "$OUT/host.log" | tail -n 12
 # first (quick, and what the figures above rest on), whole engines after.
 read -r -d "" -a TESTS <<< "${GPU_TESTS:-tests/model/test_triton_attention.py
     tests/model/test_triton_elementwise.py tests/model/quantization/test_triton_qlinear.py
-    tests/model/layers/test_triton_moe.py tests/engine/test_triton_backend.py
+    tests/model/layers/test_triton_moe.py tests/model/layers/test_draws.py
+    tests/worker/test_sampling_columns.py tests/engine/test_triton_backend.py
     tests/worker/test_cuda_graphs.py tests/worker/test_gpu_memory.py
     tests/engine/test_async_scheduling.py
     tests/engine/test_gemma3.py::test_greedy_tokens_batched_under_preemption

@@ -9,6 +9,7 @@ import torch
 
 from folio.model.layers import draws
 from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, apply_adjustments, sample
+from tests.model.native_builds import builds, library
 
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02])
 ROWS = 4000
@@ -132,3 +133,49 @@ def test_greedy_batch_takes_the_first_maximum_and_its_raw_logprob(monkeypatch, n
     assert torch.equal(out.tokens, logits.argmax(dim=-1)) and out.tokens[3] == 17
     expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, out.tokens[:, None]).squeeze(-1)
     assert torch.allclose(out.logprobs, expected, atol=1e-5)
+
+
+def _exact_boundary_gap(logits, top_k, top_p, kept):
+    """For each token one of two answers keeps and the other drops: how far
+    the exact (float64) mass before it lies from p (0 where only top-k
+    decides)."""
+    x = logits.double()
+    if top_k is not None:
+        kth = x.sort(descending=True).values[min(int(top_k), x.numel()) - 1]
+        x = torch.where(x >= kth, x, torch.tensor(float("-inf"), dtype=torch.float64))
+    p = torch.softmax(x, -1)
+    sp, order = p.sort(descending=True)
+    before = torch.empty_like(p)
+    before[order] = sp.cumsum(0) - sp
+    return (before[kept] - float(top_p)).abs() if top_p is not None else before[kept] * 0 + 1
+
+
+@pytest.mark.parametrize("flags", builds())
+def test_native_top_k_top_p_keeps_what_the_sort_keeps(flags):
+    """Without a sort, the same tokens as the torch definition, except where
+    a token's mass-before lies within float rounding of p (the two sum in
+    different orders: then the float64 mass decides, and may go either way)."""
+    from folio.kernels import native
+    from folio.model.layers.sampler import top_k_top_p_reference
+    lib = library(flags)
+    g = torch.Generator().manual_seed(0)
+    for vocab in (7, 100, 4096, 49152):
+        x = 3 * torch.randn(24, vocab, generator=g)
+        k = torch.randint(1, vocab + 5, (24,), generator=g)
+        p = torch.rand(24, generator=g) * 0.99 + 0.01
+        for top_k, top_p in [(k, None), (None, p), (k, p)]:
+            ref = top_k_top_p_reference(x.clone(), top_k, top_p)
+            got = native.top_k_top_p_(x.clone(), top_k, top_p, lib=lib)
+            assert torch.equal(got[~got.isinf()], x[~got.isinf()])    # kept ones untouched
+            for r in range(24):
+                differ = ref[r].isinf() != got[r].isinf()
+                if differ.any():
+                    gap = _exact_boundary_gap(x[r], None if top_k is None else top_k[r],
+                                              None if top_p is None else p[r], differ)
+                    assert float(gap.max()) < 2e-6, (vocab, r)
+    # ties at a boundary all stay; an all -inf row but one token keeps it
+    tie = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    got = native.top_k_top_p_(tie.clone(), torch.tensor([2]), None, lib=lib)
+    assert got.isinf().tolist() == [[True, False, False, True, False]]
+    lone = torch.tensor([[float("-inf"), 2.0, float("-inf")]])
+    assert native.top_k_top_p_(lone.clone(), None, torch.tensor([0.5]), lib=lib)[0, 1] == 2.0

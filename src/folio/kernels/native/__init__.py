@@ -3,8 +3,8 @@
 - `paged_attention.c`: attention of a step's tokens through the block tables
   (wrapped in `attention.py`).
 - `elementwise.c`: residual add + RMSNorm, rotary embedding, SiLU-and-multiply,
-  greedy sampling, sampling's random draws (the exponential race) and
-  penalties read from persistent counts.
+  greedy sampling, sampling's random draws (the exponential race),
+  penalties read from persistent counts, top-k and top-p without a sort.
 - `linear.c`: the bf16 linear layer, on CPUs with AVX512-BF16 (many rows on
   the AMX tiles where the CPU has them).
 - `linear_avx2.c`: an fp32 linear layer whose weights are stored as bf16, on
@@ -137,6 +137,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
         "folio_race": (None, [p, p, p, i64, i64, i32]),
         "folio_penalize": (None, [p] * 8 + [i64, i64, i32]),
+        "folio_top_k_top_p": (None, [p, i64, i64, p, p, i32]),
         "folio_linear_available": (ctypes.c_int, []),
         "folio_linear_amx": (ctypes.c_int, []),
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
@@ -477,6 +478,23 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
                                    *[t.data_ptr() for t in args], n, vocab,
                                    torch.get_num_threads())
     return out
+
+
+def top_k_top_p_(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                 top_p: Optional[torch.Tensor], lib: Optional[ctypes.CDLL] = None
+                 ) -> torch.Tensor:
+    """fp32 logits [S, V], contiguous: the tokens outside each row's top k
+    (int64 [S], or None) and top p (fp32 [S], or None) set to -inf, in place,
+    without sorting (selection and partitions). `lib`: the tests' other
+    builds."""
+    rows, vocab = logits.shape
+    k = None if top_k is None else top_k.to(torch.int64).contiguous()
+    p = None if top_p is None else top_p.float().contiguous()
+    (lib or load()).folio_top_k_top_p(logits.data_ptr(), rows, vocab,
+                                      None if k is None else k.data_ptr(),
+                                      None if p is None else p.data_ptr(),
+                                      torch.get_num_threads())
+    return logits
 
 
 # paged attention's wrapper lives in attention.py (re-exported: native.paged_attention)

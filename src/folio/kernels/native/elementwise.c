@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 #include "simd.h"
@@ -247,3 +248,121 @@ void folio_penalize(const float *logits, float *out, const float *counts,
     }
 }
 #pragma GCC pop_options
+
+/* Top-k and top-p (model/layers/sampler.py, steps 7-8) without sorting a row:
+ * the k-th largest logit by selection, then the top-p boundary by
+ * partitioning the kept tokens around pivots, tracking the mass above (each
+ * pass keeps the part that holds the boundary: O(V) a row expected, where a
+ * sort is O(V log V)). Tokens out are set to -inf in place. `top_k`: k a row
+ * (>= vocab: off) or NULL; `top_p`: p a row (>= 1: off) or NULL. Where
+ * tokens tie at a boundary all of them stay (a sort keeps some of them, in
+ * whatever order it leaves ties). */
+static float kth_largest(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;          /* a[want] once sorted descending */
+    while (lo < hi) {
+        const float x = a[lo], y = a[(lo + hi) / 2], z = a[hi];
+        const float pivot = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const float t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+void folio_top_k_top_p(float *logits, int64_t rows, int64_t vocab, const int64_t *top_k,
+                       const float *top_p, int num_threads) {
+    int threads = rows * vocab >= 4 * FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = (float *)malloc(sizeof(float) * (size_t)vocab);
+        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)vocab);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *x = logits + r * vocab;
+            float floor_k = -INFINITY;
+            const int64_t k = top_k ? top_k[r] : vocab;
+            if (k > 0 && k < vocab) {
+                for (int64_t v = 0; v < vocab; v++) w[v] = x[v];
+                floor_k = kth_largest(w, vocab, k);
+            }
+            float floor_p = -INFINITY;
+            const float p = top_p ? top_p[r] : 1.f;
+            if (p < 1.f) {
+                float m = -INFINITY;
+                for (int64_t v = 0; v < vocab; v++)
+                    if (x[v] >= floor_k && x[v] > m) m = x[v];
+                int64_t v = 0;
+#ifdef FOLIO_HAVE_VEC
+                for (; v + FOLIO_VW <= vocab; v += FOLIO_VW)
+                    fv_storeu(w + v, fv_exp(fv_sub(fv_load(x, v, 0), fv_set1(m))));
+#endif
+                for (; v < vocab; v++) w[v] = expf(x[v] - m);
+                int64_t n = 0;
+                double total = 0.0;
+                for (v = 0; v < vocab; v++) {
+                    if (x[v] >= floor_k && x[v] > -INFINITY) {
+                        total += w[v];
+                        idx[n++] = (int32_t)v;
+                    }
+                }
+                const double target = (double)p * total;
+                double above = 0.0;                 /* mass of tokens known to stay */
+                int32_t *c = idx;
+                floor_p = INFINITY;
+                while (n > 0) {
+                    const float a = w[c[0]], b = w[c[n / 2]], d = w[c[n - 1]];
+                    const float pivot = a > b ? (b > d ? b : (a > d ? d : a))
+                                              : (a > d ? a : (b > d ? d : b));
+                    /* three ways: > pivot to the front, == next, < last */
+                    int64_t lt = 0, i = 0, gt = n;
+                    double m_hi = 0.0, m_eq = 0.0;
+                    while (i < gt) {
+                        const float y = w[c[i]];
+                        if (y > pivot) {
+                            const int32_t t = c[lt];
+                            c[lt++] = c[i];
+                            c[i++] = t;
+                            m_hi += y;
+                        } else if (y < pivot) {
+                            const int32_t t = c[--gt];
+                            c[gt] = c[i];
+                            c[i] = t;
+                        } else {
+                            m_eq += y;
+                            i++;
+                        }
+                    }
+                    if (above + m_hi >= target) {   /* the boundary is above the pivot */
+                        n = lt;
+                    } else if (above + m_hi + m_eq >= target) {
+                        floor_p = pivot;            /* the boundary token */
+                        break;
+                    } else {                        /* all down to the pivot stay */
+                        above += m_hi + m_eq;
+                        c += gt;
+                        n -= gt;
+                        /* (none left below: the mass, rounded, fell short of p) */
+                        floor_p = n > 0 ? pivot : -INFINITY;
+                    }
+                }
+            }
+            for (int64_t v = 0; v < vocab; v++) {
+                const int keep = x[v] >= floor_k && (p >= 1.f || (x[v] > -INFINITY
+                                 && w[v] >= floor_p));
+                if (!keep) x[v] = -INFINITY;
+            }
+        }
+        free(w);
+        free(idx);
+    }
+}

@@ -13,15 +13,19 @@ Order of operations, per row of fp32 logits:
   6. divide by temperature;
   7. top-k: keep the k largest logits (0 or -1: all);
   8. top-p: keep the smallest prefix of the sorted distribution whose mass
-     reaches p (the most likely token always stays);
+     reaches p (the most likely token always stays); on the CPU steps 7-8
+     select and partition instead of sorting (kernels/native), tokens tied
+     at a boundary all staying;
   9. min-p: drop tokens whose probability is below min_p x the top one;
  10. sample by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1),
      equivalent to sampling from p; the E_i are a function of the row's key
      (its sequence's seed and the position sampled: model/layers/draws.py),
      all rows' in one kernel, so a row's draw does not depend on what else
      is in the batch.
-A batch that is all greedy, with no adjustments and no top logprobs, takes one
-native pass on the CPU (argmax and its logprob) instead of steps 1 and 5. Step
+Step 2 reads the runner's persistent counts in place, in one kernel, where
+the batch gives their rows (LogitAdjustments.rows). A batch that is all
+greedy, with no adjustments and no top logprobs, takes one native pass on the
+CPU (argmax and its logprob) instead of steps 1 and 5. Step
 1 makes the whole [S, V] of logprobs only when a row asks for top logprobs;
 otherwise each chosen token's comes from one log-sum-exp of its row.
 """
@@ -103,9 +107,10 @@ def _penalize_reference(logits: torch.Tensor, counts: torch.Tensor, seen: torch.
 
 
 def _sampling_probs(logits: torch.Tensor, batch: SamplingBatch, idx) -> torch.Tensor:
-    """Steps 6-9 on the (adjusted, fp32) logits of the batch's rows `idx`: the
-    distribution a row samples from (min-p's dropped tokens at 0; the rest
-    not renormalized, which the exponential race does not need)."""
+    """Steps 6-9 on the (adjusted, fp32) logits of the batch's rows `idx` (a
+    tensor of rows, or slice(None) for all): the distribution a row samples
+    from (min-p's dropped tokens at 0; the rest not renormalized, which the
+    exponential race does not need)."""
     scaled = logits / batch.temperature[idx, None]
     if batch.needs_top_k or batch.needs_top_p:
         scaled = _apply_top_k_top_p(scaled, batch.top_k[idx] if batch.needs_top_k else None,
@@ -133,7 +138,19 @@ def sampling_distribution(logits: torch.Tensor, batch: SamplingBatch
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                        top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """top_k / top_p: [S] per row, or None where no row of the batch uses it."""
+    """top_k / top_p: [S] per row, or None where no row of the batch uses it.
+    On the CPU the native kernel, which selects and partitions instead of
+    sorting each row (in place: `logits` is the sampler's own scaled copy);
+    else the torch definition, by a sort."""
+    if logits.dtype == torch.float32 and native.supports(logits):
+        return native.top_k_top_p_(logits.contiguous(), top_k, top_p)
+    return top_k_top_p_reference(logits, top_k, top_p)
+
+
+def top_k_top_p_reference(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                          top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Steps 7-8 by their definition: each row sorted, its ranks past k and
+    the tokens after its first mass of p set to -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     if top_k is not None:
@@ -141,7 +158,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None],
                                                   float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
+        # the running mass in float64: fp32's cumsum drifts by ~1e-7 a token,
+        # enough to move the boundary over a long tail
+        probs = sorted_logits.softmax(dim=-1).double()
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None],
                                                   float("-inf"))
