@@ -12,7 +12,9 @@ and 256 rows, a 49,152- and a 128,256-token vocabulary, one thread:
 - draws: sampled rows (temperature 0.8) drawn by a torch.Generator a row
   (51596a5: an exponential_ per row, then p / E and argmax) against the
   exponential race of model/layers/draws.py in one kernel (the native one
-  here).
+  here);
+- top-p 0.95: each row sorted (the torch definition, which 51596a5 ran on
+  every CPU) against the native kernel's selection and partitions.
 
     .venv/bin/python docs/bench/sampler_step.py
 """
@@ -28,7 +30,8 @@ import torch
 from folio.core.outputs import SamplingInfo
 from folio.kernels import native
 from folio.model.layers import draws
-from folio.model.layers.sampler import LogitAdjustments, apply_adjustments
+from folio.model.layers.sampler import (LogitAdjustments, apply_adjustments,
+                                        top_k_top_p_reference)
 from folio.sampling_params import SamplingParams
 from folio.worker.sampling_columns import SamplingColumns
 
@@ -75,8 +78,9 @@ def main() -> None:
                             presence_penalty=0.2)
     print("| rows | vocabulary | penalties rebuilt + applied, ms | kept + applied in place, ms "
           "| ratio "
-          "| draws, a generator a row, ms | one race, ms | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| draws, a generator a row, ms | one race, ms | ratio "
+          "| top-p, sorted, ms | partitioned, ms | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for vocab in (49152, 128256):
         for rows in (64, 256):
             hist = [[(i * 7 + j * 13) % vocab for j in range(200)] for i in range(rows)]
@@ -106,8 +110,12 @@ def main() -> None:
             keys = draws.keys_tensor(range(rows), [200] * rows, draws.SAMPLE)
             old_draw = timed(lambda: generator_draws(probs, gens), reps=3)
             new_draw = timed(lambda: draws.race(probs, keys), reps=3)
+            top_p = torch.full((rows,), 0.95)
+            old_p = timed(lambda: top_k_top_p_reference(logits.clone(), None, top_p), reps=2)
+            new_p = timed(lambda: native.top_k_top_p_(logits.clone(), None, top_p), reps=2)
             print(f"| {rows} | {vocab} | {old_pen:.2f} | {new_pen:.2f} | {old_pen / new_pen:.1f}x "
-                  f"| {old_draw:.2f} | {new_draw:.2f} | {old_draw / new_draw:.1f}x |")
+                  f"| {old_draw:.2f} | {new_draw:.2f} | {old_draw / new_draw:.1f}x "
+                  f"| {old_p:.1f} | {new_p:.1f} | {old_p / new_p:.1f}x |")
 
 
 if __name__ == "__main__":

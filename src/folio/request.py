@@ -113,11 +113,13 @@ class Request:
     @property
     def runs_ahead(self) -> bool:
         """Whether a step may be scheduled before this request's last token is
-        known (--async-scheduling): one sequence, no beams, nothing that keeps
-        its tokens in the runner (a grammar, penalties, min_tokens): forks,
-        beams and those need the token on the host first."""
+        known (--async-scheduling): one sequence, no beams, no grammar and no
+        min_tokens: forks, beams and those need the token on the host first.
+        (Penalties run ahead: the runner counts a token it has not seen on the
+        host from the device, worker/sampling_columns.py.)"""
+        p = self.params
         return (len(self.seqs) == 1 and self.beam is None
-                and not self.params.keeps_history)
+                and p.structured_outputs is None and not p.min_tokens)
 
     # (These three are read for every running request every step: a request of
     # one sequence, the common case, answers without a comprehension.)

@@ -1,7 +1,8 @@
 """--async-scheduling: step N + 1 scheduled while step N runs on the runner's
 thread. The same tokens as synchronous steps, every block back, and the
-requests that must wait for their tokens (n > 1, beams, structured outputs)
-stepping synchronously beside the others."""
+requests that must wait for their tokens (n > 1, beams, structured outputs,
+min_tokens) stepping synchronously beside the others; penalized ones run
+ahead, their counts taking the step before's token on the device."""
 
 import pytest
 
@@ -56,7 +57,10 @@ def _whole(llm):
     dict(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[7, 9, 11]),
     dict(temperature=0, max_tokens=24, ignore_eos=True, stop=["e", " t"]),   # text stops
     dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3,
-         repetition_penalty=1.3, min_tokens=5),      # keeps history: synchronous steps
+         repetition_penalty=1.3, min_tokens=5),      # min_tokens: synchronous steps
+    dict(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+         frequency_penalty=0.5, presence_penalty=0.3),   # penalties: ahead, counted on device
+    dict(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, frequency_penalty=1.0),
     dict(temperature=0.7, seed=11, max_tokens=24, ignore_eos=True, logprobs=3),
 ])
 def test_the_same_tokens_as_synchronous_steps(pair, params):
@@ -179,3 +183,21 @@ def test_a_mixed_lora_batch_runs_ahead_with_each_adapter_s_tokens(tmp_path):
                        for a, b in zip(plain[1::2], got[0][1::2]))
         llm.shutdown()
     _same(got[1], got[0])
+
+
+def test_penalized_requests_run_ahead_and_count_the_token_on_the_device(pair, monkeypatch):
+    sync, ahead = pair
+    penalties = ahead.engine.executor.runner.columns.penalties
+    counted = []
+    real = penalties.add_on_device
+
+    def spy(rows, tokens, num_rows):
+        counted.append(len(rows))
+        return real(rows, tokens, num_rows)
+    monkeypatch.setattr(penalties, "add_on_device", spy)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=2.0,
+                        presence_penalty=1.5)
+    _same(ahead.generate(PROMPTS, sp), sync.generate(PROMPTS, sp))
+    # every decode after the first read its input from the device, all rows at once
+    assert len(counted) >= 14 and max(counted) == len(PROMPTS)
+    _whole(ahead)

@@ -48,6 +48,16 @@ class AheadTokens:
             ids_tensor[at] = source
         return fill
 
+    def tokens_of(self, seq_ids: list[int]) -> tuple[list[int], Optional[torch.Tensor]]:
+        """The last step's samples of those of `seq_ids` that have one, on the
+        device: (their positions in `seq_ids`, the tokens)."""
+        found = [(i, self.rows[seq_id]) for i, seq_id in enumerate(seq_ids)
+                 if seq_id in self.rows]
+        if not found:
+            return [], None
+        return [i for i, _ in found], \
+            self.tokens[torch.tensor([at for _, at in found], device=self.device)]
+
     def keep(self, sampled: "SampledRows") -> "SampledRows":
         """A step's samples kept for the next step, and their read-back begun."""
         self.tokens = sampled.parts[0]

@@ -24,6 +24,7 @@ from folio.model.layers.quantization.int_groups import set_activation_quantizati
 from folio.model.layers.sampler import SamplingBatch, sample
 from folio.model.loader import iter_weights
 from folio.model.registry import build_model
+from folio.request import PLACEHOLDER
 from folio.worker.cpu_threads import default_threads
 from folio.worker.device import torch_dtype
 from folio.worker.draft_proposer import build_drafter
@@ -184,6 +185,8 @@ class ModelRunner:
         else:
             ids, step, last_rows = self._describe(ordered)
             fill = self.ahead.placeholders(ordered, last_rows, ids) if so.ahead else None
+            if fill is not None:
+                self._count_placeholders(ordered)
             hidden = self._forward(ordered, ids, step, fill)
         self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
@@ -375,6 +378,19 @@ class ModelRunner:
             self._see(state, s.token_ids[:len(s.token_ids) - len(s.spec_token_ids or ())])
         if self.drafter:
             self.drafter.observe(s, self.tables.ids(state.row))
+
+    def _count_placeholders(self, ordered: list[ScheduledSeq]) -> None:
+        """Penalized sequences whose input is the step before's sample, still
+        on the device (--async-scheduling): their penalty counts take it from
+        there."""
+        waiting = [(self.states[s.seq_id].row, s.seq_id) for s in ordered
+                   if s.token_ids[-1] == PLACEHOLDER
+                   and self.states[s.seq_id].sampling.params.needs_history]
+        if waiting:
+            found, tokens = self.ahead.tokens_of([seq_id for _, seq_id in waiting])
+            if found:
+                self.columns.penalties.add_on_device([waiting[i][0] for i in found], tokens,
+                                                     self.columns.num_rows)
 
     def _see(self, state: SeqState, tokens: list[int]) -> None:
         """The sequence's history grows by `tokens` (and its penalty counts)."""

@@ -25,6 +25,7 @@ import torch
 from folio.core.outputs import SamplingInfo
 from folio.model.layers import draws
 from folio.model.layers.sampler import LogitAdjustments, SamplingBatch
+from folio.request import PLACEHOLDER
 
 # the float columns
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
@@ -57,11 +58,24 @@ class PenaltyCounts:
 
     def add(self, row: int, tokens: list[int], first_place: int, num_prompt: int) -> None:
         """The row's history grows by `tokens`, the first at `first_place`; those
-        at num_prompt or later are outputs."""
+        at num_prompt or later are outputs. A PLACEHOLDER (--async-scheduling:
+        a token still on the device) is left out: `add_on_device` counts it."""
         n = len(tokens)
+        if n and tokens[-1] == PLACEHOLDER:
+            tokens, n = [t for t in tokens if t != PLACEHOLDER], n - 1
         self._rows.extend([row] * n)
         self._tokens.extend(tokens)
         self._outputs.extend(first_place + i >= num_prompt for i in range(n))
+
+    def add_on_device(self, rows: list[int], tokens: torch.Tensor, num_rows: int) -> None:
+        """Outputs the host has not seen yet (the step before's samples, kept
+        on the device under --async-scheduling), one a row: counted at once,
+        after what is queued (a row's reset first)."""
+        self.flush(num_rows)
+        where = torch.tensor(rows, device=self.device)
+        self.seen[where, tokens] = True
+        self.counts.index_put_((where, tokens), torch.ones(len(rows), device=self.device),
+                               accumulate=True)
 
     def flush(self, num_rows: int) -> None:
         """Apply what is queued (to at least `num_rows` rows: new ones are 0)."""
