@@ -75,10 +75,13 @@ def _decodes(g, dtype, kv_dtype, heads, kv_heads, block_size, dim, lens):
 @pytest.mark.parametrize("lens", [[700], [1000, 3], [70, 64]])
 def test_few_decodes_split_their_context_across_the_threads(build, dtype, kv_dtype, tol, heads,
                                                             kv_heads, block_size, dim, lens):
-    """One or two decodes on 2 threads: fewer (token, KV head) tasks than 4 a
-    thread, so the vector path splits each context into shares of blocks and
-    merges their partial softmax sums; a share may hold no key of the shorter
-    sequence (1000 and 3), or the context may end on a block's edge (64)."""
+    """One or two decodes on 2 threads, splits on (FOLIO_ATTENTION_SPLITS=1):
+    fewer (token, KV head) tasks than 4 a thread, so the vector path splits
+    each context into shares of blocks and merges their partial softmax sums;
+    a share may hold no key of the shorter sequence (1000 and 3), or the
+    context may end on a block's edge (64). Splits off (the default), the
+    same answer; and a decode's row is then bit for bit the one it has in a
+    bigger batch, where nothing would split."""
     lib = library(build)
     g = torch.Generator().manual_seed(sum(lens) + dim)
     lens = torch.tensor(lens)
@@ -86,12 +89,23 @@ def test_few_decodes_split_their_context_across_the_threads(build, dtype, kv_dty
                                        lens)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    n = len(lens)
     try:
-        got = native.paged_attention(q, kv, tables, torch.arange(len(lens)), lens,
-                                     dim ** -0.5, lib).float()
+        with native.attention_splits(lib):
+            got = native.paged_attention(q, kv, tables, torch.arange(n), lens,
+                                         dim ** -0.5, lib).float()
+        unsplit = native.paged_attention(q, kv, tables, torch.arange(n), lens, dim ** -0.5,
+                                         lib)
+        # the same decodes among 15 copies of the first: 16 x KV heads tasks
+        many = native.paged_attention(torch.cat([q] + [q[:1]] * 15), kv,
+                                      torch.cat([tables] + [tables[:1]] * 15),
+                                      torch.arange(n + 15),
+                                      torch.cat([lens] + [lens[:1]] * 15), dim ** -0.5, lib)
     finally:
         torch.set_num_threads(threads)
     assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+    assert torch.allclose(unsplit.float(), expected, atol=tol, rtol=tol)
+    assert torch.equal(many[:n], unsplit)
 
 
 @pytest.mark.parametrize("build", builds())

@@ -138,6 +138,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_race": (None, [p, p, p, i64, i64, i32]),
         "folio_penalize": (None, [p] * 8 + [i64, i64, i32]),
         "folio_top_k_top_p": (None, [p, i64, i64, p, p, i32]),
+        "folio_attention_splits": (None, [i32]),
         "folio_linear_available": (ctypes.c_int, []),
         "folio_linear_amx": (ctypes.c_int, []),
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
@@ -157,6 +158,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+    # a decode's context split across threads only when asked: splits make a
+    # request's arithmetic depend on its batch (paged_attention.c)
+    lib.folio_attention_splits(int(os.environ.get("FOLIO_ATTENTION_SPLITS", "0") == "1"))
     return lib
 
 
@@ -180,6 +184,18 @@ def load() -> Optional[ctypes.CDLL]:
                 logger.warning("native CPU kernels unavailable (%s): using the torch layers", e)
                 _lib = None
         return _lib
+
+
+@contextlib.contextmanager
+def attention_splits(lib: Optional[ctypes.CDLL] = None):
+    """Within: decode attention may split a context across threads (what
+    FOLIO_ATTENTION_SPLITS=1 turns on for a whole run); the tests' switch."""
+    lib = lib or load()
+    lib.folio_attention_splits(1)
+    try:
+        yield
+    finally:
+        lib.folio_attention_splits(int(os.environ.get("FOLIO_ATTENTION_SPLITS", "0") == "1"))
 
 
 def dtype_code(dtype: torch.dtype) -> int:

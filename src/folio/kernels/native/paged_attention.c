@@ -207,6 +207,17 @@ static void one_task(const void *q, int64_t q_row, const void *kv, void *out, in
 
 
 #include "simd.h"
+/* Whether a decode step with few tasks for the threads may split each
+ * context into shares (below). Off by default: a split sums a row's keys in
+ * another order than an unsplit task does, and whether a step splits depends
+ * on what else is in it, so a request's last bits, and through int8
+ * activations its tokens, would depend on the batch. On
+ * (folio_attention_splits(1), FOLIO_ATTENTION_SPLITS=1): one sequence's
+ * decode uses more threads than it has KV heads. */
+static int folio_splits = 0;
+
+void folio_attention_splits(int on) { folio_splits = on; }
+
 #ifdef FOLIO_HAVE_VEC
 
 static inline void prefetch_rows(const void *kv, int64_t first, int64_t rows, int64_t stride,
@@ -402,6 +413,7 @@ static inline float block_softmax_vec(float *s, int64_t rows, float *m, float *l
 
 #define FOLIO_TILE 16          /* query tokens a task, at most */
 #define FOLIO_SHARE_BLOCKS 4   /* the fewest blocks of a context share (decode, few tasks) */
+
 
 /* Values of one block for a few queries (decode: one token's query group),
  * rows outer: each row is converted once and the nq x jc accumulators stay in
@@ -717,8 +729,8 @@ static int paged_attention(const void *q, int64_t q_stride, const void *kv, void
     (void)share_blocks;
 #ifdef FOLIO_HAVE_VEC
     /* (not for a windowed layer: its shares would lie mostly before the window) */
-    if (vector && window <= 0 && tiles == tokens && tiles * per_tile < 4 * num_threads
-            && num_threads > 1) {
+    if (folio_splits && vector && window <= 0 && tiles == tokens
+            && tiles * per_tile < 4 * num_threads && num_threads > 1) {
         const int64_t blocks = (max_ctx + block_size - 1) / block_size;
         shares = (4 * num_threads + tiles * per_tile - 1) / (tiles * per_tile);
         if (shares > blocks / FOLIO_SHARE_BLOCKS) shares = blocks / FOLIO_SHARE_BLOCKS;
