@@ -116,8 +116,13 @@ def test_counts_kept_up_to_date_equal_the_ones_made_from_histories(seed):
                                [live[r][1] for r in rows], sorted(extra.items()))
             infos = [live[r][0] for r in rows]
             expect = _row_by_row(infos, [live[r][1] for r in rows], extra)
-            assert torch.equal(batch.temperature,
-                               torch.tensor([i.temperature for i in infos]))
+            if batch.all_greedy:      # nothing but the argmax: no tensors made for it
+                assert batch.temperature is None and batch.keys is None
+            else:
+                assert torch.equal(batch.temperature,
+                                   torch.tensor([i.temperature for i in infos]))
+                assert torch.equal(batch.top_p, torch.tensor([i.params.top_p for i in infos]))
+                assert batch.keys.shape == (len(rows),)
             assert batch.max_logprobs == max(i.params.logprobs or 0 for i in infos)
             assert list(batch.random) == [i.temperature > 0 for i in infos]
             a = batch.adjust

@@ -169,27 +169,36 @@ class SamplingColumns:
         min_tokens), `extra` the proposals a row sees beyond them."""
         f = self.floats[rows]
         top_k = self.top_k[rows]
-        temperature = f[:, _TEMPERATURE]
-        random = temperature > 0
+        random = f[:, _TEMPERATURE] > 0
+        all_greedy = not random.any()
         device = self.device
+        columns: list[torch.Tensor] = []
+
+        def on_device() -> torch.Tensor:
+            """The rows' float columns, [6, S], in one copy to the device."""
+            if not columns:
+                columns.append(torch.from_numpy(np.ascontiguousarray(f.T)).to(device))
+            return columns[0]
+        adjust = self._adjustments(rows, on_device, histories, extra or [])
+        if all_greedy:          # the argmax alone: no temperature, top-k/p or draws
+            return SamplingBatch(None, None, None, None, random, True, False, False,
+                                 max_logprobs=int(self.logprobs[rows].max(initial=0)),
+                                 adjust=adjust)
         keys = None
-        if random.any() and positions is not None:
+        if positions is not None:
             keys = torch.from_numpy(draws.row_keys(self.seeds[rows], positions, draws.SAMPLE)
                                     ).to(device)
+        block = on_device()
         return SamplingBatch(
-            temperature=torch.from_numpy(temperature.copy()).to(device),
-            top_k=torch.from_numpy(top_k).to(device),
-            top_p=torch.from_numpy(f[:, _TOP_P].copy()).to(device),
-            keys=keys, random=random,
-            all_greedy=not random.any(),
+            temperature=block[_TEMPERATURE], top_k=torch.from_numpy(top_k).to(device),
+            top_p=block[_TOP_P], keys=keys, random=random, all_greedy=False,
             needs_top_k=bool((top_k < self.vocab).any()),
             needs_top_p=bool((f[:, _TOP_P] < 1.0).any()),
             max_logprobs=int(self.logprobs[rows].max(initial=0)),
-            adjust=self._adjustments(rows, f, histories, extra or []),
-            min_p=(torch.from_numpy(f[:, _MIN_P].copy()).to(device)
-                   if (f[:, _MIN_P] > 0).any() else None))
+            adjust=adjust,
+            min_p=block[_MIN_P] if (f[:, _MIN_P] > 0).any() else None)
 
-    def _adjustments(self, rows: np.ndarray, f: np.ndarray, histories, extra
+    def _adjustments(self, rows: np.ndarray, on_device, histories, extra
                      ) -> Optional[LogitAdjustments]:
         infos = [self.infos[r] for r in rows]
         biased = any(i.params.logit_bias for i in infos)
@@ -226,11 +235,10 @@ class SamplingColumns:
                     if banned is None:
                         banned = torch.zeros(n, self.vocab, dtype=torch.bool, device=device)
                     banned[row, torch.tensor(info.min_tokens_banned, device=device)] = True
+        block = on_device()
         return LogitAdjustments(
-            presence=torch.from_numpy(f[:, _PRESENCE].copy()).to(device),
-            frequency=torch.from_numpy(f[:, _FREQUENCY].copy()).to(device),
-            repetition=torch.from_numpy(f[:, _REPETITION].copy()).to(device),
-            output_counts=counts, seen=seen, bias=bias, banned=banned, rows=table_rows)
+            presence=block[_PRESENCE], frequency=block[_FREQUENCY],
+            repetition=block[_REPETITION], output_counts=counts, seen=seen, bias=bias, banned=banned, rows=table_rows)
 
     def _grow(self, rows: int) -> None:
         old = self.num_rows

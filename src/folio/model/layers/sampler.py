@@ -44,9 +44,10 @@ from folio.model.layers import draws
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor          # [S] fp32 (0 for greedy rows)
-    top_k: torch.Tensor                # [S] int64, vocab size where disabled
-    top_p: torch.Tensor                # [S] fp32
+    # (temperature, top_k and top_p are None in an all-greedy batch: unread)
+    temperature: Optional[torch.Tensor]    # [S] fp32 (0 for greedy rows)
+    top_k: Optional[torch.Tensor]          # [S] int64, vocab size where disabled
+    top_p: Optional[torch.Tensor]          # [S] fp32
     keys: Optional[torch.Tensor]       # [S] int64: each row's draw key (draws.py); None: no draws
     random: np.ndarray                 # [S] bool: the rows that sample (temperature > 0)
     all_greedy: bool
