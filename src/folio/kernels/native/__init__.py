@@ -11,7 +11,8 @@
   CPUs with AVX2 and FMA (half the bytes of fp32 weights per step).
 - `qlinear.c`: the linear layer of 4- and 8-bit quantized weights (codes,
   scales and offsets per group: `layers/quantization/int_groups.py`), on CPUs
-  with AVX2 and FMA or AVX-512.
+  with AVX2 and FMA or AVX-512; compiled as five units, one a path, so that
+  its long -O3 build runs on every core (`_UNITS`).
 - `decoder.c`: every decoder layer of a step in one call, from the kernels
   above (wrapped in `decoder.py`).
 - `lora.c`: LoRA of several adapters in one step, grouped by adapter
@@ -50,6 +51,15 @@ _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c
             _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c",
             _DIR / "moe.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
+# What the compiler is run on: qlinear.c as five units, each one of its paths
+# (FOLIO_QLINEAR_PART, see its head: its -O3 build is ~56 s in one unit, ~24
+# for the longest part), the longest first so that the cores finish together.
+_UNITS = ([(_DIR / "qlinear.c", f"qlinear{n}", (f"-DFOLIO_QLINEAR_PART={n}",))
+           for n in (4, 3, 1, 2)]
+          + [(_DIR / "paged_attention.c", "paged_attention", ())]
+          + [(src, src.stem, ()) for src in _SOURCES
+             if src.name not in ("qlinear.c", "paged_attention.c")]
+          + [(_DIR / "qlinear.c", "qlinear0", ("-DFOLIO_QLINEAR_PART=0",))])
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -101,7 +111,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     extra_flags = tuple(f for f in extra_flags if not _no_op(f))
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
-                         + " ".join(extra_flags).encode())
+                         + " ".join(extra_flags).encode()
+                         + repr([(u[1], u[2]) for u in _UNITS]).encode())
     target = _cache_dir() / f"folio_cpu_{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -109,11 +120,11 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
             out = Path(tmp) / target.name
             flags = [compiler, "-O3", "-march=native", *extra_flags, "-ffast-math", "-fopenmp",
                      "-fPIC"]
-            # one compiler a source, as many at once as there are cores (the
-            # sources take 20-30 s together on one core), then one link
-            objects = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
-            pending = [(flags + ["-c", str(src), "-o", str(obj)]) for src, obj in
-                       zip(_SOURCES, objects)]
+            # one compiler a unit, as many at once as there are cores, then
+            # one link
+            objects = [Path(tmp) / f"{name}.o" for _, name, _ in _UNITS]
+            pending = [(flags + [*defines, "-c", str(src), "-o", str(obj)])
+                       for (src, _, defines), obj in zip(_UNITS, objects)]
             errors = _run_all(pending, max(1, os.cpu_count() or 1))
             if not errors:
                 errors = _run_all([[compiler, "-fopenmp", "-shared", *map(str, objects),

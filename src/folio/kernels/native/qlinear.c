@@ -67,6 +67,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Compiled as one unit, or (the library's build, kernels/native/__init__.py)
+ * as five that build in parallel, FOLIO_QLINEAR_PART selecting one: 1 the
+ * float path of few rows, 4 of many, 2 the int16 path, 3 the int8 path, 0
+ * the entry and the rest; each path's unrolled blocks take most of a -O3
+ * build. */
+#ifndef FOLIO_QLINEAR_PART
+#define FOLIO_QLINEAR_PART (-1)
+#define QL_PATH static
+#else
+#define QL_PATH __attribute__((visibility("hidden")))
+#endif
+#define QL_PART(n) (FOLIO_QLINEAR_PART < 0 || FOLIO_QLINEAR_PART == (n))
+
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || \
     (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -314,6 +327,15 @@ static inline int32_t quantize32(const float *x, float inv, int8_t *out) {
     return _mm_cvtsi128_si32(h);
 }
 
+/* The paths, each in its unit when split. */
+QL_PATH void ftile_group(const job *J, int64_t t0, int nt, uint8_t *codes8);
+QL_PATH void dequantize_tiles(const job *J, int64_t t0, int nt, float *wf);
+QL_PATH void dtile_group(const job *J, int64_t t0, int nt, const float *wf);
+QL_PATH void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, vec *scratch,
+                         uint8_t *codes8);
+QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t *codes8);
+
+#if QL_PART(1)
 /* ---------------------------------------------------------------- float path */
 
 /* Rows r0 .. r0 + mr (few: a decode step) against tiles t0 .. t0 + nt, the
@@ -383,7 +405,7 @@ static const job *widen_codes(const job *J, int64_t t0, int nt, uint8_t *out, jo
 /* 6-bit codes are widened to bytes first (codes8, widen_codes): the float
  * and int16 paths have no 6-bit blocks of their own (each width is a set of
  * unrolled blocks to compile; 6-bit ones run mostly on the int8 path). */
-static void ftile_group(const job *J, int64_t t0, int nt, uint8_t *codes8) {
+QL_PATH void ftile_group(const job *J, int64_t t0, int nt, uint8_t *codes8) {
     const int mr = (int)J->m;
     job J8;
     if (J->bits == 6) J = widen_codes(J, t0, nt, codes8, &J8);
@@ -405,6 +427,7 @@ static void ftile_group(const job *J, int64_t t0, int nt, uint8_t *codes8) {
 #undef FOLIO_FBLOCK
 }
 
+#endif
 /* ------------------------------------------------- float path, many rows */
 
 /* More rows than MR: each group of tiles is dequantized once into fp32
@@ -420,7 +443,9 @@ static void ftile_group(const job *J, int64_t t0, int nt, uint8_t *codes8) {
 #define DNT 1
 #endif
 
-static void dequantize_tiles(const job *J, int64_t t0, int nt, float *wf) {
+#if QL_PART(4)
+
+QL_PATH void dequantize_tiles(const job *J, int64_t t0, int nt, float *wf) {
     const int64_t stride = tile_bytes(J);
     for (int j = 0; j < nt; j++)
         for (int64_t g = 0; g < J->groups; g++)
@@ -469,7 +494,7 @@ static inline __attribute__((always_inline)) void dblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
-static void dtile_group(const job *J, int64_t t0, int nt, const float *wf) {
+QL_PATH void dtile_group(const job *J, int64_t t0, int nt, const float *wf) {
     for (int64_t r = 0; r < J->m; r += DMR) {
         const int mr = J->m - r < DMR ? (int)(J->m - r) : DMR;
 #define FOLIO_DBLOCK(R, T) case R * 8 + T: dblock(J, r, t0, wf, R, T); break;
@@ -489,6 +514,8 @@ static void dtile_group(const job *J, int64_t t0, int nt, const float *wf) {
 #undef FOLIO_DBLOCK
     }
 }
+
+#endif
 
 /* With more rows than one register block, the integer paths' scale and
  * offset vectors of each group of tiles t0 .. t0 + nt (of `width` tiles at
@@ -542,6 +569,7 @@ static const job *widen_codes(const job *J, int64_t t0, int nt, uint8_t *out, jo
     return J8;
 }
 
+#if QL_PART(2)
 /* ---------------------------------------------------------------- int16 path */
 
 static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r0, int64_t t0,
@@ -641,7 +669,7 @@ static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r
 }
 
 /* `next`: the codes of the next group of tiles (or NULL), prefetched. */
-static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, vec *scratch,
+QL_PATH void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, vec *scratch,
                         uint8_t *codes8) {
     const vec *held = J->m > QMR && scratch ? hold_scales(J, t0, nt, QNT, scratch) : 0;
     job J8;
@@ -669,6 +697,9 @@ static void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, v
     }
 }
 
+#endif
+
+#if QL_PART(3)
 /* ---------------------------------------------------------------- int8 path */
 
 /* One step of a block's integer sums: the code bytes w (4 positions a lane)
@@ -784,7 +815,7 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
-static void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t *codes8) {
+QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t *codes8) {
     const vec *held = J->m > IMR && scratch ? hold_scales(J, t0, nt, INT, scratch) : 0;
     job J8;
     if (J->bits == 6 && J->m > IMR && codes8) J = widen_codes(J, t0, nt, codes8, &J8);
@@ -810,6 +841,9 @@ static void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t 
     }
 }
 
+#endif
+
+#if QL_PART(0)
 /* ---------------------------------------------------------------- entry */
 
 /* 2: the AVX-512 build, 1: the AVX2 one (0: neither, below). */
@@ -994,8 +1028,11 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
     return failed;
 }
 
+#endif  /* QL_PART(0) */
+
 #else
 
+#if QL_PART(0)
 /* Built without AVX2, FMA and F16C: the torch path dequantizes instead. */
 int folio_qlinear_available(void) { return 0; }
 
@@ -1017,4 +1054,5 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
     return 1;
 }
 
+#endif  /* QL_PART(0) */
 #endif
