@@ -21,13 +21,13 @@ from folio.bench.texts import ALICE
 from folio.model.loader import resolve_model_path
 from tests.utils import make_tiny_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 # prompts of random tokens (no proposals) and chats that copy (n-gram proposals)
 _rng = random.Random(0)
-RANDOM = [{"prompt_token_ids": [_rng.randrange(100, 49000) for _ in range(128)]}
-          for _ in range(6)]
+RANDOM = [{"prompt_token_ids": [_rng.randrange(100, 49000) for _ in range(112)]}
+          for _ in range(5)]
 COPIES = [[{"role": "user", "content": "Repeat this passage exactly:\n\n"
-            + ALICE[200 * i:200 * i + 400]}] for i in range(4)]
+            + ALICE[200 * i:200 * i + 400]}] for i in range(3)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 
