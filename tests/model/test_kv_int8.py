@@ -112,14 +112,13 @@ def test_fp8_rows_are_e4m3_steps_of_their_scale():
         < 1e-5 * x.abs().max()                       # each row's largest is exact
 
 
-@pytest.mark.parametrize("flags", native_builds.builds())
-def test_the_kernel_reads_every_fp8_byte_as_torch_does(flags):
-    """Rows holding every e4m3 byte but NaN (subnormals, zeros, both signs),
-    each the only key of a decode: the output is the row, dequantized in
-    registers exactly as torch's float8_e4m3fn gives it."""
+def _every_byte_decoded(flags, storage, fp8, finite):
+    """Rows holding every byte `finite` keeps (subnormals, zeros, both signs),
+    each the only key of a decode, the cache viewed as `storage`: the kernel's
+    output against the rows dequantized by torch as `fp8` (scale 0.75)."""
     from folio.kernels import native
     lib = native_builds.library(flags)
-    values = [b for b in range(256) if b not in (0x7f, 0xff)]
+    values = [b for b in range(256) if finite(b)]
     values += [0] * (256 - len(values))
     steps = torch.tensor(values, dtype=torch.uint8).view(4, 64)
     rows = torch.cat([steps, torch.tensor([0.75], dtype=torch.float32).view(torch.uint8)
@@ -127,10 +126,18 @@ def test_the_kernel_reads_every_fp8_byte_as_torch_does(flags):
     cache = torch.zeros(2, 4, 1, 1, 68, dtype=torch.uint8)
     cache[1, :, 0, 0] = rows                                        # the values
     q = torch.zeros(4, 1, 64)
-    out = native.paged_attention(q, cache, torch.arange(4).view(4, 1), torch.arange(4),
-                                 torch.ones(4, dtype=torch.int64), 0.125, lib)
-    want = steps.view(torch.float8_e4m3fn).float() * 0.75
-    assert torch.equal(out[:, 0], want)
+    out = native.paged_attention(q, cache.view(storage), torch.arange(4).view(4, 1),
+                                 torch.arange(4), torch.ones(4, dtype=torch.int64), 0.125, lib)
+    return out[:, 0], steps.view(fp8).float() * 0.75
+
+
+@pytest.mark.parametrize("flags", native_builds.builds())
+def test_the_kernel_reads_every_fp8_byte_as_torch_does(flags):
+    """Every e4m3 byte but NaN, stored as uint8: dequantized in registers
+    exactly as torch's float8_e4m3fn gives it."""
+    got, want = _every_byte_decoded(flags, torch.uint8, torch.float8_e4m3fn,
+                                    lambda b: b not in (0x7f, 0xff))
+    assert torch.equal(got, want)
 
 
 def test_fp8_e5m2_rows_are_e5m2_steps_of_their_scale():
@@ -147,20 +154,9 @@ def test_fp8_e5m2_rows_are_e5m2_steps_of_their_scale():
 
 @pytest.mark.parametrize("flags", native_builds.builds())
 def test_the_kernel_reads_every_e5m2_byte_as_torch_does(flags):
-    """Rows holding every finite e5m2 byte (subnormals, zeros, both signs),
-    each the only key of a decode: the output is the row, dequantized as
-    torch dequantizes it, whichever build (AVX-512, AVX2, portable) runs."""
-    from folio.kernels import native
-    lib = native_builds.library(flags)
-    values = [b for b in range(256) if (b & 0x7c) != 0x7c]         # not inf or nan
-    values += [0] * (256 - len(values))
-    steps = torch.tensor(values, dtype=torch.uint8).view(4, 64)
-    rows = torch.cat([steps, torch.tensor([0.75], dtype=torch.float32).view(torch.uint8)
-                      .repeat(4, 1)], dim=1)                        # scale 0.75
-    cache = torch.zeros(2, 4, 1, 1, 68, dtype=torch.uint8)
-    cache[1, :, 0, 0] = rows
-    q = torch.zeros(4, 1, 64)
-    out = native.paged_attention(q, cache.view(torch.float8_e5m2), torch.arange(4).view(4, 1),
-                                 torch.arange(4), torch.ones(4, dtype=torch.int64), 0.125, lib)
-    want = steps.view(torch.float8_e5m2).float() * 0.75
-    assert torch.equal(out[:, 0], want)
+    """Every finite e5m2 byte (not inf or nan), stored as float8_e5m2: the
+    output is the row, dequantized as torch dequantizes it, whichever build
+    (AVX-512, AVX2, portable) runs."""
+    got, want = _every_byte_decoded(flags, torch.float8_e5m2, torch.float8_e5m2,
+                                    lambda b: (b & 0x7c) != 0x7c)
+    assert torch.equal(got, want)

@@ -185,7 +185,7 @@ class ModelRunner:
         else:
             ids, step, last_rows = self._describe(ordered)
             fill = self.ahead.placeholders(ordered, last_rows, ids) if so.ahead else None
-            if fill is not None:
+            if fill is not None and self.columns.any_penalized:
                 self._count_placeholders(ordered)
             hidden = self._forward(ordered, ids, step, fill)
         self.num_computed_tokens_total += hidden.shape[0]
@@ -423,6 +423,7 @@ class ModelRunner:
         state = self.states.pop(seq_id, None)
         if state is not None:
             self.tables.remove(state.row)
+            self.columns.release(state.row)
         self.ahead.forget(seq_id)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:

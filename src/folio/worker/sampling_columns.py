@@ -138,6 +138,8 @@ class SamplingColumns:
         self.seeds = np.zeros(rows, dtype=np.uint64)
         self.logprobs = np.zeros(rows, dtype=np.int64)     # top logprobs asked for
         self.penalized = np.zeros(rows, dtype=bool)        # reads PenaltyCounts
+        # any of steps 2-4 (penalties, logit bias, min_tokens): a row of infos to read
+        self.adjusted = np.zeros(rows, dtype=bool)
         self.infos: list[Optional[SamplingInfo]] = [None] * rows   # bias, min_tokens
         self.penalties = PenaltyCounts(vocab, device)
 
@@ -148,17 +150,27 @@ class SamplingColumns:
     def set(self, row: int, info: SamplingInfo) -> None:
         if row >= self.num_rows:
             self._grow(max(row + 1, 2 * self.num_rows))
-        p = self.infos[row] = info
+        self.infos[row] = info
         params = info.params
         self.floats[row] = (info.temperature, params.top_p, params.min_p,
                             params.presence_penalty, params.frequency_penalty,
                             params.repetition_penalty)
         self.top_k[row] = min(params.top_k, self.vocab) if params.top_k > 0 else self.vocab
-        self.seeds[row] = int(p.seed) & ((1 << 64) - 1)
+        self.seeds[row] = int(info.seed) & ((1 << 64) - 1)
         self.logprobs[row] = params.logprobs or 0
         self.penalized[row] = params.needs_history
+        self.adjusted[row] = bool(params.needs_history or params.logit_bias or params.min_tokens)
         if params.needs_history:
             self.penalties.reset(row)
+
+    def release(self, row: int) -> None:
+        """The row's sequence ended: nothing of it is read any more (a step's
+        test of its penalties and adjustments, until the row is set again)."""
+        self.penalized[row] = self.adjusted[row] = False
+
+    @property
+    def any_penalized(self) -> bool:
+        return bool(self.penalized.any())
 
     def batch(self, rows: np.ndarray, positions: Optional[np.ndarray] = None,
               histories: Optional[list[Optional[list[int]]]] = None,
@@ -200,12 +212,11 @@ class SamplingColumns:
 
     def _adjustments(self, rows: np.ndarray, on_device, histories, extra
                      ) -> Optional[LogitAdjustments]:
+        if not self.adjusted[rows].any():      # the common step: one numpy test
+            return None
         infos = [self.infos[r] for r in rows]
         biased = any(i.params.logit_bias for i in infos)
-        min_tokens = any(i.params.min_tokens for i in infos)
         penalized = self.penalized[rows]
-        if not (penalized.any() or biased or min_tokens):
-            return None
         n, device = len(rows), self.device
         f32 = dict(dtype=torch.float32, device=device)
         table_rows = None
@@ -250,4 +261,5 @@ class SamplingColumns:
         self.floats, self.top_k, self.seeds = grown(self.floats), grown(self.top_k), \
             grown(self.seeds)
         self.logprobs, self.penalized = grown(self.logprobs), grown(self.penalized)
+        self.adjusted = grown(self.adjusted)
         self.infos = self.infos + [None] * (rows - old)
