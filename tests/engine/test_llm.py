@@ -142,3 +142,32 @@ def test_a_request_too_big_for_the_cache_leaves_the_batch_untouched(llm):
     assert not small.engine.has_unfinished_requests()
     out = small.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_the_step_rate_counts_busy_spells_not_the_idle_time_between(llm):
+    """num_steps and busy_seconds (StepStats, /metrics): a spell ends with its
+    last step, an abort or a stop string; the time after it is not counted."""
+    import time
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    steps, busy = engine.num_steps, engine.busy_seconds
+    t0 = time.perf_counter()
+    llm.generate(["Hello"], params, use_tqdm=False)
+    first = time.perf_counter() - t0
+    assert engine.num_steps - steps == 8                 # the prompt's step and 7 more
+    assert 0 < engine.busy_seconds - busy <= first
+    time.sleep(0.4)
+    busy = engine.busy_seconds
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort_request(["a"])                          # ends the spell
+    time.sleep(0.4)
+    engine.add_request("s", "Hello", SamplingParams(max_tokens=50))
+    engine.step()
+    engine.stop_sequences([("s", 0)])                    # as a stop string would
+    time.sleep(0.4)
+    t0 = time.perf_counter()
+    llm.generate(["Hello"], params, use_tqdm=False)
+    last = time.perf_counter() - t0
+    assert engine.busy_seconds - busy < last + 0.15      # neither pause is in it
+    assert not engine.has_unfinished_requests()

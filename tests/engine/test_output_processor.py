@@ -102,3 +102,66 @@ def test_final_only_gives_one_output_and_an_abort_keeps_the_text(llm):
     assert aborted.finished and out.finish_reason == "abort" and len(out.token_ids) == 5
     assert out.text == llm.get_tokenizer().decode(out.token_ids)
     assert engine.scheduler.kv.num_free_blocks == engine.num_blocks
+
+
+def _replay(llm, params, steps, merge):
+    """The final output of one request whose core outputs came as `steps`
+    (lists of EngineCoreOutput), taken in step by step or merged at once;
+    with the (request, sequence) pairs a stop string ended."""
+    from folio.engine.output_processor import OutputProcessor, merge_steps
+    processor = OutputProcessor(llm.get_tokenizer())
+    request = llm.engine.input_processor.make_request("r", [1, 2, 3], params)
+    processor.add_request(request, None)
+    batches = [merge_steps([o for step in steps for o in step])] if merge else steps
+    last, stopped = None, []
+    for batch in batches:
+        outs, stops = processor.process(batch)
+        stopped += stops
+        last = outs[-1] if outs else last
+    return last, stopped
+
+
+def test_merged_steps_give_what_the_steps_gave_one_by_one(llm):
+    """A front end that fell behind takes several steps' outputs as one
+    (merge_steps): the same tokens, text, logprobs and prompt logprobs, the
+    same finish, and a stop string inside a merged run ends its sequence
+    where it ended step by step (tokens the core made after it dropped)."""
+    from folio.core.outputs import EngineCoreOutput
+    full = llm.generate("Hello world", SamplingParams(**GREEDY))[0].outputs[0]
+    ids = full.token_ids
+    texts = _pieces(llm, ids)
+    # a stop string that ends inside the run, a few tokens before its end
+    cut = next(i for i in range(6, len(ids)) if len(texts[i]) > len(texts[i - 1]) + 1)
+    stop = texts[cut][len(texts[cut - 1]) - 1:]
+    for params in (SamplingParams(n=2, logprobs=2, prompt_logprobs=1, **GREEDY),
+                   SamplingParams(n=2, stop=[stop], **GREEDY)):
+        steps = [[EngineCoreOutput("r", 0, [], [], prompt_logprobs=[(-1.5, [(7, -0.5)])])]]
+        for i, token in enumerate(ids):
+            finish = "length" if i == len(ids) - 1 else None
+            steps.append([EngineCoreOutput("r", k, [token], [-0.1 * i - k], finish,
+                                           new_top_logprobs=[[(token, -0.1 * i - k)]])
+                          for k in range(2)])
+        one_by_one, stops_one = _replay(llm, params, steps, merge=False)
+        merged, stops_merged = _replay(llm, params, steps, merge=True)
+        assert merged.finished and one_by_one.finished
+        assert merged.outputs == one_by_one.outputs
+        assert merged.prompt_logprobs == one_by_one.prompt_logprobs
+        assert sorted(stops_merged) == sorted(stops_one)
+        if params.stop:
+            assert stops_one and all(c.finish_reason == "stop" for c in merged.outputs)
+            assert len(merged.outputs[0].token_ids) < len(ids)
+        else:
+            assert [c.token_ids for c in merged.outputs] == [ids, ids]
+            assert merged.outputs[1].logprobs[3] == {ids[3]: -0.3 - 1}
+
+
+def test_a_core_output_pickles_with_every_field():
+    """EngineCoreOutput's own __reduce__ (what a core process sends each
+    step) carries every field, in order: a field added later must be in it."""
+    import dataclasses
+    import pickle
+    from folio.core.outputs import EngineCoreOutput
+    fields = dataclasses.fields(EngineCoreOutput)
+    values = [f"v{k}" for k in range(len(fields))]       # each field its own value
+    back = pickle.loads(pickle.dumps(EngineCoreOutput(*values)))
+    assert [getattr(back, f.name) for f in fields] == values

@@ -51,3 +51,31 @@ def test_all_calls_finish_in_order():
     calls = [EngineCall(rid, None, [1], None) for rid in ("a", "b")]
     outs = asyncio.run(collect(served, calls, StillThere()))
     assert [o.request_id for o in outs] == ["a", "b"] and sorted(engine.finished) == ["a", "b"]
+
+
+def test_merged_calls_skip_only_outputs_a_later_one_of_the_same_call_supersedes():
+    """The pumps' queue, drained at once: each call's newest output before an
+    error or the timeout stands for the ones before it; the rest keep their order."""
+    import asyncio
+
+    from folio.outputs import RequestOutput
+    from folio.server.serving import _newest
+
+    def out(n):
+        return RequestOutput(str(n), None, [1], [], finished=False)
+
+    done, timed_out = object(), object()
+    a1, a2, b1, a3, b2 = out(1), out(2), out(3), out(4), out(5)
+    error = ValueError("x")
+
+    async def main(items):
+        queue = asyncio.Queue()
+        for item in items[1:]:
+            queue.put_nowait(item)
+        return _newest(items[0], queue, done)
+    got = asyncio.run(main([(0, a1), (1, b1), (0, a2), (1, b2), (0, done)]))
+    assert got == [(0, a2), (1, b2), (0, done)]
+    got = asyncio.run(main([(0, a1), (0, a2), (1, error), (0, a3), (None, timed_out)]))
+    assert got == [(0, a2), (1, error), (0, a3), (None, timed_out)]
+    got = asyncio.run(main([(0, a1)]))
+    assert got == [(0, a1)]

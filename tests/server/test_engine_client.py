@@ -10,6 +10,7 @@ import ast
 import asyncio
 import inspect
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -142,9 +143,13 @@ def metric(metrics: ServerMetrics, name: str) -> float:
 def test_step_stats_carry_the_schedulers_counts(client, steps):
     steps.clear()
     generated = metric(client.metrics, "folio:generation_tokens_total")
+    steps_before = metric(client.metrics, "folio:engine_steps_total") or 0
+    busy_before = metric(client.metrics, "folio:engine_busy_seconds_total") or 0
     shared = list(range(1, 18))              # two full 8-token blocks, shared by all three
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    t0 = time.perf_counter()
     outs = run_all(client, [shared + [100 + i] for i in range(3)], params)
+    wall = time.perf_counter() - t0
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
     assert steps and all(isinstance(s, StepStats) for s in steps)
     # max_num_seqs=2: two run while the third waits, never three at once.
@@ -162,6 +167,15 @@ def test_step_stats_carry_the_schedulers_counts(client, steps):
     assert metric(m, "folio:num_requests_waiting") == 0
     assert metric(m, "folio:prefix_cache_hits_total") == last.prefix_cache_hits
     assert metric(m, "folio:generation_tokens_total") == generated + 18
+    # the step rate's counters: one step a callback at most; the third request
+    # waited for a place, so at least 12 steps ran, in at most the run's time
+    ran = [b.num_steps - a.num_steps for a, b in zip(steps, steps[1:])]
+    assert all(0 <= n <= 1 for n in ran)
+    assert last.num_steps - steps_before >= 12
+    assert metric(m, "folio:engine_steps_total") == last.num_steps
+    busy = last.busy_seconds - busy_before
+    assert 0 < busy <= wall
+    assert metric(m, "folio:engine_busy_seconds_total") == pytest.approx(last.busy_seconds)
 
 
 def count_checks(client, monkeypatch) -> list:
@@ -245,3 +259,55 @@ def test_the_prefix_cache_is_emptied_only_when_nothing_holds_blocks(client):
     assert client.engine.scheduler.prefix_cache_hits == hits
     run_all(client, [shared + [203]], params)       # found again once cached anew
     assert client.engine.scheduler.prefix_cache_hits >= hits + 16
+
+
+def test_a_stream_that_falls_behind_gets_the_newest_output_with_every_token(client):
+    """Outputs are cumulative: a consumer slower than the engine takes the
+    newest one waiting and skips those before it (one chunk for several
+    tokens), and ends with exactly what a consumer that kept up got."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = [5, 6, 7, 8, 9]
+
+    async def consume(request_id, pause):
+        seen = []
+        async for out in client.generate(request_id, None, ids, params):
+            seen.append(list(out.outputs[0].token_ids))
+            if pause:
+                await asyncio.sleep(pause)
+        return seen
+
+    kept_up = asyncio.run(consume("fast", 0))
+    behind = asyncio.run(consume("slow", 0.05))
+    assert kept_up[-1] == behind[-1] and len(behind[-1]) == 24
+    assert len(behind) < len(kept_up)              # outputs were skipped over...
+    for before, after in zip(behind, behind[1:]):  # ...and each one it got extends the last
+        assert after[:len(before)] == before and len(after) > len(before)
+
+
+def test_the_outputs_before_an_error_are_not_skipped():
+    """_Outputs merges only cumulative outputs: an error waits behind the
+    output queued before it, and a finished output ends the stream."""
+    from folio.engine.async_engine import _Outputs
+    from folio.outputs import CompletionOutput, RequestOutput
+
+    def output(n, finished=False):
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "", list(range(n)), 0.0,
+                                                               None, None, None)],
+                             finished=finished)
+
+    async def main():
+        q = _Outputs()
+        first, second, third, error = output(1), output(2), output(3), ValueError("gone")
+        for item in (first, second, error, third):
+            q.put(item)
+        got = [await q.next(), await q.next(), await q.next()]
+        assert got == [second, error, third]
+        finished = output(4, finished=True)
+        q.put(finished)
+        assert await q.next() is finished
+        waiting = asyncio.ensure_future(q.next())      # nothing queued: it waits
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        q.put(first)
+        assert await waiting is first
+    asyncio.run(main())

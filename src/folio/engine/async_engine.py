@@ -1,8 +1,9 @@
 """The step loop behind asyncio.
 
 The engine steps in its own thread. Requests and aborts reach it through a
-command queue; outputs go back to each request's asyncio.Queue with
-`loop.call_soon_threadsafe` (asyncio queues are not thread-safe). Only this
+command queue; outputs go back to each request's _Outputs on its event loop
+with `loop.call_soon_threadsafe` (one wake-up a loop a step). Outputs are
+cumulative, so a stream that fell behind takes only the newest (_Outputs). Only this
 thread touches the scheduler, so the engine core could later move to its own
 process behind the same interface: AsyncLLMEngine is the EngineClient
 (`engine/protocol.py`) the server holds, and after each step it sends a
@@ -12,6 +13,7 @@ StepStats message, never itself, to the metrics callback.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -57,9 +59,45 @@ def _answer(loop: asyncio.AbstractEventLoop, done: asyncio.Future, setter, value
         loop.call_soon_threadsafe(settle)
 
 
+class _Outputs:
+    """One request's outputs, on its event loop (not thread-safe: the engine
+    thread puts through `call_soon_threadsafe`).
+
+    `next` gives the newest output waiting, skipping those before it: they
+    are cumulative, so a consumer that fell behind the engine (a loaded
+    server, hundreds of streams and a step every few ms) sends their tokens
+    as one chunk, as vLLM merges a slow stream's deltas, and does a chunk's
+    work once for them all. The finished output and an error are never
+    skipped, and the outputs before an error are given before it."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+        self.waiter: Optional[asyncio.Future] = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self):
+        items = self.items
+        while not items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item = items.popleft()
+        while items and isinstance(items[0], RequestOutput) and isinstance(item, RequestOutput):
+            item = items.popleft()          # (nothing follows a finished one)
+        return item
+
+
 def _put_all(items) -> None:
     for outputs, item in items:
-        outputs.put_nowait(item)
+        outputs.put(item)
 
 
 class AsyncLLMEngine(EngineClient):
@@ -70,7 +108,7 @@ class AsyncLLMEngine(EngineClient):
         self.on_dead = on_dead            # called in the engine thread if the loop dies
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outputs]] = {}
         self._streams_lock = threading.Lock()
         # commands awaiting the engine thread's answer (a prefix-cache reset)
         self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
@@ -138,7 +176,7 @@ class AsyncLLMEngine(EngineClient):
         self.check_health()
         if not (isinstance(prompt_ids, ValidatedPrompt) and prompt_ids.validates(params)):
             self.validate(prompt_ids, params)                 # ValueError -> 400
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+        loop, outputs = asyncio.get_running_loop(), _Outputs()
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -148,7 +186,7 @@ class AsyncLLMEngine(EngineClient):
         finished = False
         try:
             while True:
-                item = await outputs.get()
+                item = await outputs.next()
                 if isinstance(item, BaseException):
                     finished = True             # the engine already dropped it
                     raise item
@@ -275,7 +313,7 @@ class AsyncLLMEngine(EngineClient):
         if target is not None:
             loop, outputs = target
             try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
+                loop.call_soon_threadsafe(outputs.put, item)
             except RuntimeError:                        # that event loop has closed
                 pass
 

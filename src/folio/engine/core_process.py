@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
+import threading
+from multiprocessing.reduction import ForkingPickler
 from typing import Optional
 
 from folio.core.beam import BeamSearchParams
@@ -60,7 +63,11 @@ def run_core(config, conn) -> None:
         except ValueError as e:
             kv_error = str(e)
         conn.send(("ready", {"kv_error": kv_error, "num_blocks": engine.num_blocks}))
-        Core(engine, conn).loop()
+        core = Core(engine, conn)
+        try:
+            core.loop()
+        finally:
+            core.close()            # what it sent goes out before anything said below
     except (EOFError, OSError):     # the front end went away: nothing to tell
         pass
     except BaseException as e:      # noqa: BLE001 - told before the shutdown, which may hang
@@ -81,6 +88,36 @@ class Core:
         # carry of each (when it was scheduled, preemptions, cached tokens)
         self.requests: dict = {}
         self.running = True
+        # Messages go out through a thread of their own, pickled here: the
+        # loop never waits for a front end that fell behind (a full pipe);
+        # that front end takes the steps waiting in one go (mp_client.py).
+        # The write releases the GIL, so the steps go on meanwhile.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken: Optional[BaseException] = None     # the front end went away
+        self.sender = threading.Thread(target=self._send_loop, name="folio-core-send",
+                                       daemon=True)
+        self.sender.start()
+
+    def send(self, msg) -> None:
+        if self.broken is not None:
+            raise EOFError("the front end went away") from self.broken
+        self.outbox.put(ForkingPickler.dumps(msg))
+
+    def _send_loop(self) -> None:
+        while True:
+            payload = self.outbox.get()
+            if payload is None:
+                return
+            try:
+                self.conn.send_bytes(payload)
+            except (OSError, ValueError) as e:
+                self.broken = e
+                return
+
+    def close(self, timeout: float = 10.0) -> None:
+        """What was sent, written out (unless the front end went away)."""
+        self.outbox.put(None)
+        self.sender.join(timeout)
 
     def loop(self) -> None:
         engine, conn = self.engine, self.conn
@@ -110,7 +147,7 @@ class Core:
             info[rid] = (req.first_scheduled_time, req.num_preemptions, req.num_cached_tokens)
             if rid not in self.engine.scheduler.requests:
                 del self.requests[rid]
-        self.conn.send(("step", outputs, self.engine.step_stats(), info))
+        self.send(("step", outputs, self.engine.step_stats(), info))
 
     def handle(self, msg) -> bool:
         """One command; True when it ended requests (an abort)."""
@@ -123,7 +160,7 @@ class Core:
                 self.requests.pop(rid, None)
             return True
         elif kind == "stop":
-            self.engine.scheduler.stop_sequences(msg[1])
+            self.engine.stop_sequences(msg[1])
             for rid, _ in msg[1]:           # ended by it: no step reports them again
                 if rid not in self.engine.scheduler.requests:
                     self.requests.pop(rid, None)
@@ -140,7 +177,7 @@ class Core:
             self.requests[rid] = add(rid, None, prompt_ids, params, arrival_time, priority,
                                      lora_request=lora)
         except ValueError as e:
-            self.conn.send(("add_failed", rid, str(e)))
+            self.send(("add_failed", rid, str(e)))
 
     def call(self, token, name: str, args: tuple) -> None:
         try:
@@ -150,6 +187,7 @@ class Core:
                 value = self.engine.check_lora(*args)
             else:
                 raise ValueError(f"no call {name!r}")
-            self.conn.send(("reply", token, True, value))
+            reply = ("reply", token, True, value)
         except Exception as e:     # noqa: BLE001 - the caller's to raise
-            self.conn.send(("reply", token, False, e))
+            reply = ("reply", token, False, e)
+        self.send(reply)

@@ -7,6 +7,7 @@ stop checks, free blocks) -> detokenize and check stop strings.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 from folio.config import FolioConfig
@@ -42,6 +43,10 @@ class LLMEngine:
         # (SchedulerOutput, its StepHandle) of the step handed over and not taken in
         self.scheduler.ahead = self.scheduler.ahead and hasattr(self.executor, "submit")
         self._in_flight = None
+        # steps run, and the seconds from the first step of a busy spell to
+        # the end of its last (core_step)
+        self.num_steps, self.busy_seconds = 0, 0.0
+        self._busy_from: Optional[float] = None
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer) if detokenize else None
         tokens = self.num_blocks * config.cache.block_size
@@ -110,6 +115,7 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         self.scheduler.abort_requests(request_ids)
+        self._end_busy_spell()
         if self.output_processor is None:
             return []
         return self.output_processor.abort(request_ids)
@@ -123,21 +129,49 @@ class LLMEngine:
             return []
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
-            self.scheduler.stop_sequences(stopped)
+            self.stop_sequences(stopped)
         return outputs
+
+    def stop_sequences(self, stopped: list[tuple[str, int]]) -> None:
+        """(request id, sequence index) pairs a stop string ended: freed."""
+        self.scheduler.stop_sequences(stopped)
+        self._end_busy_spell()
 
     def core_step(self) -> list[EngineCoreOutput]:
         """What one step did to each request. Under --async-scheduling the next
         step is scheduled and handed to the runner before this one's results
         are taken in, while every request may run ahead; otherwise (or once
         one may not) the step in flight is finished first and steps are
-        synchronous."""
+        synchronous.
+
+        Counted for the step rate (StepStats.num_steps, busy_seconds): the
+        time from one step's start to the next one's while requests remain,
+        so whatever the loop driving the engine does between steps (commands,
+        outputs, messages) is in it; the idle time between busy spells is not."""
+        start = time.perf_counter()
+        if self._busy_from is not None:
+            self.busy_seconds += start - self._busy_from
+        self._busy_from = start
+        try:
+            return self._core_step()
+        finally:
+            self._end_busy_spell()
+
+    def _end_busy_spell(self) -> None:
+        """Once nothing is left to run (the last step, an abort, a stop string):
+        the busy time counted to now."""
+        if self._busy_from is not None and not self.has_unfinished_requests():
+            self.busy_seconds += time.perf_counter() - self._busy_from
+            self._busy_from = None
+
+    def _core_step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler
         if not sched.ahead or sched.num_not_ahead:
             outputs = self._finish_in_flight()
             so = sched.schedule()
             if so.is_empty and not so.finished_seq_ids:
                 return outputs
+            self.num_steps += 1
             return outputs + sched.update_from_output(so, self.executor.execute(so))
         if self._in_flight is None:
             self._in_flight = self._submit(sched.schedule())
@@ -153,6 +187,7 @@ class LLMEngine:
     def _submit(self, so):
         if so.is_empty and not so.finished_seq_ids:
             return None
+        self.num_steps += 1
         return so, self.executor.submit(so)
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
@@ -173,6 +208,7 @@ class LLMEngine:
                          num_preemptions=sched.num_preemptions,
                          prefix_cache_queries=sched.prefix_cache_queries,
                          prefix_cache_hits=sched.prefix_cache_hits,
+                         num_steps=self.num_steps, busy_seconds=self.busy_seconds,
                          **dict(zip(("spec_num_drafts", "spec_num_draft_tokens",
                                      "spec_num_accepted_tokens"), sched.spec_counts)))
 

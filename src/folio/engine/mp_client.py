@@ -24,6 +24,7 @@ from folio.config import FolioConfig, ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.async_engine import AsyncLLMEngine, _Add, _answer
 from folio.engine.core_process import run_core
+from folio.engine.output_processor import merge_steps
 from folio.engine.protocol import EngineDeadError, StepCallback
 from folio.lora_request import LoRARequest
 from folio.worker.multiproc import _main_not_rerun
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from folio.tokenizer import Tokenizer
 
 logger = logging.getLogger("folio")
+
+# the core's step messages taken in at once, at most (the core never waits for
+# the front end: it sends from a thread of its own, engine/core_process.py)
+_MOST_STEPS_AT_ONCE = 64
 
 
 class MPEngineClient(AsyncLLMEngine):
@@ -220,12 +225,23 @@ class MPEngineClient(AsyncLLMEngine):
 
     # ---- what the core sends ----------------------------------------------------
     def _run(self) -> None:
+        conn = self._conn
         try:
+            following = None
             while True:
-                msg = self._conn.recv()
+                msg, following = following or conn.recv(), None
                 kind = msg[0]
                 if kind == "step":
-                    self._step(*msg[1:])
+                    # the steps waiting behind it too, taken in as one: a front
+                    # end that fell behind its core catches up (merge_steps)
+                    steps = [msg]
+                    while len(steps) < _MOST_STEPS_AT_ONCE and conn.poll():
+                        following = conn.recv()
+                        if following[0] != "step":
+                            break
+                        steps.append(following)
+                        following = None
+                    self._steps(steps)
                 elif kind == "reply":
                     self._reply(*msg[1:])
                 elif kind == "dead":
@@ -253,6 +269,16 @@ class MPEngineClient(AsyncLLMEngine):
             self._fail_calls()
             if self.on_dead is not None:
                 self.on_dead(e)
+
+    def _steps(self, steps: list) -> None:
+        """("step", core_outputs, stats, info) messages in order, as one step."""
+        if len(steps) == 1:
+            self._step(*steps[0][1:])
+            return
+        info: dict = {}
+        for step in steps:
+            info.update(step[3])
+        self._step(merge_steps([o for step in steps for o in step[1]]), steps[-1][2], info)
 
     def _step(self, core_outputs, stats, info) -> None:
         with self._lock:

@@ -353,3 +353,36 @@ class OutputProcessor:
                     seq.finish_reason = "abort"
             outputs.append(state.output())
         return outputs
+
+
+def merge_steps(core_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """Several steps' outputs, in order, as one step's: each sequence's runs of
+    tokens joined into one output (where the first of them has not ended it),
+    so that a front end that fell behind its core detokenizes each sequence
+    once and makes one RequestOutput per request for them all. `process`
+    still takes a stop string's sequence token by token, so a stop inside a
+    joined run ends it where it would have ended step by step."""
+    merged: list[EngineCoreOutput] = []
+    at: dict[tuple[str, int], int] = {}       # (request, sequence) -> its place in merged
+    for co in core_outputs:
+        key = (co.request_id, co.index)
+        k = at.get(key)
+        before = None if k is None else merged[k]
+        if (before is None or before.finish_reason is not None or before.beams is not None
+                or before.error is not None or co.beams is not None or co.error is not None):
+            at[key] = len(merged)
+            merged.append(co)
+            continue
+        tops = None
+        if before.new_top_logprobs is not None or co.new_top_logprobs is not None:
+            tops = ((before.new_top_logprobs or [[] for _ in before.new_token_ids])
+                    + (co.new_top_logprobs or [[] for _ in co.new_token_ids]))
+        prompt = None
+        if before.prompt_logprobs is not None or co.prompt_logprobs is not None:
+            prompt = (before.prompt_logprobs or []) + (co.prompt_logprobs or [])
+        merged[k] = EngineCoreOutput(
+            co.request_id, co.index, before.new_token_ids + co.new_token_ids,
+            before.new_logprobs + co.new_logprobs, co.finish_reason, co.stop_reason,
+            tops, prompt)
+    return merged
+

@@ -26,6 +26,11 @@ class StepStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # engine steps run, and the seconds the engine was busy with them: from
+    # a busy spell's first step to the end of its last, the driving loop's
+    # work between steps included (steps / busy seconds: the step rate)
+    num_steps: int = 0
+    busy_seconds: float = 0.0
 
     @property
     def spec(self) -> SpecDecodeCounts:

@@ -79,6 +79,13 @@ class ServerMetrics:
                                  "Speculative decoding: tokens a step with proposals yields per "
                                  "sequence (1 + accepted per proposal run), since start.")
         self._spec_seen = SpecDecodeCounts()
+        self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self.engine_busy = counter("engine_busy_seconds",
+                                   "Seconds the engine had requests to run: from a busy spell's "
+                                   "first step to the end of its last, the work between steps "
+                                   "included (engine_steps / engine_busy_seconds: the step rate; "
+                                   "its rate over time: the engine's duty cycle).")
+        self._engine_seen = (0, 0.0)
         self.success = Counter("folio:request_success", "Finished requests by reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
@@ -128,6 +135,9 @@ class ServerMetrics:
                                   self.spec_accepted), spec.since(self._spec_seen)):
             metric.inc(max(0, grown))
         self._spec_seen = spec
+        self.engine_steps.inc(max(0, stats.num_steps - self._engine_seen[0]))
+        self.engine_busy.inc(max(0.0, stats.busy_seconds - self._engine_seen[1]))
+        self._engine_seen = (stats.num_steps, stats.busy_seconds)
         if spec.draft_tokens:
             self.spec_rate.set(spec.acceptance_rate)
             self.spec_length.set(spec.mean_accepted_length)

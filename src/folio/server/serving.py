@@ -218,22 +218,40 @@ async def merged(served: ServedModel, calls: list[EngineCall]
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
-            if item is done_marker:
-                remaining -= 1
-            elif item is timed_out:     # the outputs before it were sent (and charged)
-                deadline.expire(latest.values())
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                latest[i] = item
-                yield i, item
+            for i, item in _newest(await queue.get(), queue, done_marker):
+                if item is done_marker:
+                    remaining -= 1
+                elif item is timed_out:     # the outputs before it were sent (and charged)
+                    deadline.expire(latest.values())
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    latest[i] = item
+                    yield i, item
     finally:
         if timer is not None:
             timer.cancel()
         for t in tasks:           # cancelling a pump aborts its engine request
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _newest(first, queue: asyncio.Queue, done_marker) -> list:
+    """What the calls' pumps queued by now, in order, less each call's outputs
+    that a later one of the same call waiting here supersedes (they are
+    cumulative: a consumer that fell behind sends one chunk for them). Only
+    outputs before an error or the timeout are merged: what came before
+    those is given as it would have been."""
+    items = [first]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    if len(items) == 1:
+        return items
+    plain = next((k for k, (_, item) in enumerate(items)
+                  if not (item is done_marker or isinstance(item, RequestOutput))), len(items))
+    last = {i: k for k, (i, item) in enumerate(items[:plain]) if isinstance(item, RequestOutput)}
+    return [(i, item) for k, (i, item) in enumerate(items)
+            if k >= plain or not isinstance(item, RequestOutput) or last[i] == k]
 
 
 class Deadline:
