@@ -1,28 +1,40 @@
 """Served against offline on the negligible model of `folio bench host` (issue
-50): 256 concurrent streams through `folio serve` (driven by `folio bench
-serve`, 4-token prompts, 64 output tokens each, EOS ignored) against the same
-256 requests through `LLM.generate` in a process of its own, alternated round by
-round, on one engine thread (OMP_NUM_THREADS=1).
+50): 256 concurrent streams through `folio serve` (4-token prompts, 512
+output tokens each, EOS ignored) against the same 256 requests through
+`LLM.generate` in a process of its own, alternated round by round, on one
+engine thread (OMP_NUM_THREADS=1).
 
 Two figures each:
-- output tokens per second over the whole run, prefill and the client's
-  connections included;
-- the engine's step rate: steps per second of busy time (StepStats'
-  num_steps and busy_seconds: from a busy spell's first step to the end of
-  its last, whatever the loop does between steps included; served: the
-  server's `folio:engine_steps_total` and `folio:engine_busy_seconds_total`
-  before and after the run).
+- output tokens per second over the whole run (served: from the first
+  request sent to the last chunk; the client's connections, the server's
+  request handling, the prefill and what the front end holds back included);
+- the engine's step rate with the 256 running: steps per busy second
+  (StepStats' num_steps and busy_seconds, the time between steps included).
+  Served: /metrics read every 0.1 s during the run, and the longest stretch
+  of readings with at least 95% of the 256 running and none waiting taken
+  (the first stream may have run alone at the start, and ended early)
+  (`folio:engine_steps_total` and `folio:engine_busy_seconds_total` at its
+  ends; one step's StepStats carry the counts and the counters alike, so a
+  front end behind its core shifts the readings, not what they say).
+  Offline: the same counters over `LLM.generate` (one prompt step, 511
+  decode steps, every one with 256 rows).
+
+The client is a small aiohttp one in this script (one connection a stream):
+on 2 cores `folio bench serve`, whose per-chunk accounting costs more, would
+take more of the CPU the server needs.
 
     .venv/bin/python docs/bench/host_served.py [--rounds 3] [--before OLD_CHECKOUT]
 
-The server runs as `folio serve` does (the engine a thread of the server) and
-with `--engine-process` (the engine core in a process of its own). With the
-core in its own process, CPUs are placed as on a GPU server, where the
-engine's process has a core to itself: the core on CPU 0, the server's front
-process and the benchmark client on CPU 1 (sched_setaffinity); offline runs on
-CPU 0. In one process nothing is placed (the engine thread and the event loop
-share the process; the client runs beside it). --before also runs both
-through an older checkout's src/ in the same rounds.
+The server runs as `folio serve` does (the engine core in a process of its
+own) and with `--no-engine-process` (the engine a thread of the server).
+With the core in its own process, CPUs are placed as on a GPU server, where
+the engine's process has a core to itself: the core on CPU 0, the server's
+front process and the client on CPU 1 (sched_setaffinity, every thread);
+offline then runs on CPU 0. In one process nothing is placed (the engine
+thread and the event loop share the process; the client runs beside it).
+--before also runs both through an older checkout's src/ in the same rounds
+(one from before the core process was the default: its default and
+`--engine-process`).
 """
 
 from __future__ import annotations
@@ -34,7 +46,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +54,11 @@ sys.path.insert(0, str(ROOT / "src" / "folio" / "bench"))
 import cpu_baselines as cb  # noqa: E402
 import host  # noqa: E402
 
-N, PROMPT, OUTPUT = 256, 4, 64
+N, PROMPT, OUTPUT = 256, 4, 512
+BLOCKS = N * ((PROMPT + OUTPUT) // 16 + 2) + 64
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-num-seqs", str(N),
-          "--max-num-batched-tokens", "2048", "--num-kv-blocks", str(N * 8 + 64)]
+          "--max-num-batched-tokens", "2048", "--num-kv-blocks", str(BLOCKS),
+          "--uvicorn-log-level", "warning"]
 
 OFFLINE = """
 import json, os, random, sys, time
@@ -53,7 +66,7 @@ if os.environ.get("FOLIO_BENCH_CPU"):
     os.sched_setaffinity(0, {{int(os.environ["FOLIO_BENCH_CPU"])}})
 from folio import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_num_seqs={n},
-          max_num_batched_tokens=2048, num_kv_blocks={n} * 8 + 64)
+          max_num_batched_tokens=2048, num_kv_blocks={blocks})
 rng = random.Random(0)
 def run():
     prompts = [{{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range({p})]}}
@@ -61,14 +74,79 @@ def run():
     params = SamplingParams(temperature=0, max_tokens={o}, ignore_eos=True)
     e = llm.engine
     counted = hasattr(e, "num_steps")       # (not in checkouts before the counters)
-    steps, busy = (e.num_steps, e.busy_seconds) if counted else (0, 0)
+    steps, busy = (e.num_steps, e.busy_seconds) if counted else (0, 0.0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     rate = sum(len(x.outputs[0].token_ids) for x in outs) / (time.perf_counter() - t0)
     return rate, (e.num_steps - steps) / (e.busy_seconds - busy) if counted else 0.0
 run()
 print(json.dumps(max(run() for _ in range(2))))
-""".format(n=N, p=PROMPT, o=OUTPUT)
+""".format(n=N, p=PROMPT, o=OUTPUT, blocks=BLOCKS)
+
+CLIENT = """
+import asyncio, json, random, sys, time
+import aiohttp
+url, n, p, o = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(0)
+NAMES = ("folio:num_requests_running", "folio:num_requests_waiting",
+         "folio:engine_steps_total", "folio:engine_busy_seconds_total")
+
+async def readings(session, out, done):
+    # /metrics every 0.1 s: (running, waiting, steps, busy seconds), all from
+    # the same step's StepStats
+    while not done.is_set():
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+        found = {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in NAMES:
+                found[name] = float(line.rsplit(" ", 1)[1])
+        out.append(tuple(found.get(name, 0.0) for name in NAMES))
+        try:
+            await asyncio.wait_for(done.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+
+async def one(session, ids):
+    body = {"model": "m", "prompt": ids, "max_tokens": o, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or usage
+    return time.perf_counter(), usage["completion_tokens"]
+
+def full_rate(samples):
+    # steps per busy second over the longest run of readings with (nearly) all
+    # n running: one stream may have run alone at the start and ended early
+    best, run = (0, 0.0), []
+    for sample in samples + [(0, 0, 0, 0)]:
+        if sample[0] >= 0.95 * n and sample[1] == 0:
+            run.append(sample)
+            continue
+        if len(run) >= 2 and run[-1][2] - run[0][2] > best[0]:
+            best = (run[-1][2] - run[0][2], run[-1][3] - run[0][3])
+        run = []
+    return best[0] / best[1] if best[1] > 0 else 0.0
+
+async def run():
+    prompts = [[rng.randrange(3, 4000) for _ in range(p)] for _ in range(n)]
+    samples, done = [], asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        reader = asyncio.ensure_future(readings(session, samples, done))
+        t0 = time.perf_counter()
+        ends = await asyncio.gather(*(one(session, ids) for ids in prompts))
+        done.set()
+        await reader
+    assert all(tokens == o for _, tokens in ends)
+    end = max(t for t, _ in ends)
+    print(json.dumps([n * o / (end - t0), full_rate(samples)]))
+
+asyncio.run(run())
+"""
 
 
 def env(src: Path) -> dict:
@@ -94,19 +172,6 @@ def _core_pid(server: int) -> int:
     raise RuntimeError(f"the server {server} has no engine core process")
 
 
-def _engine_counts(url: str) -> tuple[float, float]:
-    """The server's engine steps and busy seconds so far (/metrics)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    found = {}
-    for line in text.splitlines():
-        for name in ("folio:engine_steps_total", "folio:engine_busy_seconds_total"):
-            if line.startswith(name + "{"):
-                found[name] = float(line.rsplit(" ", 1)[1])
-    return (found.get("folio:engine_steps_total", 0.0),       # (0: a checkout without them)
-            found.get("folio:engine_busy_seconds_total", 0.0))
-
-
 def _place(pid: int, cpus: set) -> None:
     """Every thread of a process on these CPUs (a process's affinity set by
     its pid holds only for its main thread and the threads it starts after)."""
@@ -116,16 +181,13 @@ def _place(pid: int, cpus: set) -> None:
 
 def served(model: str, src: Path, log: Path, extra: tuple = (),
            place: bool = False) -> tuple[float, float]:
-    """(output tok/s, decode steps/s) of the best of 2 runs after a warm-up."""
+    """(output tok/s, engine steps per busy second with every stream running),
+    the best of 2 runs after a warm-up."""
     port = cb.free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-c", "from folio.cli import main; main()", "serve", model,
-           "--port", str(port), *ENGINE, *extra]
-    bench = [sys.executable, "-c", "from folio.cli import main; main()", "bench", "serve",
-             "--base-url", url, "--tokenizer", model, "--seed", "0", "--json",
-             "--num-prompts", str(N),
-             "--max-concurrency", str(N), "--input-len", str(PROMPT),
-             "--output-len", str(OUTPUT)]
+           "--port", str(port), "--served-model-name", "m", *ENGINE, *extra]
+    client = [sys.executable, "-c", CLIENT, url, str(N), str(PROMPT), str(OUTPUT)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env(src))
         try:
@@ -135,20 +197,17 @@ def served(model: str, src: Path, log: Path, extra: tuple = (),
                 _place(proc.pid, {1})
             rates = []
             for _ in range(3):          # the first warms the server up
-                steps, busy = _engine_counts(url)
-                done = subprocess.run(bench, capture_output=True, text=True,
+                done = subprocess.run(client, capture_output=True, text=True,
                                       env=env(ROOT / "src"),
                                       preexec_fn=(lambda: os.sched_setaffinity(0, {1}))
                                       if place else None)
                 if done.returncode or not done.stdout.strip():
-                    raise RuntimeError(f"bench serve failed: {done.stderr[-2000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
-                assert not result["failed"], result["errors"]
-                steps_after, busy_after = _engine_counts(url)
-                rates.append((result["output_throughput"],
-                              (steps_after - steps) / (busy_after - busy)
-                              if busy_after > busy else 0.0))
-            return max(rates[1:])
+                    raise RuntimeError(f"the client failed: {done.stderr[-2000:]}")
+                rates.append(tuple(json.loads(done.stdout.strip().splitlines()[-1])))
+                if done.stderr.strip():
+                    print(done.stderr.strip(), flush=True)
+            # the best of each (a run whose readings saw no step between them: 0)
+            return max(r[0] for r in rates[1:]), max(r[1] for r in rates[1:])
         finally:
             proc.terminate()
             proc.wait(30)
@@ -159,18 +218,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", default=None, help="an older checkout (its src/ is used)")
     args = p.parse_args()
-    sides = {"after": ROOT / "src", "after, --engine-process": ROOT / "src"}
+    # name -> (src, folio serve's flags, whether the engine has a process of its own)
+    sides = {"after (core process, the default)": (ROOT / "src", (), True),
+             "after, --no-engine-process": (ROOT / "src", ("--no-engine-process",), False)}
     if args.before:
-        sides["before"] = Path(args.before).resolve() / "src"
-        sides["before, --engine-process"] = Path(args.before).resolve() / "src"
+        before = Path(args.before).resolve() / "src"
+        sides["before (engine thread, its default)"] = (before, (), False)
+        sides["before, --engine-process"] = (before, ("--engine-process",), True)
     keys = ("offline", "served", "offline_steps", "served_steps")
     rates: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in sides}
     with tempfile.TemporaryDirectory(prefix="folio-served-") as tmp:
         model = host.make_model(Path(tmp) / "model")
         for r in range(args.rounds):
-            for side, src in sides.items():
-                place = "--engine-process" in side
-                extra = ("--engine-process",) if place else ()
+            for side, (src, extra, place) in sides.items():
                 off = offline(model, src, 0 if place else None)
                 srv = served(model, src, Path(tmp) / "server.log", extra, place)
                 for key, value in zip(keys, (off[0], srv[0], off[1], srv[1])):
@@ -184,11 +244,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for side, r in rates.items():
         m = {k: statistics.median(v) for k, v in r.items()}
-        steps = (f"{m['offline_steps']:.0f} | {m['served_steps']:.0f} | "
-                 f"{m['served_steps'] / m['offline_steps']:.2f}" if m["offline_steps"]
-                 else "not counted | not counted | -")
         print(f"| {side} | {m['offline']:.0f} | {m['served']:.0f} | "
-              f"{m['served'] / m['offline']:.2f} | {steps} |")
+              f"{m['served'] / m['offline']:.2f} | " + (
+                  f"{m['offline_steps']:.0f} | {m['served_steps']:.0f} | "
+                  f"{m['served_steps'] / m['offline_steps']:.2f} |" if m["offline_steps"]
+                  else "not counted | not counted | - |"))
     print("\n" + json.dumps(rates))
 
 

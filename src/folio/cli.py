@@ -100,6 +100,12 @@ def _tool_parser(args: argparse.Namespace) -> Optional[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (0, after draining) or a fatal error: a model that fails to
     load or an engine that dies prints one line and ends the process with 1."""
+    core = None
+    if args.engine_process:
+        # started first: it imports torch and the model code while this
+        # process does the same for the config (engine/core_process.py)
+        from folio.engine.core_process import CoreProcess
+        core = CoreProcess()
     import uvicorn
 
     from folio.engine.llm_engine import LLMEngine
@@ -137,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def load():
         if args.engine_process:
             from folio.engine.mp_client import MPEngineClient
-            engine = MPEngineClient(engine_config, chat_template=template, start=False)
+            engine = MPEngineClient(engine_config, chat_template=template, start=False,
+                                    core=core)
         else:
             engine = LLMEngine(engine_config)
             if template is not None:
@@ -342,9 +349,10 @@ def _add_serve(sub) -> None:
                             "is aborted and its client gets a 504 (default: no limit)")
     serve.add_argument("--drain-timeout", type=non_negative_float, metavar="SECONDS", default=30.0,
                        help="seconds that SIGTERM waits for in-flight requests before exiting")
-    serve.add_argument("--engine-process", action="store_true",
-                       help="run the engine core (scheduler, model) in a process of its own: "
-                            "the HTTP server, the text and the streams stay in this one")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine core (scheduler, model) in a process of its own, "
+                            "the HTTP server, the text and the streams in this one (default); "
+                            "--no-engine-process: the engine in a thread of this process")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (info logs each request)")

@@ -1,9 +1,12 @@
-"""`folio serve --engine-process`: the engine core in a process of its own.
-The official `openai` client's tests (test_openai_api.py: parity with
-transformers, streams, n > 1, stop strings, beams, 64 concurrent streams) and
-the hang-up tests (test_lifecycle.py) run again here against such a server;
-then the core is killed: /health answers 503 and the server exits non-zero
-within 10 s."""
+"""Where the engine runs: `folio serve` runs the engine core in a process of
+its own (the default, `--engine-process`), `--no-engine-process` in a thread
+of the server. The suite's servers run the default; here the official
+`openai` client's tests (test_openai_api.py: parity with transformers,
+streams, n > 1, stop strings, beams, 64 concurrent streams) and the hang-up
+tests (test_lifecycle.py) run again against an engine thread, the two give
+the same tokens (ahead or not, under preemption, tensor and pipeline
+parallel), and the core is killed: /health answers 503 and the server exits
+non-zero within 10 s."""
 
 import os
 import threading
@@ -21,7 +24,7 @@ from tests.server.conftest import ServerProcess, http, tiny_server_args, wait_fo
 
 @pytest.fixture(scope="module")
 def server(tiny_model, request):
-    srv = ServerProcess([*tiny_server_args(tiny_model), "--engine-process"])
+    srv = ServerProcess([*tiny_server_args(tiny_model), "--no-engine-process"])
     yield srv
     failed = request.session.testsfailed
     srv.stop()
@@ -43,7 +46,7 @@ for _name in ("test_completion_and_stream_agree", "test_n_and_multiple_prompts_a
 test_metrics_parse_and_move = lifecycle.test_metrics_parse_and_move
 
 
-def test_a_client_hang_up_aborts_in_the_core_and_frees_blocks(server):
+def test_a_client_hang_up_aborts_in_the_engine_thread_and_frees_blocks(server):
     before = lifecycle.metrics(server)
     lifecycle._raw_stream_then_hang_up(server, 3)
     assert wait_for(lambda: lifecycle.metrics(server)["folio:num_requests_running"] == 0)
@@ -55,27 +58,29 @@ def test_a_client_hang_up_aborts_in_the_core_and_frees_blocks(server):
     assert m["folio:generation_tokens_total"] - before["folio:generation_tokens_total"] < 100
 
 
-def test_greedy_tokens_equal_the_in_process_server(server, tiny_model):
-    """Also with the core scheduling one step ahead (--async-scheduling)."""
-    inproc = ServerProcess(tiny_server_args(tiny_model))
+def test_greedy_tokens_equal_the_engine_threads(server, tiny_model):
+    """The core process's tokens and logprobs are the engine thread's (this
+    module's server), also with the core scheduling one step ahead
+    (--async-scheduling)."""
+    core = ServerProcess([*tiny_server_args(tiny_model), "--engine-process"])
     ahead = ServerProcess([*tiny_server_args(tiny_model), "--engine-process",
                            "--async-scheduling"])
     try:
         body = {"model": "tiny", "prompt": ["Hello world", "The quick brown", "Paged"],
                 "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
-        _, _, want = http("POST", inproc.url + "/v1/completions", body)
-        for srv in (server, ahead):
+        _, _, want = http("POST", server.url + "/v1/completions", body)
+        for srv in (core, ahead):
             _, _, got = http("POST", srv.url + "/v1/completions", body)
             assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
             assert [c["logprobs"]["tokens"] for c in got["choices"]] == \
                 [c["logprobs"]["tokens"] for c in want["choices"]]
         stops = {**body, "max_tokens": 40, "stop": ["e"], "ignore_eos": False}
-        _, _, want = http("POST", inproc.url + "/v1/completions", stops)
+        _, _, want = http("POST", server.url + "/v1/completions", stops)
         _, _, got = http("POST", ahead.url + "/v1/completions", stops)
         assert [(c["text"], c["finish_reason"]) for c in got["choices"]] == \
             [(c["text"], c["finish_reason"]) for c in want["choices"]]
     finally:
-        inproc.stop()
+        core.stop()
         ahead.stop()
 
 

@@ -112,8 +112,12 @@ def test_an_engine_that_dies_later_ends_the_process(tiny_model, tmp_path):
     script = tmp_path / "dies.py"
     script.write_text(DIES_AT_FIRST_STEP)
     port = free_port()
+    # the engine in a thread of the server (the patch above is this process's;
+    # the core's own process dying: test_engine_process.py, and a failure
+    # inside it: test_tensor_parallel_server.py)
     proc = subprocess.Popen([sys.executable, str(script), "serve", tiny_model, "--dtype",
-                             "float32", "--port", str(port), "--uvicorn-log-level", "warning"],
+                             "float32", "--port", str(port), "--uvicorn-log-level", "warning",
+                             "--no-engine-process"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

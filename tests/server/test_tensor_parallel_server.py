@@ -11,19 +11,30 @@ from tests.server.test_lifecycle import wait_for
 
 
 def spawned_children(pid: int) -> list[int]:
+    """The processes multiprocessing spawned under `pid`, its children's too
+    (the engine core's process, and its tensor-parallel workers), parents first."""
     kids = []
     for path in glob.glob(f"/proc/{pid}/task/*/children"):
         with open(path) as f:
             kids += [int(x) for x in f.read().split()]
-    workers = []
+    found = []
     for kid in kids:
         try:
             with open(f"/proc/{kid}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():
-                    workers.append(kid)
+                    found.append(kid)
+                    found += spawned_children(kid)
         except OSError:
             pass
-    return workers
+    return found
+
+
+def tp_workers(server: int) -> list[int]:
+    """The tensor-parallel workers: in the engine core's process when there is
+    one (the server's spawned child with spawned children of its own)."""
+    spawned = spawned_children(server)
+    cores = [p for p in spawned if spawned_children(p)]
+    return [p for p in spawned if p not in cores]
 
 
 def alive(pid: int) -> bool:
@@ -49,7 +60,8 @@ def test_tp2_server_answers_then_fails_cleanly(tiny_model):
     try:
         status, _, out = http("POST", srv.url + "/v1/completions", body)
         assert status == 200 and out["choices"][0]["text"] == expected
-        workers = spawned_children(srv.proc.pid)
+        spawned = spawned_children(srv.proc.pid)
+        workers = tp_workers(srv.proc.pid)
         assert workers, "no tensor-parallel worker found"
         os.kill(workers[0], signal.SIGKILL)
         status, _, err = http("POST", srv.url + "/v1/completions", body)
@@ -60,4 +72,4 @@ def test_tp2_server_answers_then_fails_cleanly(tiny_model):
     assert srv.proc.returncode == 1
     last = srv.output().splitlines()[-1]
     assert last.startswith("folio: error: the engine stopped: ") and "worker" in last
-    assert wait_for(lambda: not any(alive(w) for w in workers), 10)
+    assert wait_for(lambda: not any(alive(p) for p in spawned), 10)   # the core's too

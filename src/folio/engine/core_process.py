@@ -11,7 +11,8 @@ talks to one core, and what crosses is Python objects the two share
 they are. A compiled grammar does not cross (it is dropped when pickled):
 the core compiles a request's structured outputs again when it adds it.
 
-front -> core: ("add", request_id, prompt_ids, params, arrival_time, priority, lora)
+front -> core: ("config", FolioConfig)                 first: the core was started before it
+               ("add", request_id, prompt_ids, params, arrival_time, priority, lora)
                ("abort", [request_id, ...])
                ("stop", [(request_id, index), ...])     stop strings the front found
                ("call", token, name, args)              reset_prefix_cache, check_lora
@@ -28,6 +29,8 @@ core -> front: ("ready", {"kv_error": message or None, "num_blocks": n})
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import queue
 import signal
@@ -36,13 +39,62 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Optional
 
 from folio.core.beam import BeamSearchParams
+from folio.worker.multiproc import _main_not_rerun
 
 logger = logging.getLogger("folio")
 
 
-def run_core(config, conn) -> None:
-    """The core process's body: build the engine, then serve the front end
-    until it says shutdown or goes away."""
+class CoreProcess:
+    """The engine core's process, started before its config exists: it
+    imports torch and the model code while the front end parses its
+    arguments and builds the config (the two imports take about as long),
+    then waits for ("config", config) on the pipe. Told to stop, or finding
+    the pipe closed, before that (a bad argument), it exits at once. At the
+    front end's exit it is told to stop and waited for briefly, then ended
+    (before multiprocessing joins its non-daemon children)."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        # not a daemon: a tensor-parallel core starts worker processes of its
+        # own; it ends when this side's end of the pipe closes
+        self.proc = ctx.Process(target=run_core, args=(child,), name="folio-engine-core",
+                                daemon=False)
+        with _main_not_rerun():
+            self.proc.start()
+        child.close()
+        self.configured = [False]       # (shared with the finalizer)
+        multiprocessing.util.Finalize(self, _stop_core,
+                                      args=(self.conn, self.proc, self.configured),
+                                      exitpriority=10)
+
+    def configure(self, config) -> None:
+        self.configured[0] = True
+        self.conn.send(("config", config))
+
+
+def _stop_core(conn, proc, configured) -> None:
+    """The core told to stop and waited for briefly, then ended (at exit); one
+    that never got its config holds nothing yet, and is ended at once."""
+    if not configured[0]:
+        proc.kill()
+        proc.join(5)
+        return
+    try:
+        conn.send(("shutdown",))
+        conn.close()
+    except (OSError, ValueError):
+        pass
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def run_core(conn, config=None) -> None:
+    """The core process's body: the imports, the config from the front end
+    (unless given), the engine built, then the front end served until it
+    says shutdown or goes away."""
     from folio.logger import configure_logging
     configure_logging()
     # SIGINT and SIGTERM are the server's to handle (a terminal's Ctrl-C or a
@@ -52,6 +104,14 @@ def run_core(config, conn) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from folio.engine.llm_engine import LLMEngine
+        if config is None:
+            msg = conn.recv()
+            if msg[0] != "config":          # stopped before it was needed
+                return
+            config = msg[1]
+    except (EOFError, OSError):              # the front end gave up before it was needed
+        return
+    try:
         engine = LLMEngine(config, detokenize=False)
     except BaseException as e:     # noqa: BLE001 - the front end reports it
         conn.send(("failed", f"{type(e).__name__}: {e}"))

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.util
 import queue
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
@@ -23,11 +21,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 from folio.config import FolioConfig, ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.async_engine import AsyncLLMEngine, _Add, _answer
-from folio.engine.core_process import run_core
+from folio.engine.core_process import CoreProcess
 from folio.engine.output_processor import merge_steps
 from folio.engine.protocol import EngineDeadError, StepCallback
 from folio.lora_request import LoRARequest
-from folio.worker.multiproc import _main_not_rerun
 
 if TYPE_CHECKING:
     from folio.tokenizer import Tokenizer
@@ -42,10 +39,12 @@ _MOST_STEPS_AT_ONCE = 64
 class MPEngineClient(AsyncLLMEngine):
     def __init__(self, config: FolioConfig, on_step: Optional[StepCallback] = None,
                  on_dead: Optional[Callable[[BaseException], None]] = None,
-                 chat_template: Optional[str] = None, start: bool = True):
+                 chat_template: Optional[str] = None, start: bool = True,
+                 core: Optional[CoreProcess] = None):
         """`start=False`: the core is loaded, but its messages are not taken in
         until `start` gives the callbacks (a server sets them first, so that a
-        core dying at once still reaches `on_dead`)."""
+        core dying at once still reaches `on_dead`). `core`: its process,
+        started early (a new one if not given)."""
         from folio.engine.input_processor import InputProcessor
         from folio.engine.output_processor import OutputProcessor
         from folio.tokenizer import get_tokenizer
@@ -70,16 +69,10 @@ class MPEngineClient(AsyncLLMEngine):
         self._tokens = itertools.count()
         self._stopping = False
         self.error: Optional[BaseException] = None
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        # not a daemon: a tensor-parallel core starts worker processes of its
-        # own; it ends when this side's end of the pipe closes
-        self._proc = ctx.Process(target=run_core, args=(config, child),
-                                 name="folio-engine-core", daemon=False)
-        with _main_not_rerun():
-            self._proc.start()
-        child.close()
+        self._core = core or CoreProcess()
+        self._conn, self._proc = self._core.conn, self._core.proc
         try:
+            self._core.configure(config)
             kind, info = self._conn.recv()          # the core loads the model
         except (EOFError, OSError):
             self._proc.join(10)
@@ -90,11 +83,6 @@ class MPEngineClient(AsyncLLMEngine):
             raise RuntimeError(info)
         self._kv_error = info["kv_error"]
         self.num_blocks = info["num_blocks"]
-        # at interpreter exit, before multiprocessing joins its non-daemon
-        # children: the core is told to stop (else a server that never called
-        # shutdown would wait for it forever)
-        multiprocessing.util.Finalize(self, _stop_core, args=(self._conn, self._proc),
-                                      exitpriority=10)
         self._sender = threading.Thread(target=self._send_loop, name="folio-engine-send",
                                         daemon=True)
         self._sender.start()
@@ -316,15 +304,3 @@ class MPEngineClient(AsyncLLMEngine):
         for token in list(self._calls):
             self._reply(token, False, EngineDeadError("the engine has stopped"))
 
-
-def _stop_core(conn, proc) -> None:
-    """The core told to stop and waited for briefly, then ended (at exit)."""
-    try:
-        conn.send(("shutdown",))
-        conn.close()
-    except (OSError, ValueError):
-        pass
-    proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
