@@ -91,6 +91,30 @@ def _stop_core(conn, proc, configured) -> None:
         proc.join(5)
 
 
+def take_in_steps(steps: list, requests: dict, processor) -> tuple[list, list]:
+    """A front end's side of ("step", core_outputs, stats, info) messages, in
+    order, taken in as one: each request's core-side numbers onto this side's
+    copy of it (`requests`: id -> Request), their outputs joined (merge_steps)
+    and made RequestOutputs by `processor` (an OutputProcessor), finished
+    requests dropped. Returns the outputs and the (request, index) pairs stop
+    strings ended, for the core to hear of."""
+    from folio.engine.output_processor import merge_steps
+    for step in steps:
+        for rid, (scheduled, preemptions, cached) in step[3].items():
+            request = requests.get(rid)
+            if request is not None:
+                request.first_scheduled_time = scheduled
+                request.num_preemptions = preemptions
+                request.num_cached_tokens = cached
+    core_outputs = (steps[0][1] if len(steps) == 1
+                    else merge_steps([o for step in steps for o in step[1]]))
+    outputs, stopped = processor.process(core_outputs)
+    for out in outputs:
+        if out.finished:
+            requests.pop(out.request_id, None)
+    return outputs, stopped
+
+
 def run_core(conn, config=None) -> None:
     """The core process's body: the imports, the config from the front end
     (unless given), the engine built, then the front end served until it

@@ -38,7 +38,11 @@ class LLM:
                  speculative_config: Union[None, str, dict] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
                  max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1,
-                 async_scheduling: bool = False, tokenizer: Optional[str] = None):
+                 async_scheduling: bool = False, tokenizer: Optional[str] = None,
+                 engine_process: bool = False):
+        """vLLM's options (docs/offline.md); `engine_process`: the engine core
+        (scheduler, model) in a process of its own, as `folio serve` runs it,
+        the text and the outputs made in this one (engine/core_client.py)."""
         configure_logging()
         config = build_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -58,11 +62,16 @@ class LLM:
             speculative_config=speculative_config, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             async_scheduling=async_scheduling, tokenizer=tokenizer)
-        self.engine = LLMEngine(config)
+        if engine_process:
+            from folio.engine.core_client import CoreClient
+            self.engine: "LLMEngine | CoreClient" = CoreClient(config)
+        else:
+            self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a single-process engine has none)."""
+        """Stop tensor-parallel workers (a single-process engine has none) and
+        the engine core's process (engine_process=True)."""
         self.engine.shutdown()
 
     def reset_prefix_cache(self) -> bool:

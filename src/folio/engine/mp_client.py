@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from folio.config import FolioConfig, ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.async_engine import AsyncLLMEngine, _Add, _answer
-from folio.engine.core_process import CoreProcess
-from folio.engine.output_processor import merge_steps
+from folio.engine.core_process import CoreProcess, take_in_steps
 from folio.engine.protocol import EngineDeadError, StepCallback
 from folio.lora_request import LoRARequest
 
@@ -260,31 +259,13 @@ class MPEngineClient(AsyncLLMEngine):
 
     def _steps(self, steps: list) -> None:
         """("step", core_outputs, stats, info) messages in order, as one step."""
-        if len(steps) == 1:
-            self._step(*steps[0][1:])
-            return
-        info: dict = {}
-        for step in steps:
-            info.update(step[3])
-        self._step(merge_steps([o for step in steps for o in step[1]]), steps[-1][2], info)
-
-    def _step(self, core_outputs, stats, info) -> None:
         with self._lock:
-            for rid, (scheduled, preemptions, cached) in info.items():
-                request = self._requests.get(rid)
-                if request is not None:
-                    request.first_scheduled_time = scheduled
-                    request.num_preemptions = preemptions
-                    request.num_cached_tokens = cached
-            outputs, stopped = self.output_processor.process(core_outputs)
-            for out in outputs:
-                if out.finished:
-                    self._requests.pop(out.request_id, None)
+            outputs, stopped = take_in_steps(steps, self._requests, self.output_processor)
             aborted, self._aborted = self._aborted, []
         if stopped:
             self._post(("stop", stopped))
         if self.on_step is not None:
-            self.on_step(stats, aborted + outputs)
+            self.on_step(steps[-1][2], aborted + outputs)
         if outputs:
             self._deliver_step(outputs)
 
