@@ -156,18 +156,18 @@ def test_the_step_rate_counts_busy_spells_not_the_idle_time_between(llm):
     first = time.perf_counter() - t0
     assert engine.num_steps - steps == 8                 # the prompt's step and 7 more
     assert 0 < engine.busy_seconds - busy <= first
-    time.sleep(0.4)
+    time.sleep(0.25)
     busy = engine.busy_seconds
     engine.add_request("a", "Hello", SamplingParams(max_tokens=50))
     engine.step()
     engine.abort_request(["a"])                          # ends the spell
-    time.sleep(0.4)
+    time.sleep(0.25)
     engine.add_request("s", "Hello", SamplingParams(max_tokens=50))
     engine.step()
     engine.stop_sequences([("s", 0)])                    # as a stop string would
-    time.sleep(0.4)
+    time.sleep(0.25)
     t0 = time.perf_counter()
     llm.generate(["Hello"], params, use_tqdm=False)
     last = time.perf_counter() - t0
-    assert engine.busy_seconds - busy < last + 0.15      # neither pause is in it
+    assert engine.busy_seconds - busy < last + 0.1       # neither pause is in it
     assert not engine.has_unfinished_requests()

@@ -277,7 +277,7 @@ def test_a_stream_that_falls_behind_gets_the_newest_output_with_every_token(clie
         return seen
 
     kept_up = asyncio.run(consume("fast", 0))
-    behind = asyncio.run(consume("slow", 0.05))
+    behind = asyncio.run(consume("slow", 0.02))
     assert kept_up[-1] == behind[-1] and len(behind[-1]) == 24
     assert len(behind) < len(kept_up)              # outputs were skipped over...
     for before, after in zip(behind, behind[1:]):  # ...and each one it got extends the last

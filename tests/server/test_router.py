@@ -48,7 +48,10 @@ def replica_args() -> list[str]:
 
 @pytest.fixture(scope="module")
 def replicas(request):
-    servers = [ServerProcess(replica_args(), wait=False) for _ in range(2)]
+    # one thread each: two servers' thread pools on two CPUs made their start
+    # take 5-25 s (each waited on the other's descheduled threads)
+    servers = [ServerProcess(replica_args(), env={"OMP_NUM_THREADS": "1"}, wait=False)
+               for _ in range(2)]
     try:
         for s in servers:
             s.wait_healthy()

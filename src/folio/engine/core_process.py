@@ -115,10 +115,10 @@ def take_in_steps(steps: list, requests: dict, processor) -> tuple[list, list]:
     return outputs, stopped
 
 
-def run_core(conn, config=None) -> None:
-    """The core process's body: the imports, the config from the front end
-    (unless given), the engine built, then the front end served until it
-    says shutdown or goes away."""
+def run_core(conn) -> None:
+    """The core process's body: the imports, the config from the front end,
+    the engine built, then the front end served until it says shutdown or
+    goes away."""
     from folio.logger import configure_logging
     configure_logging()
     # SIGINT and SIGTERM are the server's to handle (a terminal's Ctrl-C or a
@@ -128,11 +128,10 @@ def run_core(conn, config=None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from folio.engine.llm_engine import LLMEngine
-        if config is None:
-            msg = conn.recv()
-            if msg[0] != "config":          # stopped before it was needed
-                return
-            config = msg[1]
+        msg = conn.recv()
+        if msg[0] != "config":              # stopped before it was needed
+            return
+        config = msg[1]
     except (EOFError, OSError):              # the front end gave up before it was needed
         return
     try:
