@@ -3,9 +3,10 @@
 The engine steps in its own thread. Requests and aborts reach it through a
 command queue; outputs go back to each request's _Outputs on its event loop
 with `loop.call_soon_threadsafe` (one wake-up a loop a step). Outputs are
-cumulative, so a stream that fell behind takes only the newest (_Outputs). Only this
-thread touches the scheduler, so the engine core could later move to its own
-process behind the same interface: AsyncLLMEngine is the EngineClient
+cumulative, so a stream that fell behind takes only the newest (_Outputs).
+Only this thread touches the scheduler (`folio serve --no-engine-process`;
+by default the core runs in a process of its own behind the same interface,
+engine/mp_client.py): AsyncLLMEngine is the EngineClient
 (`engine/protocol.py`) the server holds, and after each step it sends a
 StepStats message, never itself, to the metrics callback.
 """

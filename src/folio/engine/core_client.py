@@ -16,7 +16,7 @@ from typing import Optional
 
 from folio.config import FolioConfig
 from folio.core.beam import BeamSearchParams
-from folio.engine.core_process import CoreProcess, take_in_steps
+from folio.engine.core_process import MOST_STEPS_AT_ONCE, CoreProcess, take_in_steps
 from folio.engine.input_processor import InputProcessor
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.protocol import EngineDeadError
@@ -25,9 +25,6 @@ from folio.outputs import RequestOutput
 from folio.request import Request
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import get_tokenizer
-
-# the step messages taken in at once, at most (as the server's front end)
-_MOST_STEPS_AT_ONCE = 64
 
 
 class CoreClient:
@@ -41,17 +38,7 @@ class CoreClient:
         self._requests: dict[str, Request] = {}      # this side's copy of each request
         self._waiting: list = []        # messages read while waiting for a reply
         self._tokens = itertools.count()
-        self._core.configure(config)
-        try:
-            kind, info = self._conn.recv()          # the core loads the model
-        except (EOFError, OSError):
-            self._core.proc.join(10)
-            raise RuntimeError(f"the engine core process exited ({self._core.proc.exitcode}) "
-                               "before it was ready") from None
-        if kind == "failed":
-            self._core.proc.join(10)
-            raise RuntimeError(info)
-        self.num_blocks = info["num_blocks"]
+        self.num_blocks = self._core.start_engine(config)["num_blocks"]
 
     # ---- requests -----------------------------------------------------------------
     def add_tokenized_request(self, request_id: str, prompt_text: Optional[str],
@@ -100,7 +87,7 @@ class CoreClient:
         """The outputs of the core's next step, and of every step already
         waiting behind it (taken in as one: merge_steps)."""
         steps = [self._next()]
-        while len(steps) < _MOST_STEPS_AT_ONCE and (self._waiting or self._conn.poll()):
+        while len(steps) < MOST_STEPS_AT_ONCE and (self._waiting or self._conn.poll()):
             if self._peek()[0] != "step":
                 break
             steps.append(self._next())
@@ -166,15 +153,6 @@ class CoreClient:
             raise EngineDeadError(f"the engine core failed: {msg[1]}")
         return msg
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self) -> None:
         """The core told to stop and waited for; ended if it does not."""
-        proc = self._core.proc
-        if proc.is_alive():
-            try:
-                self._conn.send(("shutdown",))
-            except (OSError, ValueError):
-                pass
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout)
+        self._core.stop()

@@ -39,6 +39,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Optional
 
 from folio.core.beam import BeamSearchParams
+from folio.engine.output_processor import merge_steps
 from folio.worker.multiproc import _main_not_rerun
 
 logger = logging.getLogger("folio")
@@ -68,9 +69,25 @@ class CoreProcess:
                                       args=(self.conn, self.proc, self.configured),
                                       exitpriority=10)
 
-    def configure(self, config) -> None:
+    def start_engine(self, config) -> dict:
+        """The config sent and the engine built on it: the core's "ready"
+        info ({kv_error, num_blocks}); RuntimeError if it failed or exited."""
         self.configured[0] = True
-        self.conn.send(("config", config))
+        try:
+            self.conn.send(("config", config))
+            kind, info = self.conn.recv()          # the core loads the model
+        except (EOFError, OSError):
+            self.proc.join(10)
+            raise RuntimeError(f"the engine core process exited ({self.proc.exitcode}) "
+                               "before it was ready") from None
+        if kind == "failed":
+            self.proc.join(10)
+            raise RuntimeError(info)
+        return info
+
+    def stop(self) -> None:
+        """Told to stop and waited for, ended if it does not (as at exit)."""
+        _stop_core(self.conn, self.proc, self.configured)
 
 
 def _stop_core(conn, proc, configured) -> None:
@@ -91,6 +108,11 @@ def _stop_core(conn, proc, configured) -> None:
         proc.join(5)
 
 
+# the core's step messages a front end takes in at once, at most (the core
+# never waits for its front end: it sends from a thread of its own)
+MOST_STEPS_AT_ONCE = 64
+
+
 def take_in_steps(steps: list, requests: dict, processor) -> tuple[list, list]:
     """A front end's side of ("step", core_outputs, stats, info) messages, in
     order, taken in as one: each request's core-side numbers onto this side's
@@ -98,7 +120,6 @@ def take_in_steps(steps: list, requests: dict, processor) -> tuple[list, list]:
     and made RequestOutputs by `processor` (an OutputProcessor), finished
     requests dropped. Returns the outputs and the (request, index) pairs stop
     strings ended, for the core to hear of."""
-    from folio.engine.output_processor import merge_steps
     for step in steps:
         for rid, (scheduled, preemptions, cached) in step[3].items():
             request = requests.get(rid)

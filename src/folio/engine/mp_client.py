@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from folio.config import FolioConfig, ModelConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.async_engine import AsyncLLMEngine, _Add, _answer
-from folio.engine.core_process import CoreProcess, take_in_steps
+from folio.engine.core_process import MOST_STEPS_AT_ONCE, CoreProcess, take_in_steps
 from folio.engine.protocol import EngineDeadError, StepCallback
 from folio.lora_request import LoRARequest
 
@@ -29,10 +29,6 @@ if TYPE_CHECKING:
     from folio.tokenizer import Tokenizer
 
 logger = logging.getLogger("folio")
-
-# the core's step messages taken in at once, at most (the core never waits for
-# the front end: it sends from a thread of its own, engine/core_process.py)
-_MOST_STEPS_AT_ONCE = 64
 
 
 class MPEngineClient(AsyncLLMEngine):
@@ -70,16 +66,7 @@ class MPEngineClient(AsyncLLMEngine):
         self.error: Optional[BaseException] = None
         self._core = core or CoreProcess()
         self._conn, self._proc = self._core.conn, self._core.proc
-        try:
-            self._core.configure(config)
-            kind, info = self._conn.recv()          # the core loads the model
-        except (EOFError, OSError):
-            self._proc.join(10)
-            raise RuntimeError(f"the engine core process exited ({self._proc.exitcode}) "
-                               "before it was ready") from None
-        if kind == "failed":
-            self._proc.join(10)
-            raise RuntimeError(info)
+        info = self._core.start_engine(config)
         self._kv_error = info["kv_error"]
         self.num_blocks = info["num_blocks"]
         self._sender = threading.Thread(target=self._send_loop, name="folio-engine-send",
@@ -222,7 +209,7 @@ class MPEngineClient(AsyncLLMEngine):
                     # the steps waiting behind it too, taken in as one: a front
                     # end that fell behind its core catches up (merge_steps)
                     steps = [msg]
-                    while len(steps) < _MOST_STEPS_AT_ONCE and conn.poll():
+                    while len(steps) < MOST_STEPS_AT_ONCE and conn.poll():
                         following = conn.recv()
                         if following[0] != "step":
                             break

@@ -249,7 +249,8 @@ class SamplingColumns:
         block = on_device()
         return LogitAdjustments(
             presence=block[_PRESENCE], frequency=block[_FREQUENCY],
-            repetition=block[_REPETITION], output_counts=counts, seen=seen, bias=bias, banned=banned, rows=table_rows)
+            repetition=block[_REPETITION], output_counts=counts, seen=seen, bias=bias,
+            banned=banned, rows=table_rows)
 
     def _grow(self, rows: int) -> None:
         old = self.num_rows

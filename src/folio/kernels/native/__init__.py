@@ -171,8 +171,13 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         fn.restype, fn.argtypes = restype, argtypes
     # a decode's context split across threads only when asked: splits make a
     # request's arithmetic depend on its batch (paged_attention.c)
-    lib.folio_attention_splits(int(os.environ.get("FOLIO_ATTENTION_SPLITS", "0") == "1"))
+    lib.folio_attention_splits(_splits_asked())
     return lib
+
+
+def _splits_asked() -> int:
+    """FOLIO_ATTENTION_SPLITS=1: decode attention may split a context."""
+    return int(os.environ.get("FOLIO_ATTENTION_SPLITS", "0") == "1")
 
 
 def _run_all(commands: list[list[str]], jobs: int) -> str:
@@ -206,7 +211,7 @@ def attention_splits(lib: Optional[ctypes.CDLL] = None):
     try:
         yield
     finally:
-        lib.folio_attention_splits(int(os.environ.get("FOLIO_ATTENTION_SPLITS", "0") == "1"))
+        lib.folio_attention_splits(_splits_asked())
 
 
 def dtype_code(dtype: torch.dtype) -> int:
