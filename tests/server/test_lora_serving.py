@@ -176,14 +176,17 @@ def test_unload_and_eviction_under_traffic_keep_each_request_s_adapter(setup):
             try:
                 parts = []
                 for chunk in client.completions.create(
-                        model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
-                        extra_body={"ignore_eos": True}):
+                        model=model, prompt=PROMPT, max_tokens=LONG if model == "b" else 24,
+                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
                     parts.append(chunk.choices[0].text)
                     if model == "b":
                         started.set()
                 texts[key] = "".join(parts)
             except Exception as e:      # noqa: BLE001 - reported below
                 errors.append((key, e))
+        # b's long enough to be streaming still when it is unloaded: a stream's
+        # first chunk may carry many tokens when the server is behind
+        LONG = 200
         threads = [threading.Thread(target=stream, args=(f"{m}{i}", m))
                    for i in range(2) for m in ("a", "b", "tiny")]
         for t in threads:
@@ -196,7 +199,7 @@ def test_unload_and_eviction_under_traffic_keep_each_request_s_adapter(setup):
             t.join(120)
         assert not errors, errors
         offline = {"a": _offline(base, LoRARequest("a", 1, a), 24),
-                   "b": _offline(base, LoRARequest("b", 2, b), 24),
+                   "b": _offline(base, LoRARequest("b", 2, b), LONG),
                    "tiny": _offline(base, None, 24)}
         assert len(texts) == 6 and texts == {k: offline[k[:-1]] for k in texts}
         with pytest.raises(NotFoundError):
