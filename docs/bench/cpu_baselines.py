@@ -111,6 +111,11 @@ def wait_up(url: str, proc: subprocess.Popen, seconds: float) -> None:
 
 def drive(args, url: str, workload: list[str]) -> float:
     """Output tok/s of one workload against the server at url."""
+    return drive_run(args, url, workload)["output_throughput"]
+
+
+def drive_run(args, url: str, workload: list[str]) -> dict:
+    """`folio bench serve`'s whole summary of one workload against the server at url."""
     cmd = [*folio_cmd(args), "bench", "serve", "--base-url", url, "--seed", "0", "--json",
            *workload]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(args))
@@ -119,7 +124,7 @@ def drive(args, url: str, workload: list[str]) -> float:
     result = json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
     if result["failed"]:
         raise RuntimeError(f"{result['failed']} requests failed: {result['errors']}")
-    return result["output_throughput"]
+    return result
 
 
 def serve(args, name: str, cmd: list[str], port: int, log: Path, startup: float = 600,
@@ -146,11 +151,16 @@ def serve(args, name: str, cmd: list[str], port: int, log: Path, startup: float 
             print(f"  {name} FAILED: {e}\n  its log ends:\n{tail}", flush=True)
             return {"error": str(e)}
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 30)
+
+
+def stop(proc: subprocess.Popen, seconds: float) -> None:
+    """Ask a server to stop; kill it after `seconds`."""
+    proc.terminate()
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def gguf_path() -> str:

@@ -78,6 +78,13 @@
 #else
 #define QL_PATH __attribute__((visibility("hidden")))
 #endif
+/* How far ahead of its reads a few-row path (int8, float) asks for a tile's codes, in
+ * positions (0: not at all): the hardware's prefetchers alone left one row's
+ * product at 0.55-0.75 of the machine's read bandwidth (docs/bench/qlinear_prefetch.py
+ * measures the distances). */
+#ifndef FOLIO_QL_PREFETCH
+#define FOLIO_QL_PREFETCH 256
+#endif
 #define QL_PART(n) (FOLIO_QLINEAR_PART < 0 || FOLIO_QLINEAR_PART == (n))
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || \
@@ -236,6 +243,23 @@ static inline __attribute__((always_inline)) void store_row(const job *J, int64_
     }
 }
 
+/* Ask for tiles t0 .. t0 + nt's codes FOLIO_QL_PREFETCH positions past p. */
+static inline __attribute__((always_inline)) void prefetch_codes(const job *J, int64_t t0,
+                                                                 int nt, int64_t p,
+                                                                 const int bits) {
+#if FOLIO_QL_PREFETCH
+#pragma GCC unroll 3
+    for (int j = 0; j < nt; j++) {
+        const char *ahead = (const char *)J->codes + (t0 + j - J->code_tile0) * tile_bytes(J) +
+                            (p + FOLIO_QL_PREFETCH) * 2 * bits;
+        __builtin_prefetch(ahead, 0, 3);
+        if (bits > 4) __builtin_prefetch(ahead + 64, 0, 3);
+    }
+#else
+    (void)J, (void)t0, (void)nt, (void)p, (void)bits;
+#endif
+}
+
 /* The group's scale and offset vectors of one tile, offset = -z * s with zeros. */
 static inline __attribute__((always_inline)) void group_scale(const job *J, int64_t tile,
                                                               int64_t g, int v, vec *s, vec *o) {
@@ -360,6 +384,7 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
 #pragma GCC unroll 6
                 for (int j = 0; j < nt * VPT; j++) gacc[c][r][j] = vzero();
         for (int64_t p = J->bounds[g]; p < J->bounds[g + 1]; p += 8) {
+            prefetch_codes(J, t0, nt, p, bits);
 #pragma GCC unroll 3
             for (int j = 0; j < nt; j++)
 #pragma GCC unroll 2
@@ -748,6 +773,7 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             for (int64_t p = p0; p < p1; p += 8) {
                 /* each lane's word: positions 0..3 of the octet (lo), 4..7 (hi) */
                 ivec w[2][INT * VPT];
+                prefetch_codes(J, t0, nt, p, bits);
 #pragma GCC unroll 2
                 for (int j = 0; j < nt; j++)
 #pragma GCC unroll 2

@@ -1,0 +1,99 @@
+"""How far ahead the int8 path should ask for its codes (issue 53: one request
+at the memory's limit). The quantized linear kernel library is built once per
+prefetch distance (`-DFOLIO_QL_PREFETCH=N`, in positions; 0 = none, the
+hardware prefetchers alone), and one pass over every quantized projection of
+a GGUF model, one row each in model order (what a one-request decode step
+reads: the layers and the LM head), is timed with each build, the builds
+alternated pass by pass in one process, so that the machine's bandwidth,
+which moves by tens of percent between minutes here, moves under all of them
+alike. Between rounds the machine's read bandwidth (torch's sum of 1 GiB, 2
+threads) is measured too, and each rate is given as a share of it.
+
+    .venv/bin/python docs/bench/qlinear_prefetch.py MODEL.gguf [MODEL.gguf ...]
+        [--distances 0,128,256,512] [--rows 1] [--rounds 5] [--mode 2] [--avx2]
+
+(scripts/make_size_ggufs.py writes the 1B-8B models.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from folio import LLM
+from folio.kernels import native
+
+
+def quantized_weights(path: str) -> list:
+    """Every IntGroups a decode step multiplies by, in model order (a fused
+    layer of mixed types: each of its parts)."""
+    llm = LLM(path, num_kv_blocks=16, max_num_seqs=1)
+    model = llm.engine.executor.runner.model
+    out, seen = [], set()
+    for mod in model.modules():
+        for v in vars(mod).values():
+            if hasattr(v, "native_weight") and id(v) not in seen:
+                seen.add(id(v))
+                w = v.weights
+                out.extend(w.parts if hasattr(w, "parts") else [w])
+    return out
+
+
+def read_bandwidth(a: torch.Tensor) -> float:
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - start)
+    return a.numel() * a.element_size() / best / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("models", nargs="+")
+    p.add_argument("--distances", default="0,128,256,512")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--mode", type=int, default=2, help="native.qlinear's quantize_x (2: int8)")
+    p.add_argument("--avx2", action="store_true",
+                   help="the AVX2 build (-mno-avx512f), as an AVX2-only CPU runs it")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    distances = [int(d) for d in args.distances.split(",")]
+    extra = ("-mno-avx512f",) if args.avx2 else ()
+    libs = {d: native._build((*extra, f"-DFOLIO_QL_PREFETCH={d}")) for d in distances}
+    flags = native._cpu_flags().split()
+    print("CPU flags: " + " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16",
+                                                "avx512_vnni", "amx_tile") if f in flags)
+          + (" (the AVX2 build, -mno-avx512f)" if args.avx2 else ""))
+    big = torch.ones(1 << 28)
+    print("| model | MB a pass | distance (positions) | ms a pass | GB/s | / read bandwidth |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for path in args.models:
+        ws = quantized_weights(path)
+        nbytes = sum(w.nbytes for w in ws)
+        xs = [torch.randn(args.rows, w.in_features) for w in ws]
+        times = {d: [] for d in distances}
+        shares = {d: [] for d in distances}
+        for _ in range(args.rounds):
+            bw = read_bandwidth(big)
+            for _ in range(3):
+                for d, lib in libs.items():
+                    start = time.perf_counter()
+                    for w, x in zip(ws, xs):
+                        native.qlinear(x, w, quantize_x=args.mode, lib=lib)
+                    t = time.perf_counter() - start
+                    times[d].append(t)
+                    shares[d].append(nbytes / t / 1e9 / bw)
+        for d in distances:
+            t = statistics.median(times[d])
+            print(f"| {path.rsplit('/', 1)[-1]} | {nbytes / 1e6:.0f} | {d} | {t * 1e3:.2f} "
+                  f"| {nbytes / t / 1e9:.1f} | {statistics.median(shares[d]):.2f} |", flush=True)
+        print(f"read bandwidth: {read_bandwidth(big):.1f} GB/s (torch sum, 2 threads)")
+
+
+if __name__ == "__main__":
+    main()
