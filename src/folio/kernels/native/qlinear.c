@@ -260,16 +260,34 @@ static inline __attribute__((always_inline)) void prefetch_codes(const job *J, i
 #endif
 }
 
+/* A super-group's float16 pair of one tile vector as fp32: d (the scales')
+ * and m (the offsets'). */
+static inline __attribute__((always_inline)) void super_pair(const job *J, int64_t tile,
+                                                             int64_t g, int v, vec *d, vec *m) {
+    const uint16_t *at = J->supers + (tile * J->supers_n + (g >> J->super_shift)) * 32 + v * VL;
+    *d = vhalf(at);
+    *m = vhalf(at + 16);
+}
+
+/* Two-level scales: the group's int8s times its super-group's pair (d, m):
+ * exact in fp32. */
+static inline __attribute__((always_inline)) void super_scale(const job *J, int64_t tile,
+                                                              int64_t g, int v, vec d, vec m,
+                                                              vec *s, vec *o) {
+    const int64_t at = (tile * J->groups + g) * 16 + v * VL;
+    const int8_t *sc = (const int8_t *)J->scales + at;
+    *s = vmul(d, vsmall(sc));
+    *o = vmul(m, vsmall(J->offsets ? (const int8_t *)J->offsets + at : sc));
+}
+
 /* The group's scale and offset vectors of one tile, offset = -z * s with zeros. */
 static inline __attribute__((always_inline)) void group_scale(const job *J, int64_t tile,
                                                               int64_t g, int v, vec *s, vec *o) {
     const int64_t at = (tile * J->groups + g) * 16 + v * VL;
-    if (J->supers) {        /* the group's int8 times its super-group's float16: exact */
-        const uint16_t *d = J->supers + (tile * J->supers_n + (g >> J->super_shift)) * 32 +
-                            v * VL;
-        const int8_t *sc = (const int8_t *)J->scales + at;
-        *s = vmul(vhalf(d), vsmall(sc));
-        *o = vmul(vhalf(d + 16), vsmall(J->offsets ? (const int8_t *)J->offsets + at : sc));
+    if (J->supers) {
+        vec d, m;
+        super_pair(J, tile, g, v, &d, &m);
+        super_scale(J, tile, g, v, d, m, s, o);
         return;
     }
     *s = vhalf((const uint16_t *)J->scales + at);
@@ -758,9 +776,26 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
 #pragma GCC unroll 4
         for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
     int64_t blk = 0;
+    /* two-level scales, not held: the super-group's pairs converted once for
+     * its groups, not once a group (the same products) */
+    const int own_supers = !held && J->supers;
+    const int64_t per_super = (int64_t)1 << J->super_shift;
+    vec dsup[INT * VPT], msup[INT * VPT];
     for (int64_t g = 0; g < J->groups; g++) {
         vec s[INT * VPT], o[INT * VPT];
-        scales_of(J, held, INT, t0, g, nt, s, o);
+        if (own_supers) {
+#pragma GCC unroll 2
+            for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+                for (int v = 0; v < VPT; v++) {
+                    if ((g & (per_super - 1)) == 0)
+                        super_pair(J, t0 + j, g, v, dsup + j * VPT + v, msup + j * VPT + v);
+                    super_scale(J, t0 + j, g, v, dsup[j * VPT + v], msup[j * VPT + v],
+                                s + j * VPT + v, o + j * VPT + v);
+                }
+        } else {
+            scales_of(J, held, INT, t0, g, nt, s, o);
+        }
         for (int64_t p0 = J->bounds[g]; p0 < J->bounds[g + 1]; p0 += 32, blk++) {
             const int64_t p1 = p0 + 32 < J->bounds[g + 1] ? p0 + 32 : J->bounds[g + 1];
             ivec iacc[2][IMR][INT * VPT];
