@@ -63,10 +63,12 @@ def tensors_of(shape: dict, vocab: int):
         yield "output.weight", (vocab, h)
 
 
-def write_f16(path: Path, size: str, seed: int = 0) -> None:
+def write_f16(path: Path, size: str, seed: int = 0, src=None) -> None:
+    """`src`: the gguf.GGUFReader whose tokenizer the file takes (default:
+    the default model's; reading it takes seconds)."""
     import gguf
     shape = SHAPES[size]
-    src = gguf.GGUFReader(default_gguf())
+    src = src or gguf.GGUFReader(default_gguf())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random Llama {size.upper()} shape (Folio issue 53)")
