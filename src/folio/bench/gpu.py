@@ -146,10 +146,16 @@ def _prompts(vocab: int, lengths, seed: int = 1) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
 
 
+# The KV budget of the CPU, where only the dry run (--tiny) runs: its tiny
+# model needs little, and the 2 GiB default costs over a second to zero per engine.
+CPU_DRY_RUN_KV = "64MiB"
+
+
 def _llm(folder: Path, dtype: str, device: str, name: str):
     from folio import LLM
     return LLM(str(folder), dtype=dtype, device=device, attention_backend=name,
-               kv_cache_memory_bytes="2GiB", max_model_len=1024, enforce_eager=True)
+               kv_cache_memory_bytes="2GiB" if device.startswith("cuda") else CPU_DRY_RUN_KV,
+               max_model_len=1024, enforce_eager=True)
 
 
 def correctness(folder: Path, dtype: str, device: str, vocab: int, lengths,
@@ -493,7 +499,9 @@ def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandw
     t = time.perf_counter()
     engine = LLMEngine.from_args(str(folder), dtype=dtype_name, device=device,
                                  attention_backend="TRITON",
-                                 max_model_len=max(lens[0][1] + lens[1][1], 2 * b1) + 16)
+                                 max_model_len=max(lens[0][1] + lens[1][1], 2 * b1) + 16,
+                                 kv_cache_memory_bytes=None if device.startswith("cuda")
+                                 else CPU_DRY_RUN_KV)
     steps["engine_start_s"] = time.perf_counter() - t
     out: dict = {}
     runner = engine.executor.runner
@@ -557,6 +565,8 @@ def served(args, folder: Path, dtype_name: str, device: str, lens) -> dict:
     serve = cli + ["serve", str(folder), "--port", str(port), "--dtype", dtype_name,
                    "--device", device, "--attention-backend", "TRITON",
                    "--max-model-len", str(lens[0][1] + lens[1][1] + 16)]
+    if not device.startswith("cuda"):
+        serve += ["--kv-cache-memory-bytes", CPU_DRY_RUN_KV]
     log = open(args.out / "served.log", "w")
     proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:
