@@ -286,8 +286,16 @@ def one_round(args, tmp: Path) -> dict:
 
 def memory_bandwidth(args) -> dict:
     """GB/s of a 1 GiB read (a sum) and copy on 2 threads, best of 5, and the
-    bytes of weights a batch-1 decode step reads (`folio bench weights`: the
-    linear layers' codes and the tied LM head's, which is the embedding table)."""
+    bytes of weights a batch-1 decode step of the default model reads."""
+    rates = read_copy_bandwidth(args)
+    rates["decode step weight bytes"] = decode_step_bytes(args)
+    print(f"  memory: {rates}", flush=True)
+    return rates
+
+
+def read_copy_bandwidth(args) -> dict:
+    """{"read GB/s", "copy GB/s"}: a 1 GiB read (torch's sum) and copy on 2
+    threads, the best of 5 each, in a process of its own."""
     code = """
 import json, time, torch
 torch.set_num_threads(2)
@@ -302,13 +310,19 @@ print(json.dumps(out))
 """
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True,
                           env=env_for(args))
-    rates = json.loads(done.stdout.strip().splitlines()[-1])
-    weights = subprocess.run([*folio_cmd(args), "bench", "weights", "--json"], capture_output=True,
-                             text=True, check=True, env=env_for(args))
-    loaded = json.loads(weights.stdout.strip().splitlines()[-1])["loaded"]["bytes"]
-    rates["decode step weight bytes"] = loaded["linear"] + loaded["embedding"] + loaded["lm_head"]
-    print(f"  memory: {rates}", flush=True)
-    return rates
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def decode_step_bytes(args, model: str | None = None) -> int:
+    """The bytes of weights a batch-1 decode step of `model` (default: the
+    default model) reads, by `folio bench weights`: the linear layers' codes
+    and the LM head, the embedding table where it is the head."""
+    extra = ["--model", model, "--num-kv-blocks", "64"] if model else []
+    done = subprocess.run([*folio_cmd(args), "bench", "weights", "--json", *extra],
+                          capture_output=True, text=True, check=True, env=env_for(args))
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])["loaded"]
+    b = loaded["bytes"]
+    return b["linear"] + b["lm_head"] + (b["embedding"] if loaded["lm_head_tied"] else 0)
 
 
 def llama_cpp_row(args, tmp: Path, slots: int = 16):

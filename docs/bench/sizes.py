@@ -34,8 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_baselines import (PY, ROOT, cpu_summary, drive_run, env_for,  # noqa: E402
-                           folio_cmd, free_port, stop, wait_up)
+from cpu_baselines import (ROOT, cpu_summary, decode_step_bytes,  # noqa: E402
+                           drive_run, env_for, folio_cmd, free_port,
+                           read_copy_bandwidth, stop, wait_up)
 
 WORKLOADS = {
     "one": ["--num-prompts", "2", "--input-len", "256", "--output-len", "256",
@@ -77,29 +78,6 @@ def run_server(args, name: str, cmd: list[str], port: int, model: str, workloads
     return out
 
 
-def read_bandwidth(args) -> float:
-    code = """
-import time, torch
-torch.set_num_threads(2)
-a = torch.ones(1 << 28); a.sum(); best = 1e9
-for _ in range(5):
-    t = time.perf_counter(); a.sum(); best = min(best, time.perf_counter() - t)
-print(4 * (1 << 28) / best / 1e9)
-"""
-    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True,
-                          env=env_for(args))
-    return float(done.stdout.strip().splitlines()[-1])
-
-
-def step_bytes(args, model: str) -> int:
-    done = subprocess.run([*folio_cmd(args), "bench", "weights", "--json", "--model", model,
-                           "--num-kv-blocks", "64"], capture_output=True, text=True, check=True,
-                          env=env_for(args))
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])["loaded"]
-    b = loaded["bytes"]
-    return b["linear"] + b["lm_head"] + (b["embedding"] if loaded["lm_head_tied"] else 0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="+")
@@ -119,8 +97,8 @@ def main() -> None:
     tmp = Path("/tmp")
     for model in args.models:
         name = Path(model).stem
-        bw = read_bandwidth(args)
-        nbytes = step_bytes(args, model)
+        bw = read_copy_bandwidth(args)["read GB/s"]
+        nbytes = decode_step_bytes(args, model)
         print(f"{name}: read bandwidth {bw:.1f} GB/s, a decode step reads {nbytes / 1e6:.0f} MB "
               f"(roofline {bw * 1e9 / nbytes:.1f} tok/s)", flush=True)
         port = free_port()
@@ -139,7 +117,7 @@ def main() -> None:
                 str(port), "--no-webui"], port, model, ws, tmp / f"sizes-llama-{name}.log"))
         rows.append({"model": name, "read GB/s": bw, "step bytes": nbytes,
                      "roofline tok/s": bw * 1e9 / nbytes, "folio": folio, "llama.cpp": llama_rows,
-                     "bandwidth after": read_bandwidth(args)})
+                     "bandwidth after": read_copy_bandwidth(args)["read GB/s"]})
     print(f"\n{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}")
     print("| file | read GB/s (before, after) | roofline tok/s | one request: Folio | llama.cpp "
           "| Folio / roofline | Folio / llama.cpp | 32 requests: Folio | llama.cpp | ratio "

@@ -146,16 +146,18 @@ def _prompts(vocab: int, lengths, seed: int = 1) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
 
 
-# The KV budget of the CPU, where only the dry run (--tiny) runs: its tiny
-# model needs little, and the 2 GiB default costs over a second to zero per engine.
-CPU_DRY_RUN_KV = "64MiB"
+def _dry_run_kv(device: str) -> Optional[str]:
+    """The KV budget on the CPU, where only the dry run (--tiny) runs: its tiny
+    model needs little, and the 2 GiB default costs over a second to zero an
+    engine. None on CUDA (each engine's own sizing)."""
+    return None if device.startswith("cuda") else "64MiB"
 
 
 def _llm(folder: Path, dtype: str, device: str, name: str):
     from folio import LLM
     return LLM(str(folder), dtype=dtype, device=device, attention_backend=name,
-               kv_cache_memory_bytes="2GiB" if device.startswith("cuda") else CPU_DRY_RUN_KV,
-               max_model_len=1024, enforce_eager=True)
+               kv_cache_memory_bytes=_dry_run_kv(device) or "2GiB", max_model_len=1024,
+               enforce_eager=True)
 
 
 def correctness(folder: Path, dtype: str, device: str, vocab: int, lengths,
@@ -500,8 +502,7 @@ def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandw
     engine = LLMEngine.from_args(str(folder), dtype=dtype_name, device=device,
                                  attention_backend="TRITON",
                                  max_model_len=max(lens[0][1] + lens[1][1], 2 * b1) + 16,
-                                 kv_cache_memory_bytes=None if device.startswith("cuda")
-                                 else CPU_DRY_RUN_KV)
+                                 kv_cache_memory_bytes=_dry_run_kv(device))
     steps["engine_start_s"] = time.perf_counter() - t
     out: dict = {}
     runner = engine.executor.runner
@@ -565,8 +566,8 @@ def served(args, folder: Path, dtype_name: str, device: str, lens) -> dict:
     serve = cli + ["serve", str(folder), "--port", str(port), "--dtype", dtype_name,
                    "--device", device, "--attention-backend", "TRITON",
                    "--max-model-len", str(lens[0][1] + lens[1][1] + 16)]
-    if not device.startswith("cuda"):
-        serve += ["--kv-cache-memory-bytes", CPU_DRY_RUN_KV]
+    if _dry_run_kv(device):
+        serve += ["--kv-cache-memory-bytes", _dry_run_kv(device)]
     log = open(args.out / "served.log", "w")
     proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -573,10 +573,14 @@ static const vec *hold_scales(const job *J, int64_t t0, int nt, int width, vec *
 }
 
 /* Group g's scale and offset vectors of tiles t0 .. t0 + nt: hold_scales's
- * (held, `width` tiles a group), or computed. */
+ * (held, `width` tiles a group), or computed. Computed two-level scales take
+ * their super-group's pairs from sup [2][width * VPT], which the first group
+ * of each super-group fills: converted once for its groups, not once a group
+ * (the same products). Groups are asked for in order. */
 static inline __attribute__((always_inline)) void scales_of(const job *J, const vec *held,
                                                             int width, int64_t t0, int64_t g,
-                                                            int nt, vec *s, vec *o) {
+                                                            int nt, vec *s, vec *o, vec *sup) {
+    const int fill = (g & (((int64_t)1 << J->super_shift) - 1)) == 0;
 #pragma GCC unroll 2
     for (int j = 0; j < nt; j++)
 #pragma GCC unroll 2
@@ -585,6 +589,9 @@ static inline __attribute__((always_inline)) void scales_of(const job *J, const 
             if (held) {
                 s[at] = held[(2 * g) * width * VPT + at];
                 o[at] = held[(2 * g + 1) * width * VPT + at];
+            } else if (J->supers) {
+                if (fill) super_pair(J, t0 + j, g, v, sup + at, sup + width * VPT + at);
+                super_scale(J, t0 + j, g, v, sup[at], sup[width * VPT + at], s + at, o + at);
             } else {
                 group_scale(J, t0 + j, g, v, s + at, o + at);
             }
@@ -628,9 +635,10 @@ static inline __attribute__((always_inline)) void qblock(const job *J, int64_t r
 #pragma GCC unroll 4
         for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
     int64_t blk = 0;
+    vec sup[2 * QNT * VPT];
     for (int64_t g = 0; g < J->groups; g++) {
         vec s[QNT * VPT], o[QNT * VPT];
-        scales_of(J, held, QNT, t0, g, nt, s, o);
+        scales_of(J, held, QNT, t0, g, nt, s, o, sup);
         for (int64_t p0 = J->bounds[g]; p0 < J->bounds[g + 1]; p0 += 32, blk++) {
             const int64_t p1 = p0 + 32 < J->bounds[g + 1] ? p0 + 32 : J->bounds[g + 1];
             ivec iacc[4][QMR][QNT * VPT];
@@ -776,26 +784,10 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
 #pragma GCC unroll 4
         for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
     int64_t blk = 0;
-    /* two-level scales, not held: the super-group's pairs converted once for
-     * its groups, not once a group (the same products) */
-    const int own_supers = !held && J->supers;
-    const int64_t per_super = (int64_t)1 << J->super_shift;
-    vec dsup[INT * VPT], msup[INT * VPT];
+    vec sup[2 * INT * VPT];
     for (int64_t g = 0; g < J->groups; g++) {
         vec s[INT * VPT], o[INT * VPT];
-        if (own_supers) {
-#pragma GCC unroll 2
-            for (int j = 0; j < nt; j++)
-#pragma GCC unroll 2
-                for (int v = 0; v < VPT; v++) {
-                    if ((g & (per_super - 1)) == 0)
-                        super_pair(J, t0 + j, g, v, dsup + j * VPT + v, msup + j * VPT + v);
-                    super_scale(J, t0 + j, g, v, dsup[j * VPT + v], msup[j * VPT + v],
-                                s + j * VPT + v, o + j * VPT + v);
-                }
-        } else {
-            scales_of(J, held, INT, t0, g, nt, s, o);
-        }
+        scales_of(J, held, INT, t0, g, nt, s, o, sup);
         for (int64_t p0 = J->bounds[g]; p0 < J->bounds[g + 1]; p0 += 32, blk++) {
             const int64_t p1 = p0 + 32 < J->bounds[g + 1] ? p0 + 32 : J->bounds[g + 1];
             ivec iacc[2][IMR][INT * VPT];
