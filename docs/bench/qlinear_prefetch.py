@@ -13,6 +13,13 @@ threads) is measured too, and each rate is given as a share of it.
         [--distances 0,128,256,512] [--rows 1] [--rounds 5] [--mode 2] [--avx2]
 
 (scripts/make_size_ggufs.py writes the 1B-8B models.)
+
+With --builds the builds compared are named sets of compiler flags instead of
+distances (`--builds "before=;after=-DFOLIO_QL_X=1"`), the way a kernel change
+is measured against what it replaces; --rows N times N rows a projection (a
+32-request step, a prefill) and adds the arithmetic rate, and --avx2 builds
+them as an AVX2-only CPU of the Zen 3 generation would (-mno-avx512f
+-mno-avxvnni, as scripts/avx2_sim.py).
 """
 
 from __future__ import annotations
@@ -59,22 +66,32 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mode", type=int, default=2, help="native.qlinear's quantize_x (2: int8)")
     p.add_argument("--avx2", action="store_true",
-                   help="the AVX2 build (-mno-avx512f), as an AVX2-only CPU runs it")
+                   help="the AVX2 build (-mno-avx512f -mno-avxvnni), as an AVX2-only CPU runs it")
+    p.add_argument("--builds", default="", metavar='"NAME=FLAGS;NAME=FLAGS"',
+                   help="compare these builds (compiler flags) instead of distances")
     args = p.parse_args()
     torch.set_num_threads(2)
-    distances = [int(d) for d in args.distances.split(",")]
-    extra = ("-mno-avx512f",) if args.avx2 else ()
-    libs = {d: native._build((*extra, f"-DFOLIO_QL_PREFETCH={d}")) for d in distances}
+    extra = ("-mno-avx512f", "-mno-avxvnni") if args.avx2 else ()
+    if args.builds:
+        named = dict(b.split("=", 1) for b in args.builds.split(";"))
+        libs = {name: native._build((*extra, *flags.split())) for name, flags in named.items()}
+    else:
+        libs = {int(d): native._build((*extra, f"-DFOLIO_QL_PREFETCH={d}"))
+                for d in args.distances.split(",")}
+    distances = list(libs)
     flags = native._cpu_flags().split()
     print("CPU flags: " + " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16",
                                                 "avx512_vnni", "amx_tile") if f in flags)
-          + (" (the AVX2 build, -mno-avx512f)" if args.avx2 else ""))
+          + (" (the AVX2 build, -mno-avx512f -mno-avxvnni)" if args.avx2 else "")
+          + f"; {args.rows} row(s), quantize_x {args.mode}")
     big = torch.ones(1 << 28)
-    print("| model | MB a pass | distance (positions) | ms a pass | GB/s | / read bandwidth |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| model | MB a pass | {'build' if args.builds else 'distance (positions)'} "
+          "| ms a pass | GB/s | / read bandwidth | GMAC/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for path in args.models:
         ws = quantized_weights(path)
         nbytes = sum(w.nbytes for w in ws)
+        macs = args.rows * sum(w.in_features * w.out_features for w in ws)
         xs = [torch.randn(args.rows, w.in_features) for w in ws]
         times = {d: [] for d in distances}
         shares = {d: [] for d in distances}
@@ -91,7 +108,8 @@ def main() -> None:
         for d in distances:
             t = statistics.median(times[d])
             print(f"| {path.rsplit('/', 1)[-1]} | {nbytes / 1e6:.0f} | {d} | {t * 1e3:.2f} "
-                  f"| {nbytes / t / 1e9:.1f} | {statistics.median(shares[d]):.2f} |", flush=True)
+                  f"| {nbytes / t / 1e9:.1f} | {statistics.median(shares[d]):.2f} "
+                  f"| {macs / t / 1e9:.0f} |", flush=True)
         print(f"read bandwidth: {read_bandwidth(big):.1f} GB/s (torch sum, 2 threads)")
 
 

@@ -186,6 +186,15 @@ typedef __m256i ivec;
 #endif
 
 #define VPT (16 / VL)      /* vectors per tile of 16 output features */
+/* A sum held in a register at this point of a loop: else -O3 may gather an
+ * unrolled block's integer products first and add them up from memory (the
+ * sums are associative). Measured to matter (1.1x) where vpmaddubsw does the
+ * products, with 16 registers; with VNNI it cost 5% at 32 rows, so not there. */
+#if !VNNI8
+#define HOLD(v) __asm__("" : "+v"(v))
+#else
+#define HOLD(v) (void)0
+#endif
 /* the kernels' switch keys: code width, then rows x 8 + tiles (both under 8) */
 #define BITS_KEY(b) ((b) == 4 ? 0 : (b) == 6 ? 64 : 128)
 
@@ -812,9 +821,15 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                             w[0][j * VPT + v] = iand(c, m4);
                             w[1][j * VPT + v] = iand(isrl(c, 4), m4);
                         } else {
+                            /* 6-bit codes packed, or widened by itile_group into
+                             * the 8-bit layout (J->bits 8), the arithmetic of
+                             * codes under 64 either way */
                             ivec b[2];
-                            byte_words(J->codes + (t0 + j - J->code_tile0) * stride, p >> 3,
-                                       v, bits, b);
+                            const uint8_t *at = J->codes + (t0 + j - J->code_tile0) * stride;
+                            if (bits == 6 && J->bits == 8)
+                                byte_words(at, p >> 3, v, 8, b);
+                            else
+                                byte_words(at, p >> 3, v, bits, b);
                             w[0][j * VPT + v] = b[0];
                             w[1][j * VPT + v] = b[1];
                             if (!VNNI8 && bits == 8) {
@@ -823,6 +838,25 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                             }
                         }
                     }
+                if (!VNNI8 && bits == 6) {
+                    /* codes under 64 times |x| up to 127: both halves' pairs
+                     * summed in int16 (at most 4 x 63 x 127), then widened once */
+#pragma GCC unroll 4
+                    for (int r = 0; r < mr; r++) {
+                        int32_t word[2];
+                        memcpy(word, J->x8 + (r0 + r) * kp + p, 8);
+                        const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
+#pragma GCC unroll 4
+                        for (int j = 0; j < nt * VPT; j++) {
+                            iacc[0][r][j] = iadd(iacc[0][r][j],
+                                                 imadd16(iadd16(imaddubs(w[0][j], x0),
+                                                                imaddubs(w[1][j], x1)),
+                                                         iset16(1)));
+                            HOLD(iacc[0][r][j]);
+                        }
+                    }
+                    continue;
+                }
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
@@ -831,9 +865,11 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                         memcpy(&word, J->x8 + (r0 + r) * kp + p + 4 * h, 4);
                         const ivec xv = iset1(word);
 #pragma GCC unroll 4
-                        for (int j = 0; j < nt * VPT; j++)
+                        for (int j = 0; j < nt * VPT; j++) {
                             iacc[h % chains][r][j] = bstep(iacc[h % chains][r][j], w[h][j], xv,
                                                            bits);
+                            HOLD(iacc[h % chains][r][j]);
+                        }
                     }
             }
 #pragma GCC unroll 4
@@ -868,15 +904,138 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
+#if !VNNI8 && VL == 8
+/* AVX2 without VNNI, four rows of one tile, the scales held, every group one
+ * block (4-bit codes: groups of 32 positions, Q4_K's; 6-bit ones widened to
+ * bytes: groups of 16, Q6_K's), written for the 16 registers: a block's
+ * integer sums stay in registers through its octets (iblock's general form
+ * spills some), the float sums live in memory, touched once a block, and
+ * the row pointers are taken once. The same sums as iblock's, in its order. */
+static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0, int64_t t0,
+                                                        const vec *held, const int bits,
+                                                        const int octets) {
+    const int64_t kp = J->kp;
+    const uint8_t *codes = J->codes + (t0 - J->code_tile0) * tile_bytes(J);
+    const int8_t *x8[4];
+    const float *xs[4], *xsum[4];
+    float acc[4][16] __attribute__((aligned(32)));
+    for (int r = 0; r < 4; r++) {
+        x8[r] = J->x8 + (r0 + r) * kp;
+        xs[r] = J->xscale + (r0 + r) * J->blocks;
+        xsum[r] = J->xsum + (r0 + r) * J->groups;
+        vstore(acc[r], vzero());
+        vstore(acc[r] + 8, vzero());
+    }
+    const ivec m4 = iset1(0x0f0f0f0f), ones = iset16(1);
+    for (int64_t g = 0; g < J->groups; g++) {
+        const int64_t p0 = J->bounds[g];
+        ivec a[4][2];       /* 4 bits: int16 pairs (as iblock's); 6: int32 */
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = izero();
+#pragma GCC unroll 4
+        for (int oct = 0; oct < octets; oct++) {
+            const int64_t at = p0 + oct * 8;
+            if (bits == 4) {
+                const uint8_t *c = codes + (at >> 3) * 64;
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    ivec w0 = iload(c), w1 = iload(c + 32);
+                    if (h) w0 = isrl(w0, 4), w1 = isrl(w1, 4);
+                    w0 = iand(w0, m4);
+                    w1 = iand(w1, m4);
+#pragma GCC unroll 4
+                    for (int r = 0; r < 4; r++) {
+                        int32_t word;
+                        memcpy(&word, x8[r] + at + 4 * h, 4);
+                        const ivec xv = iset1(word);
+                        a[r][0] = iadd16(a[r][0], imaddubs(w0, xv));
+                        a[r][1] = iadd16(a[r][1], imaddubs(w1, xv));
+                        HOLD(a[r][0]);
+                        HOLD(a[r][1]);
+                    }
+                }
+            } else {        /* bytes under 64: both halves' pairs in int16, as iblock's */
+                const uint8_t *c = codes + (at >> 3) * 128;
+                const ivec w00 = iload(c), w01 = iload(c + 32), w10 = iload(c + 64),
+                           w11 = iload(c + 96);
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    int32_t word[2];
+                    memcpy(word, x8[r] + at, 8);
+                    const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
+                    a[r][0] = iadd(a[r][0], imadd16(iadd16(imaddubs(w00, x0),
+                                                           imaddubs(w10, x1)), ones));
+                    a[r][1] = iadd(a[r][1], imadd16(iadd16(imaddubs(w01, x0),
+                                                           imaddubs(w11, x1)), ones));
+                    HOLD(a[r][0]);
+                    HOLD(a[r][1]);
+                }
+            }
+        }
+        const vec *sg = held + 2 * g * VPT, *og = sg + VPT;
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const vec x = vbcast(xs[r] + g), xg = vbcast(xsum[r] + g);
+#pragma GCC unroll 2
+            for (int v = 0; v < 2; v++) {
+                const ivec sum = bits == 4 ? imadd16(a[r][v], ones) : a[r][v];
+                const vec t = vfma(itof(sum), vmul(sg[v], x), vload(acc[r] + 8 * v));
+                vstore(acc[r] + 8 * v, vfma(xg, og[v], t));
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        store_row(J, r0 + r, t0 * 16, vload(acc[r]));
+        store_row(J, r0 + r, t0 * 16 + 8, vload(acc[r] + 8));
+    }
+}
+
+static __attribute__((noinline)) void rows4_q4(const job *J, int64_t r0, int64_t t0,
+                                                const vec *held) {
+    rows4(J, r0, t0, held, 4, 4);
+}
+
+static __attribute__((noinline)) void rows4_q6(const job *J, int64_t r0, int64_t t0,
+                                                const vec *held) {
+    rows4(J, r0, t0, held, 6, 2);
+}
+
+/* Which rows4 serves this job (read after 6-bit codes are widened): 4 (4-bit,
+ * groups of 32), 6 (6-bit widened, groups of 16), else 0. */
+static int rows4_kind(const job *J, int bits) {
+    const int64_t len = bits == 4 ? 32 : 16;
+    if (!(bits == 4 || (bits == 6 && J->bits == 8)) || J->blocks != J->groups) return 0;
+    for (int64_t g = 0; g < J->groups; g++)
+        if (J->bounds[g + 1] - J->bounds[g] != len) return 0;
+    return bits;
+}
+#endif
+
 QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t *codes8) {
     const vec *held = J->m > IMR && scratch ? hold_scales(J, t0, nt, INT, scratch) : 0;
     job J8;
-    if (J->bits == 6 && J->m > IMR && codes8) J = widen_codes(J, t0, nt, codes8, &J8);
+    const int bits = J->bits;
+    if (bits == 6 && J->m > IMR && codes8) J = widen_codes(J, t0, nt, codes8, &J8);
+    /* 6-bit codes widened: without VNNI still the 6-bit blocks (their sums
+     * in int16 pairs), with it the 8-bit ones (vpdpbusd takes any byte) */
+    const int key = VNNI8 ? J->bits : bits;
+#if !VNNI8 && VL == 8
+    const int kind = held && nt == 1 ? rows4_kind(J, bits) : 0;
+#endif
     for (int64_t r = 0; r < J->m; r += IMR) {
         const int mr = J->m - r < IMR ? (int)(J->m - r) : IMR;
+#if !VNNI8 && VL == 8
+        if (kind && mr == 4) {
+            if (kind == 4)
+                rows4_q4(J, r, t0, held);
+            else
+                rows4_q6(J, r, t0, held);
+            continue;
+        }
+#endif
 #define FOLIO_IBLOCK(B, R, T) \
     case BITS_KEY(B) + R * 8 + T: iblock(J, r, t0, held, B, R, T); break;
-        switch (BITS_KEY(J->bits) + mr * 8 + nt) {
+        switch (BITS_KEY(key) + mr * 8 + nt) {
 #if INT == 2
             FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
             FOLIO_IBLOCK(4, 1, 2) FOLIO_IBLOCK(4, 2, 2) FOLIO_IBLOCK(4, 3, 2) FOLIO_IBLOCK(4, 4, 2)
@@ -904,24 +1063,23 @@ int folio_qlinear_available(void) { return VL == 16 ? 2 : 1; }
 
 /* The most rows at which `quantize_x` 3 takes the int8 path for codes of
  * `bits`: where it beat the float and int16 paths in docs/bench/qlinear_rows.py.
- * AVX2 without VNNI (Zen 3), measured with the two modes alternated call by
- * call (docs/bench/qlinear_rows.py --interleave): 4-bit codes 1.2-2.6x the
- * float path at every row count from 1 to 512, so every row count; 8-bit ones,
- * whose codes take the sign trick, 1.1-2x up to 16 rows, level at 32-64,
- * 0.9x beyond (an earlier measurement, one mode after the other on a noisier
- * machine, had put the 4-bit limit at 48 and the 8-bit one at 4).
- * AVX512-VNNI, measured: vpdpbusd is 2-2.9x the float path and 1.4-1.8x
- * the int16 one at every row count from 1 to 512, for both bits, so every row
- * count takes it (FOLIO_INT8_EVERY_ROW); AVX-VNNI (256-bit) is assumed alike,
- * and AVX-512 without VNNI like AVX2. */
+ * Every row count, for every code width, on every build, so a row's
+ * arithmetic does not depend on how many rows share its step:
+ * - AVX512-VNNI: vpdpbusd is 2-2.9x the float path and 1.4-1.8x the int16
+ *   one at every row count from 1 to 512, for both bits; AVX-VNNI (256-bit)
+ *   is assumed alike.
+ * - AVX2 without VNNI (and AVX-512 without it, assumed alike): 4-bit codes
+ *   1.2-2.6x the float path at every row count from 1 to 512 (Zen 3, the
+ *   modes alternated call by call). 6- and 8-bit codes once stopped at 32
+ *   rows (0.9x the float path beyond 64 on Zen 3); since their sums are held
+ *   in registers (HOLD), 6-bit codes summed in int16 pairs and 4-bit and 6-bit
+ *   groups run by rows4, the int8 path is 1.15-1.55x the float one at 8 to 512
+ *   rows for every width (the AVX2 build on a Zen 5, 2026-12-07,
+ *   docs/benchmarks.md). */
 #define FOLIO_INT8_EVERY_ROW 0x7fffffff
 int folio_qlinear_int8_rows(int bits) {
-#if VNNI8
     (void)bits;
     return FOLIO_INT8_EVERY_ROW;
-#else
-    return bits == 4 ? FOLIO_INT8_EVERY_ROW : 32;      /* 6 bits: assumed like 8 */
-#endif
 }
 
 /* out [m][n] (contiguous, x's dtype: 0 fp32, 1 bf16) = x [m][k] (rows
@@ -1050,8 +1208,13 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
         if (widen && !codes8) {
             /* nothing: failed is set */
         } else if (quantize_x == 2) {
-            for (int64_t t = first; t < last; t += INT)
-                itile_group(&J, t, last - t < INT ? (int)(last - t) : INT, (vec *)held,
+            /* a decode step's few rows one tile at a time: one stream of
+             * codes a thread, 0.94-0.97 of the read bandwidth at one row
+             * where two tiles at once (two streams) took 0.78-0.82 (AVX-512,
+             * 1B and 3B Q4_K_M, docs/benchmarks.md) */
+            const int step = m <= IMR ? 1 : INT;
+            for (int64_t t = first; t < last; t += step)
+                itile_group(&J, t, last - t < step ? (int)(last - t) : step, (vec *)held,
                             (uint8_t *)codes8);
         } else if (quantize_x) {
             for (int64_t t = first; t < last; t += QNT)
