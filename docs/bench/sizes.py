@@ -1,9 +1,12 @@
 """The CPU at the sizes people run (issue 53): Folio beside llama.cpp's
 llama-server on the same GGUF files of Llama-3.2-1B, Llama-3.2-3B and
 Llama-3.1-8B shapes (random weights, SmolLM2's tokenizer:
-scripts/make_size_ggufs.py writes them), each server alone on the machine, 2
-threads, one after the other, with the machine's read bandwidth measured
-before each file's pair.
+scripts/make_size_ggufs.py writes them), 2 threads each. The servers are all
+started at once and wait idle; each workload then runs on one at a time, in
+--rounds rounds alternating Folio and llama.cpp (ABBA), since this machine's
+read bandwidth moves by tens of percent between minutes: each ratio is the
+median of the rounds' own ratios, and each one-request rate is set against
+the bandwidth measured just before its pair.
 
 Workloads (`folio bench serve`, streaming completions of token-id prompts,
 EOS ignored, greedy):
@@ -13,12 +16,13 @@ EOS ignored, greedy):
   step reads (`folio bench weights`: the linear layers and the LM head, the
   embedding table when it is the head);
 - 32 requests: the standard workload (prompts 32-384, outputs 32-192 tokens,
-  all sent at once), output tokens/s; llama-server with 16 slots;
+  all sent at once), output tokens/s; llama-server with 16 slots; once (it
+  runs for minutes), not in rounds;
 - prefill: 2 requests of 1,024 prompt tokens and 1 output token, one at a
   time: 1,024 / the median time to first token.
 
     .venv/bin/python docs/bench/sizes.py /work/sizes/llama-1b-Q4_K_M.gguf ...
-        [--avx2-sim] [--workloads one,32,prefill] [--save FILE]
+        [--avx2-sim] [--workloads one,32,prefill] [--rounds 3] [--save FILE]
 
 --avx2-sim: Folio as an AVX2-only CPU runs it (scripts/folio_as_avx2.py) and
 llama.cpp built for AVX2 without AVX-512 (scripts/install_llama_cpp.sh avx2).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -52,29 +57,63 @@ def bench(args, url: str, model: str, flags: list[str]) -> dict:
     return drive_run(args, url, ["--tokenizer", model, *flags])
 
 
-def run_server(args, name: str, cmd: list[str], port: int, model: str, workloads: list[str],
-               log: Path) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    out: dict = {}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env_for(args))
-        try:
-            wait_up(url, proc, 900)
-            bench(args, url, model, WARM_UP)
+def rate(w: str, r: dict) -> float:
+    """A workload's figure from `folio bench serve`'s summary."""
+    if w == "one":
+        return 1000 / r["tpot_ms"]["median"]
+    if w == "32":
+        return r["output_throughput"]
+    return 1024 / (r["ttft_ms"]["median"] / 1000)
+
+
+KEYS = {"one": "one request decode tok/s", "32": "32 requests tok/s", "prefill": "prefill tok/s"}
+
+
+def run_servers(args, servers: dict, model: str, workloads: list[str], nbytes: int,
+                tmp: Path) -> dict:
+    """Start every server at once (idle, each waits), warm each, then run the
+    workloads in rounds, Folio and llama.cpp alternating (ABBA: the first in
+    one round is the last in the next), so that the machine's bandwidth,
+    which moves by tens of percent between minutes here, moves under both
+    alike. The one-request pairs each get the read bandwidth measured just
+    before them. The 32-request workload runs once (minutes long itself).
+    {system: {key: [rates]}}, with "bandwidth" [GB/s before each one-request pair]."""
+    procs, urls, logs = {}, {}, []
+    out: dict = {"folio": {}, "llama.cpp": {}, "bandwidth": []}
+    try:
+        for name, cmd in servers.items():
+            port = free_port()
+            cmd = [c if c != "PORT" else str(port) for c in cmd]
+            log = open(tmp / f"sizes-{name}-{Path(model).stem}.log", "w")
+            logs.append(log)
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           env=env_for(args))
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name in servers:
+            wait_up(urls[name], procs[name], 900)
+            bench(args, urls[name], model, WARM_UP)
+        for i in range(args.rounds):
             for w in workloads:
-                r = bench(args, url, model, WORKLOADS[w])
+                if w == "32" and i:
+                    continue
+                pair = [("folio", "folio"), ("llama.cpp", "llama16" if w == "32" else "llama1")]
+                if i % 2:
+                    pair.reverse()
                 if w == "one":
-                    out["one request decode tok/s"] = 1000 / r["tpot_ms"]["median"]
-                elif w == "32":
-                    out["32 requests tok/s"] = r["output_throughput"]
-                else:
-                    out["prefill tok/s"] = 1024 / (r["ttft_ms"]["median"] / 1000)
-                print(f"  {name}: {out}", flush=True)
-        except (RuntimeError, subprocess.CalledProcessError) as e:
-            print(f"  {name} FAILED: {e}\n{log.read_text()[-1500:]}", flush=True)
-            out["error"] = str(e)
-        finally:
+                    out["bandwidth"].append(read_copy_bandwidth(args)["read GB/s"])
+                for system, server in pair:
+                    got = rate(w, bench(args, urls[server], model, WORKLOADS[w]))
+                    out[system].setdefault(KEYS[w], []).append(got)
+                print(f"  round {i + 1}, {w}: folio {out['folio'][KEYS[w]][-1]:.1f}, "
+                      f"llama.cpp {out['llama.cpp'][KEYS[w]][-1]:.1f}", flush=True)
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"  FAILED: {e}", flush=True)
+        out["error"] = str(e)
+    finally:
+        for proc in procs.values():
             stop(proc, 60)
+        for log in logs:
+            log.close()
     return out
 
 
@@ -84,6 +123,8 @@ def main() -> None:
     p.add_argument("--avx2-sim", action="store_true")
     p.add_argument("--workloads", default="one,32,prefill")
     p.add_argument("--save", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternated rounds of the one-request and prefill workloads")
     args = p.parse_args()
     isa = "avx2" if args.avx2_sim else "native"
     llama = ROOT / "build" / "llama.cpp" / isa / "bin" / "llama-server"
@@ -101,44 +142,47 @@ def main() -> None:
         nbytes = decode_step_bytes(args, model)
         print(f"{name}: read bandwidth {bw:.1f} GB/s, a decode step reads {nbytes / 1e6:.0f} MB "
               f"(roofline {bw * 1e9 / nbytes:.1f} tok/s)", flush=True)
-        port = free_port()
-        folio = run_server(args, "folio", [*folio_cmd(args), "serve", "--model", model,
-                                           "--port", str(port)], port, model, workloads,
-                           tmp / f"sizes-folio-{name}.log")
-        llama_rows = {}
-        for slots, ws in ((1, [w for w in workloads if w != "32"]),
-                          (16, [w for w in workloads if w == "32"])):
-            if not ws:
-                continue
-            port = free_port()
-            llama_rows.update(run_server(args, f"llama.cpp {slots} slot(s)", [
-                str(llama), "-m", model, "-t", "2", "-tb", "2", "-np", str(slots),
-                "-c", str(max(2048, slots * 1024)), "--host", "127.0.0.1", "--port",
-                str(port), "--no-webui"], port, model, ws, tmp / f"sizes-llama-{name}.log"))
-        rows.append({"model": name, "read GB/s": bw, "step bytes": nbytes,
-                     "roofline tok/s": bw * 1e9 / nbytes, "folio": folio, "llama.cpp": llama_rows,
+        servers = {"folio": [*folio_cmd(args), "serve", "--model", model, "--port", "PORT"]}
+        for slots, ws in ((1, {"one", "prefill"}), (16, {"32"})):
+            if ws & set(workloads):
+                servers[f"llama{slots}"] = [
+                    str(llama), "-m", model, "-t", "2", "-tb", "2", "-np", str(slots),
+                    "-c", str(max(2048, slots * 1024)), "--host", "127.0.0.1", "--port",
+                    "PORT", "--no-webui"]
+        got = run_servers(args, servers, model, workloads, nbytes, tmp)
+        rows.append({"model": name, "read GB/s": bw, "step bytes": nbytes, **got,
                      "bandwidth after": read_copy_bandwidth(args)["read GB/s"]})
-    print(f"\n{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}")
-    print("| file | read GB/s (before, after) | roofline tok/s | one request: Folio | llama.cpp "
+    print(f"\n{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim} | "
+          f"{args.rounds} round(s), medians")
+    print("| file | read GB/s (min-max) | roofline tok/s | one request: Folio | llama.cpp "
           "| Folio / roofline | Folio / llama.cpp | 32 requests: Folio | llama.cpp | ratio "
           "| prefill: Folio | llama.cpp | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    med = statistics.median
 
     def cell(d, k):
-        return f"{d[k]:.1f}" if k in d else "-"
+        return f"{med(d[k]):.1f}" if d.get(k) else "-"
 
     def ratio(a, b, k):
-        return f"{a[k] / b[k]:.2f}x" if k in a and k in b else "-"
+        """The median of the rounds' own ratios (each pair minutes apart at most)."""
+        if not (a.get(k) and b.get(k)):
+            return "-"
+        return f"{med(x / y for x, y in zip(a[k], b[k])):.2f}x"
     for r in rows:
         f, l1 = r["folio"], r["llama.cpp"]
-        one = "one request decode tok/s"
-        share = f"{f[one] / r['roofline tok/s']:.0%}" if one in f else "-"
-        print(f"| {r['model']} | {r['read GB/s']:.1f}, {r['bandwidth after']:.1f} "
-              f"| {r['roofline tok/s']:.1f} | {cell(f, one)} | {cell(l1, one)} | {share} "
-              f"| {ratio(f, l1, one)} | {cell(f, '32 requests tok/s')} "
-              f"| {cell(l1, '32 requests tok/s')} | {ratio(f, l1, '32 requests tok/s')} "
-              f"| {cell(f, 'prefill tok/s')} | {cell(l1, 'prefill tok/s')} "
-              f"| {ratio(f, l1, 'prefill tok/s')} |")
+        one = KEYS["one"]
+        bws = r["bandwidth"] or [r["read GB/s"]]
+        roof = med(bws) * 1e9 / r["step bytes"]
+        # each one-request rate over the roofline of the bandwidth measured just before it
+        share = (f"{med(x * r['step bytes'] / (b * 1e9) for x, b in zip(f[one], bws)):.0%}"
+                 if f.get(one) else "-")
+        print(f"| {r['model']} | {min(bws + [r['bandwidth after']]):.1f}-"
+              f"{max(bws + [r['bandwidth after']]):.1f} "
+              f"| {roof:.1f} | {cell(f, one)} | {cell(l1, one)} | {share} "
+              f"| {ratio(f, l1, one)} | {cell(f, KEYS['32'])} "
+              f"| {cell(l1, KEYS['32'])} | {ratio(f, l1, KEYS['32'])} "
+              f"| {cell(f, KEYS['prefill'])} | {cell(l1, KEYS['prefill'])} "
+              f"| {ratio(f, l1, KEYS['prefill'])} |")
     if args.save:
         args.save.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
