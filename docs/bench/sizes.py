@@ -101,8 +101,10 @@ def run_servers(args, servers: dict, model: str, workloads: list[str], nbytes: i
                     pair.reverse()
                 if w == "one":
                     out["bandwidth"].append(read_copy_bandwidth(args)["read GB/s"])
+                # prompts of their own each round: a repeated one is a prefix-cache hit
+                flags = WORKLOADS[w] + ["--seed", str(1000 + i)]
                 for system, server in pair:
-                    got = rate(w, bench(args, urls[server], model, WORKLOADS[w]))
+                    got = rate(w, bench(args, urls[server], model, flags))
                     out[system].setdefault(KEYS[w], []).append(got)
                 print(f"  round {i + 1}, {w}: folio {out['folio'][KEYS[w]][-1]:.1f}, "
                       f"llama.cpp {out['llama.cpp'][KEYS[w]][-1]:.1f}", flush=True)
