@@ -200,18 +200,21 @@ def test_two_level_scales_in_every_mode(lib, bits, group, shared, rows):
 def test_a_rows_int8_product_is_the_same_whatever_the_row_count(lib, form):
     """The int8 path's rows in register blocks of 1-4 rows, the scales held
     or computed (AVX2 without VNNI: K-quant-shaped 4- and 6-bit groups of four
-    rows in rows4): each row's output bit for bit the same in a call of 1, 4,
-    5, 9 or 16 rows, so a request's arithmetic does not depend on its batch."""
+    rows in rows4), one tile or two at a time: each row's output bit for bit
+    the same in a call of 1, 2, 4, 5, 9 or 16 rows, so a request's arithmetic
+    does not depend on its batch; the int16 path's too."""
     bits, group = int(form[1]), int(form.split()[1][1:])
     if form.endswith("flat"):
         w, _, _ = random_weights(40, 512, bits, group, False, zeros=False, seed=bits)
     else:
         w, _ = _two_level_weights(40, 512, bits, group, "shared" in form, seed=bits)
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(group)) * 2
-    alone = torch.cat([native.qlinear(x[i:i + 1], w, quantize_x=2, lib=lib) for i in range(16)])
-    for rows in (4, 5, 9, 16):
-        got = native.qlinear(x[:rows], w, quantize_x=2, lib=lib)
-        assert torch.equal(got, alone[:rows]), rows
+    for mode in (1, 2):         # and the int16 path's (one tile at a time at one row)
+        alone = torch.cat([native.qlinear(x[i:i + 1], w, quantize_x=mode, lib=lib)
+                           for i in range(16)])
+        for rows in (2, 4, 5, 9, 16):
+            got = native.qlinear(x[:rows], w, quantize_x=mode, lib=lib)
+            assert torch.equal(got, alone[:rows]), (mode, rows)
     # and against the exact product: within the int8 rounding (as above)
     dense = w.dequantize().double()
     step = x.abs().max(dim=1, keepdim=True).values.double() / 127
