@@ -69,8 +69,7 @@ def rate(w: str, r: dict) -> float:
 KEYS = {"one": "one request decode tok/s", "32": "32 requests tok/s", "prefill": "prefill tok/s"}
 
 
-def run_servers(args, servers: dict, model: str, workloads: list[str], nbytes: int,
-                tmp: Path) -> dict:
+def run_servers(args, servers: dict, model: str, workloads: list[str], tmp: Path) -> dict:
     """Start every server at once (idle, each waits), warm each, then run the
     workloads in rounds, Folio and llama.cpp alternating (ABBA: the first in
     one round is the last in the next), so that the machine's bandwidth,
@@ -151,7 +150,7 @@ def main() -> None:
                     str(llama), "-m", model, "-t", "2", "-tb", "2", "-np", str(slots),
                     "-c", str(max(2048, slots * 1024)), "--host", "127.0.0.1", "--port",
                     "PORT", "--no-webui"]
-        got = run_servers(args, servers, model, workloads, nbytes, tmp)
+        got = run_servers(args, servers, model, workloads, tmp)
         rows.append({"model": name, "read GB/s": bw, "step bytes": nbytes, **got,
                      "bandwidth after": read_copy_bandwidth(args)["read GB/s"]})
     print(f"\n{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim} | "

@@ -763,7 +763,8 @@ QL_PATH void qtile_group(const job *J, int64_t t0, int nt, const uint8_t *next, 
 /* ---------------------------------------------------------------- int8 path */
 
 /* One step of a block's integer sums: the code bytes w (4 positions a lane)
- * times x's 4 bytes there (xv, the same in every lane). */
+ * times x's 4 bytes there (xv, the same in every lane). Without VNNI, 6-bit
+ * codes take bpair6 (below) instead, a whole octet at once. */
 static inline __attribute__((always_inline)) ivec bstep(ivec acc, ivec w, ivec xv,
                                                         const int bits) {
 #if VNNI8
@@ -772,12 +773,20 @@ static inline __attribute__((always_inline)) ivec bstep(ivec acc, ivec w, ivec x
 #else
     if (bits == 4)                       /* pairs into int16: at most 2 x 15 x 127 */
         return iadd16(acc, imaddubs(w, xv));
-    if (bits == 6)                       /* pairs at most 2 x 63 x 128: into int32 at once */
-        return iadd(acc, imadd16(imaddubs(w, xv), iset16(1)));
     /* w = q - 128 (signed): |w| times x with w's sign, at most 2 x 128 x 127 a pair */
     return iadd(acc, imadd16(imaddubs(iabs8(w), isign8(xv, w)), iset16(1)));
 #endif
 }
+
+#if !VNNI8
+/* 6-bit codes (under 64) without VNNI: the pairs of an octet's two halves
+ * (wlo times x's bytes x0, whi times x1) summed in int16 (at most
+ * 4 x 63 x 127), then widened once into acc's int32 sums. */
+static inline __attribute__((always_inline)) ivec bpair6(ivec acc, ivec wlo, ivec whi, ivec x0,
+                                                         ivec x1) {
+    return iadd(acc, imadd16(iadd16(imaddubs(wlo, x0), imaddubs(whi, x1)), iset16(1)));
+}
+#endif
 
 static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r0, int64_t t0,
                                                          const vec *held,
@@ -838,9 +847,8 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                             }
                         }
                     }
-                if (!VNNI8 && bits == 6) {
-                    /* codes under 64 times |x| up to 127: both halves' pairs
-                     * summed in int16 (at most 4 x 63 x 127), then widened once */
+#if !VNNI8
+                if (bits == 6) {
 #pragma GCC unroll 4
                     for (int r = 0; r < mr; r++) {
                         int32_t word[2];
@@ -848,15 +856,13 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                         const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
 #pragma GCC unroll 4
                         for (int j = 0; j < nt * VPT; j++) {
-                            iacc[0][r][j] = iadd(iacc[0][r][j],
-                                                 imadd16(iadd16(imaddubs(w[0][j], x0),
-                                                                imaddubs(w[1][j], x1)),
-                                                         iset16(1)));
+                            iacc[0][r][j] = bpair6(iacc[0][r][j], w[0][j], w[1][j], x0, x1);
                             HOLD(iacc[0][r][j]);
                         }
                     }
                     continue;
                 }
+#endif
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
@@ -948,13 +954,13 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
                         int32_t word;
                         memcpy(&word, x8[r] + at + 4 * h, 4);
                         const ivec xv = iset1(word);
-                        a[r][0] = iadd16(a[r][0], imaddubs(w0, xv));
-                        a[r][1] = iadd16(a[r][1], imaddubs(w1, xv));
+                        a[r][0] = bstep(a[r][0], w0, xv, 4);
+                        a[r][1] = bstep(a[r][1], w1, xv, 4);
                         HOLD(a[r][0]);
                         HOLD(a[r][1]);
                     }
                 }
-            } else {        /* bytes under 64: both halves' pairs in int16, as iblock's */
+            } else {        /* widened 6-bit codes, as iblock's */
                 const uint8_t *c = codes + (at >> 3) * 128;
                 const ivec w00 = iload(c), w01 = iload(c + 32), w10 = iload(c + 64),
                            w11 = iload(c + 96);
@@ -963,10 +969,8 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
                     int32_t word[2];
                     memcpy(word, x8[r] + at, 8);
                     const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
-                    a[r][0] = iadd(a[r][0], imadd16(iadd16(imaddubs(w00, x0),
-                                                           imaddubs(w10, x1)), ones));
-                    a[r][1] = iadd(a[r][1], imadd16(iadd16(imaddubs(w01, x0),
-                                                           imaddubs(w11, x1)), ones));
+                    a[r][0] = bpair6(a[r][0], w00, w10, x0, x1);
+                    a[r][1] = bpair6(a[r][1], w01, w11, x0, x1);
                     HOLD(a[r][0]);
                     HOLD(a[r][1]);
                 }
