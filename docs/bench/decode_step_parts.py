@@ -7,7 +7,7 @@ the engine around it (scheduler, detokenizer). Each part is timed by wrapping
 the method that does it, so the figures add up to the step.
 
     .venv/bin/python docs/bench/decode_step_parts.py [--prompt 256] [--output 256]
-        [--activation-quantization int8|none] [--rounds 3]
+        [--activation-quantization int8|none] [--rounds 3] [--model PATH]
     # an earlier checkout, for a before/after pair in one session:
     PYTHONPATH=../folio-before/src .venv/bin/python docs/bench/decode_step_parts.py
 
@@ -30,12 +30,15 @@ def main() -> None:
     p.add_argument("--activation-quantization", default=None,
                    help="passed to LLM (omit for a checkout that predates the flag)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default=None, help="a GGUF file or folder (default: the default model)")
     args = p.parse_args()
     import torch
     from folio import LLM, SamplingParams
     torch.set_num_threads(2)
     kwargs = {} if args.activation_quantization is None else {
         "activation_quantization": args.activation_quantization}
+    if args.model is not None:
+        kwargs["model"] = args.model
     llm = LLM(**kwargs)
     runner = llm.engine.executor.runner
     model = runner.model

@@ -326,3 +326,34 @@ def test_the_engine_mode_takes_int8_at_every_row_count(lib, bits):
         for xin in (x, x.bfloat16()):
             got = native.qlinear(xin, w, quantize_x=native.QLINEAR_INT8_AT_FEW_ROWS, lib=lib)
             assert torch.equal(got, native.qlinear(xin, w, quantize_x=2, lib=lib))
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("form", ["zeros", "offsets", "act-order", "two-level", "two-level-shared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rows_of_a_packed_table_are_its_dequantized_rows(lib, bits, form, dtype):
+    """An embedding lookup in a table kept in its codes (elementwise.c's
+    folio_dequantize_rows, what a GGUF model's every step looks its tokens up
+    with) gives IntGroups.dequantize_rows's rows to the bit, whatever the
+    code width, scale form or order of its groups; ids out of range are an
+    IndexError, nothing written."""
+    if form.startswith("two-level"):
+        if bits == 6:
+            w, _ = _two_level_weights(40, 512, 6, 16, form.endswith("shared"))
+        else:
+            w, _ = _two_level_weights(40, 512, bits, 32, form.endswith("shared"))
+        assert w.supers is not None
+    else:
+        w, _, _ = random_weights(40, 208, bits, 32, form == "act-order", zeros=form == "zeros")
+        assert (w.perm is not None) == (form == "act-order") and w.supers is None
+    ids = torch.tensor([[0, 39, 17], [16, 15, 31]])
+    got = native.dequantize_rows(w, ids, dtype, lib=lib)
+    assert got.dtype == dtype and got.shape == (2, 3, w.in_features)
+    assert torch.equal(got, w.dequantize_rows(ids, dtype))
+    # enough rows for the threads to share them
+    many = torch.randint(0, 40, (700,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(native.dequantize_rows(w, many, dtype, lib=lib),
+                       w.dequantize_rows(many, dtype))
+    for bad in (torch.tensor([40]), torch.tensor([3, -1])):
+        with pytest.raises(IndexError, match="out of range"):
+            native.dequantize_rows(w, bad, dtype, lib=lib)

@@ -146,6 +146,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_head_rmsnorm": (None, [p, i64, i64, i32, i32, p, f32, i32, i32]),
         "folio_silu_mul": (None, [p, p, i64, i64, i32, i32]),
         "folio_greedy": (None, [p, p, p, i64, i64, i32, i32]),
+        "folio_dequantize_rows": (ctypes.c_int, [p, i64, p, p, i32, p, p, i32, p, i64, p,
+                                                 i64, i64, i64, i64, p, i32, i32]),
         "folio_race": (None, [p, p, p, i64, i64, i32]),
         "folio_penalize": (None, [p] * 8 + [i64, i64, i32]),
         "folio_top_k_top_p": (None, [p, i64, i64, p, p, i32]),
@@ -467,6 +469,25 @@ def silu_mul(gate_up: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> torch.
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     (lib or load()).folio_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                         _DTYPE_CODES[gate_up.dtype], torch.get_num_threads())
+    return out
+
+
+def dequantize_rows(w, ids: torch.Tensor, dtype: torch.dtype,
+                    lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """An embedding lookup in a table kept in its codes (an `IntGroups` on the
+    CPU): its float rows `ids` [*ids.shape, K] in dtype (fp32 or bf16), the
+    same to the bit as `w.dequantize_rows(ids, dtype)` (elementwise.c), in
+    microseconds where those torch ops take tenths of a millisecond.
+    `lib`: the tests' other builds."""
+    (perm, codes, bits, scales, offsets, zeros, supers, per_super, bounds, groups), \
+        (_, positions) = w.kernel_args
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(*ids.shape, w.in_features, dtype=dtype)
+    if (lib or load()).folio_dequantize_rows(
+            flat.data_ptr(), flat.numel(), perm, codes, bits, scales, offsets, zeros, supers,
+            per_super, bounds, groups, positions, w.in_features, w.out_features,
+            out.data_ptr(), _DTYPE_CODES[dtype], torch.get_num_threads()):
+        raise IndexError(f"token ids out of range 0..{w.out_features - 1}")
     return out
 
 

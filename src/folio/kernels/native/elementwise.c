@@ -366,3 +366,88 @@ void folio_top_k_top_p(float *logits, int64_t rows, int64_t vocab, const int64_t
         free(idx);
     }
 }
+
+/* float16 bits as a float (exact; no F16C needed). */
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
+                   man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f)
+        bits = sign | 0x7f800000 | man << 13;
+    else if (exp)
+        bits = sign | (exp + 112) << 23 | man << 13;
+    else {                          /* zero or subnormal: man * 2^-24, exact */
+        const float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* An embedding lookup in a table kept in its codes (int_groups.IntGroups's
+ * layout, qlinear.c's head says it): out [count][k] (dtype 0 fp32, 1 bf16)
+ * = the float rows `rows` of the weight, w = code * scale + offset rounded
+ * as IntGroups.dequantize_rows rounds it (a product, then a sum: no fused
+ * multiply-add), so the two agree to the bit. One token's row at decode,
+ * where the torch ops cost tenths of a millisecond. 1 (nothing written)
+ * when a row is outside 0..n-1. */
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+int folio_dequantize_rows(const int64_t *rows, int64_t count, const int64_t *perm,
+                          const uint8_t *codes, int bits, const void *scales,
+                          const void *offsets, int zeros, const uint16_t *supers,
+                          int64_t per_super, const int32_t *bounds, int64_t groups,
+                          int64_t kp, int64_t k, int64_t n, void *out, int dtype,
+                          int num_threads) {
+    for (int64_t r = 0; r < count; r++)
+        if (rows[r] < 0 || rows[r] >= n) return 1;      /* nothing written */
+    const int64_t tile_bytes = kp * 2 * bits;
+    const int64_t supers_n = supers ? (groups + per_super - 1) / per_super : 0;
+    int threads = count * k >= 4 * FOLIO_PARALLEL_MIN ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t tile = rows[r] / 16, lane = rows[r] % 16;
+        const uint8_t *t = codes + tile * tile_bytes;
+        char *dst = (char *)out + r * k * (dtype ? 2 : 4);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = (tile * groups + g) * 16 + lane;
+            float s, o;
+            if (supers) {
+                const uint16_t *pair = supers + (tile * supers_n + g / per_super) * 32 + lane;
+                const int8_t *sc = (const int8_t *)scales;
+                s = (float)sc[at] * half_to_float(pair[0]);
+                o = (float)(offsets ? (const int8_t *)offsets : sc)[at] * half_to_float(pair[16]);
+            } else {
+                s = half_to_float(((const uint16_t *)scales)[at]);
+                o = half_to_float(((const uint16_t *)offsets)[at]);
+                if (zeros) o = -o * s;
+            }
+            for (int64_t p = bounds[g]; p < bounds[g + 1]; p++) {
+                int code;
+                const int64_t octet = p / 8, i = p % 8;
+                if (bits == 4) {
+                    const uint8_t byte = t[octet * 64 + lane * 4 + (i & 3)];
+                    code = i < 4 ? byte & 0xf : byte >> 4;
+                } else if (bits == 8) {
+                    code = t[octet * 128 + (i / 4) * 64 + lane * 4 + (i & 3)];
+                } else {            /* 6: a pair of octets' low nibbles, then top bits */
+                    const uint8_t *pair = t + (octet / 2) * 192;
+                    const int h = (int)(octet & 1), b = (int)(i & 3), upper = i >= 4;
+                    const uint8_t low = pair[h * 64 + lane * 4 + b];
+                    const int top = (pair[128 + lane * 4 + b] >> (2 * (2 * h + upper))) & 3;
+                    code = (upper ? low >> 4 : low & 0xf) | top << 4;
+                }
+                const int64_t f = perm ? perm[p] : p;
+                if (f < 0) continue;
+                const float w = (float)code * s + o;
+                if (dtype)
+                    ((uint16_t *)dst)[f] = float_to_bf16(w);
+                else
+                    ((float *)dst)[f] = w;
+            }
+        }
+    }
+    return 0;
+}
+#pragma GCC pop_options

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.kernels import native
 from folio.model.layers.linear import linear, pack_weight
 from folio.model.layers.quantization.base import QuantizationConfig
 from folio.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
@@ -63,6 +64,9 @@ class VocabParallelEmbedding(nn.Module):
         table = self.packed_table
         if table is None:
             return F.embedding(ids, self.weight)
+        if (table.codes.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                and native.load() is not None):     # the same rows, without a dozen torch ops
+            return native.dequantize_rows(table, ids, self.dtype)
         return table.dequantize_rows(ids, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
