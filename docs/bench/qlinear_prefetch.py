@@ -16,7 +16,11 @@ threads) is measured too, and each rate is given as a share of it.
 
 With --builds the builds compared are named sets of compiler flags instead of
 distances (`--builds "before=;after=-DFOLIO_QL_X=1"`), the way a kernel change
-is measured against what it replaces; --rows N times N rows a projection (a
+is measured against what it replaces (the int8 path's distance, in bytes:
+`--builds "positions256=-DFOLIO_QL_PREFETCH_BYTES=0;8k=;12k=-DFOLIO_QL_PREFETCH_BYTES=12288"`;
+--distances moves the float path's and, with -DFOLIO_QL_PREFETCH_BYTES=0,
+the int8 path's); each build's speed-up over the first is given for the
+passes below and above the run's median read bandwidth apart; --rows N times N rows a projection (a
 32-request step, a prefill) and adds the arithmetic rate, and --avx2 builds
 them as an AVX2-only CPU of the Zen 3 generation would (-mno-avx512f
 -mno-avxvnni, as scripts/avx2_sim.py).
@@ -95,9 +99,11 @@ def main() -> None:
         xs = [torch.randn(args.rows, w.in_features) for w in ws]
         times = {d: [] for d in distances}
         shares = {d: [] for d in distances}
+        paired = []                 # (bandwidth, {build: its time / the first build's})
         for _ in range(args.rounds):
             bw = read_bandwidth(big)
             for _ in range(3):
+                got = {}
                 for d, lib in libs.items():
                     start = time.perf_counter()
                     for w, x in zip(ws, xs):
@@ -105,11 +111,21 @@ def main() -> None:
                     t = time.perf_counter() - start
                     times[d].append(t)
                     shares[d].append(nbytes / t / 1e9 / bw)
+                    got[d] = t
+                paired.append((bw, {d: got[distances[0]] / t for d, t in got.items()}))
         for d in distances:
             t = statistics.median(times[d])
             print(f"| {path.rsplit('/', 1)[-1]} | {nbytes / 1e6:.0f} | {d} | {t * 1e3:.2f} "
                   f"| {nbytes / t / 1e9:.1f} | {statistics.median(shares[d]):.2f} "
                   f"| {macs / t / 1e9:.0f} |", flush=True)
+        # the machine's bandwidth moves between regimes (here 42-48 and 60-75
+        # GB/s, for tens of seconds each): the speed-ups of each half apart
+        mid = statistics.median(bw for bw, _ in paired)
+        for name, half in (("at or below", [r for bw, r in paired if bw <= mid]),
+                           ("above", [r for bw, r in paired if bw > mid])):
+            print(f"speed-up over {distances[0]}, passes {name} the median read bandwidth "
+                  f"({mid:.1f} GB/s): " + ", ".join(
+                      f"{d} {statistics.median(r[d] for r in half):.3f}x" for d in distances[1:]))
         print(f"read bandwidth: {read_bandwidth(big):.1f} GB/s (torch sum, 2 threads)")
 
 

@@ -85,6 +85,17 @@
 #ifndef FOLIO_QL_PREFETCH
 #define FOLIO_QL_PREFETCH 256
 #endif
+/* The int8 path, one stream of codes a thread, asks in bytes instead: 8 KiB
+ * ahead, whatever the code width. Against 256 positions (2 KiB of 4-bit
+ * codes), one row's pass over the 1B Q4_K_M took 1.02x as many bytes a second
+ * in the minutes the machine reads 42-48 GB/s and 1.15x in those it reads
+ * 60-75 (3B: 1.12x and 1.14x; 1B Q8_0, whose 256 positions are 4 KiB: level);
+ * the float path, three streams and bound by its arithmetic, lost 8% at that
+ * distance and keeps its own, as does the int8 path at more than IMR rows
+ * (32 rows: 0.97x at 8 KiB) (docs/bench/qlinear_prefetch.py --builds). */
+#ifndef FOLIO_QL_PREFETCH_BYTES
+#define FOLIO_QL_PREFETCH_BYTES 8192
+#endif
 #define QL_PART(n) (FOLIO_QLINEAR_PART < 0 || FOLIO_QLINEAR_PART == (n))
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || \
@@ -252,20 +263,22 @@ static inline __attribute__((always_inline)) void store_row(const job *J, int64_
     }
 }
 
-/* Ask for tiles t0 .. t0 + nt's codes FOLIO_QL_PREFETCH positions past p. */
+/* Ask for tiles t0 .. t0 + nt's codes `bytes` past position p's, or (bytes
+ * 0) FOLIO_QL_PREFETCH positions past p. */
 static inline __attribute__((always_inline)) void prefetch_codes(const job *J, int64_t t0,
                                                                  int nt, int64_t p,
-                                                                 const int bits) {
+                                                                 const int bits,
+                                                                 const int64_t bytes) {
 #if FOLIO_QL_PREFETCH
 #pragma GCC unroll 3
     for (int j = 0; j < nt; j++) {
         const char *ahead = (const char *)J->codes + (t0 + j - J->code_tile0) * tile_bytes(J) +
-                            (p + FOLIO_QL_PREFETCH) * 2 * bits;
+                            (bytes ? p * 2 * bits + bytes : (p + FOLIO_QL_PREFETCH) * 2 * bits);
         __builtin_prefetch(ahead, 0, 3);
         if (bits > 4) __builtin_prefetch(ahead + 64, 0, 3);
     }
 #else
-    (void)J, (void)t0, (void)nt, (void)p, (void)bits;
+    (void)J, (void)t0, (void)nt, (void)p, (void)bits, (void)bytes;
 #endif
 }
 
@@ -411,7 +424,7 @@ static inline __attribute__((always_inline)) void fblock(const job *J, int64_t r
 #pragma GCC unroll 6
                 for (int j = 0; j < nt * VPT; j++) gacc[c][r][j] = vzero();
         for (int64_t p = J->bounds[g]; p < J->bounds[g + 1]; p += 8) {
-            prefetch_codes(J, t0, nt, p, bits);
+            prefetch_codes(J, t0, nt, p, bits, 0);
 #pragma GCC unroll 3
             for (int j = 0; j < nt; j++)
 #pragma GCC unroll 2
@@ -818,7 +831,7 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             for (int64_t p = p0; p < p1; p += 8) {
                 /* each lane's word: positions 0..3 of the octet (lo), 4..7 (hi) */
                 ivec w[2][INT * VPT];
-                prefetch_codes(J, t0, nt, p, bits);
+                prefetch_codes(J, t0, nt, p, bits, J->m <= IMR ? FOLIO_QL_PREFETCH_BYTES : 0);
 #pragma GCC unroll 2
                 for (int j = 0; j < nt; j++)
 #pragma GCC unroll 2
