@@ -6,7 +6,10 @@ started at once and wait idle; each workload then runs on one at a time, in
 --rounds rounds alternating Folio and llama.cpp (ABBA), since this machine's
 read bandwidth moves by tens of percent between minutes: each ratio is the
 median of the rounds' own ratios, and each one-request rate is set against
-the bandwidth measured just before its pair.
+the bandwidth measured just before and just after it, where the two agree
+(the bandwidth here jumps between regimes, 42-48 and 60-80 GB/s, for tens
+of seconds at a time: a run across a jump has no one roofline, and the
+table says how many runs held).
 
 Workloads (`folio bench serve`, streaming completions of token-id prompts,
 EOS ignored, greedy):
@@ -66,6 +69,10 @@ def rate(w: str, r: dict) -> float:
     return 1024 / (r["ttft_ms"]["median"] / 1000)
 
 
+# a one-request run's bandwidth held when the measures before and after it
+# differ by at most this share of the smaller
+STEADY = 0.15
+
 KEYS = {"one": "one request decode tok/s", "32": "32 requests tok/s", "prefill": "prefill tok/s"}
 
 
@@ -74,11 +81,12 @@ def run_servers(args, servers: dict, model: str, workloads: list[str], tmp: Path
     workloads in rounds, Folio and llama.cpp alternating (ABBA: the first in
     one round is the last in the next), so that the machine's bandwidth,
     which moves by tens of percent between minutes here, moves under both
-    alike. The one-request pairs each get the read bandwidth measured just
-    before them. The 32-request workload runs once (minutes long itself).
-    {system: {key: [rates]}}, with "bandwidth" [GB/s before each one-request pair]."""
+    alike. Each one-request run is bracketed by measures of the read
+    bandwidth (before it and after it). The 32-request workload runs once (minutes long itself).
+    {system: {key: [rates]}}, with "bandwidth" {system: [(GB/s before, GB/s after)
+    each of its one-request runs]}."""
     procs, urls, logs = {}, {}, []
-    out: dict = {"folio": {}, "llama.cpp": {}, "bandwidth": []}
+    out: dict = {"folio": {}, "llama.cpp": {}, "bandwidth": {}}
     try:
         for name, cmd in servers.items():
             port = free_port()
@@ -98,15 +106,21 @@ def run_servers(args, servers: dict, model: str, workloads: list[str], tmp: Path
                 pair = [("folio", "folio"), ("llama.cpp", "llama16" if w == "32" else "llama1")]
                 if i % 2:
                     pair.reverse()
-                if w == "one":
-                    out["bandwidth"].append(read_copy_bandwidth(args)["read GB/s"])
                 # prompts of their own each round: a repeated one is a prefix-cache hit
                 flags = WORKLOADS[w] + ["--seed", str(1000 + i)]
+                before = read_copy_bandwidth(args)["read GB/s"] if w == "one" else None
                 for system, server in pair:
                     got = rate(w, bench(args, urls[server], model, flags))
                     out[system].setdefault(KEYS[w], []).append(got)
-                print(f"  round {i + 1}, {w}: folio {out['folio'][KEYS[w]][-1]:.1f}, "
-                      f"llama.cpp {out['llama.cpp'][KEYS[w]][-1]:.1f}", flush=True)
+                    if w == "one":      # each run between two measures of the bandwidth
+                        after = read_copy_bandwidth(args)["read GB/s"]
+                        out["bandwidth"].setdefault(system, []).append((before, after))
+                        before = after
+                around = lambda system: ("" if w != "one" else " (GB/s %.1f-%.1f)"
+                                         % out["bandwidth"][system][-1])
+                print(f"  round {i + 1}, {w}: folio {out['folio'][KEYS[w]][-1]:.1f}"
+                      f"{around('folio')}, llama.cpp {out['llama.cpp'][KEYS[w]][-1]:.1f}"
+                      f"{around('llama.cpp')}", flush=True)
     except (RuntimeError, subprocess.CalledProcessError) as e:
         print(f"  FAILED: {e}", flush=True)
         out["error"] = str(e)
@@ -156,9 +170,9 @@ def main() -> None:
     print(f"\n{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim} | "
           f"{args.rounds} round(s), medians")
     print("| file | read GB/s (min-max) | roofline tok/s | one request: Folio | llama.cpp "
-          "| Folio / roofline | Folio / llama.cpp | 32 requests: Folio | llama.cpp | ratio "
-          "| prefill: Folio | llama.cpp | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| Folio / roofline | llama.cpp / roofline | Folio / llama.cpp "
+          "| 32 requests: Folio | llama.cpp | ratio | prefill: Folio | llama.cpp | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     med = statistics.median
 
     def cell(d, k):
@@ -169,17 +183,27 @@ def main() -> None:
         if not (a.get(k) and b.get(k)):
             return "-"
         return f"{med(x / y for x, y in zip(a[k], b[k])):.2f}x"
+    def shares(r, system):
+        """Each one-request rate over the roofline of the bandwidth measured
+        around it, the runs whose bandwidth held (before and after within
+        STEADY of each other) only: this machine's moves between regimes
+        (42-48 and 60-80 GB/s here) for tens of seconds at a time, and a run
+        across a change has no one roofline. "-" when none held."""
+        got = [x * r["step bytes"] / ((a + b) / 2 * 1e9)
+               for x, (a, b) in zip(r[system].get(KEYS["one"], []),
+                                    r["bandwidth"].get(system, []))
+               if abs(a - b) <= STEADY * min(a, b)]
+        runs = len(r["bandwidth"].get(system, []))
+        return f"{med(got):.0%} ({len(got)} of {runs})" if got else "-"
     for r in rows:
         f, l1 = r["folio"], r["llama.cpp"]
         one = KEYS["one"]
-        bws = r["bandwidth"] or [r["read GB/s"]]
+        bws = [b for pair in r["bandwidth"].get("folio", []) for b in pair] or [r["read GB/s"]]
         roof = med(bws) * 1e9 / r["step bytes"]
-        # each one-request rate over the roofline of the bandwidth measured just before it
-        share = (f"{med(x * r['step bytes'] / (b * 1e9) for x, b in zip(f[one], bws)):.0%}"
-                 if f.get(one) else "-")
         print(f"| {r['model']} | {min(bws + [r['bandwidth after']]):.1f}-"
               f"{max(bws + [r['bandwidth after']]):.1f} "
-              f"| {roof:.1f} | {cell(f, one)} | {cell(l1, one)} | {share} "
+              f"| {roof:.1f} | {cell(f, one)} | {cell(l1, one)} | {shares(r, 'folio')} "
+              f"| {shares(r, 'llama.cpp')} "
               f"| {ratio(f, l1, one)} | {cell(f, KEYS['32'])} "
               f"| {cell(l1, KEYS['32'])} | {ratio(f, l1, KEYS['32'])} "
               f"| {cell(f, KEYS['prefill'])} | {cell(l1, KEYS['prefill'])} "
