@@ -82,7 +82,8 @@ def run_servers(args, servers: dict, model: str, workloads: list[str], tmp: Path
     one round is the last in the next), so that the machine's bandwidth,
     which moves by tens of percent between minutes here, moves under both
     alike. Each one-request run is bracketed by measures of the read
-    bandwidth (before it and after it). The 32-request workload runs once (minutes long itself).
+    bandwidth (before it and after it). The 32-request workload runs once
+    (minutes long itself).
     {system: {key: [rates]}}, with "bandwidth" {system: [(GB/s before, GB/s after)
     each of its one-request runs]}."""
     procs, urls, logs = {}, {}, []
@@ -183,6 +184,7 @@ def main() -> None:
         if not (a.get(k) and b.get(k)):
             return "-"
         return f"{med(x / y for x, y in zip(a[k], b[k])):.2f}x"
+
     def shares(r, system):
         """Each one-request rate over the roofline of the bandwidth measured
         around it, the runs whose bandwidth held (before and after within

@@ -337,11 +337,8 @@ def test_native_rows_of_a_packed_table_are_its_dequantized_rows(lib, bits, form,
     with) gives IntGroups.dequantize_rows's rows to the bit, whatever the
     code width, scale form or order of its groups; ids out of range are an
     IndexError, nothing written."""
-    if form.startswith("two-level"):
-        if bits == 6:
-            w, _ = _two_level_weights(40, 512, 6, 16, form.endswith("shared"))
-        else:
-            w, _ = _two_level_weights(40, 512, bits, 32, form.endswith("shared"))
+    if form.startswith("two-level"):       # Q6_K's groups of 16, Q4_K's and Q8's of 32
+        w, _ = _two_level_weights(40, 512, bits, 16 if bits == 6 else 32, form.endswith("shared"))
         assert w.supers is not None
     else:
         w, _, _ = random_weights(40, 208, bits, 32, form == "act-order", zeros=form == "zeros")

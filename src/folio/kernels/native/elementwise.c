@@ -367,24 +367,6 @@ void folio_top_k_top_p(float *logits, int64_t rows, int64_t vocab, const int64_t
     }
 }
 
-/* float16 bits as a float (exact; no F16C needed). */
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
-                   man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f)
-        bits = sign | 0x7f800000 | man << 13;
-    else if (exp)
-        bits = sign | (exp + 112) << 23 | man << 13;
-    else {                          /* zero or subnormal: man * 2^-24, exact */
-        const float f = (float)man * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* An embedding lookup in a table kept in its codes (int_groups.IntGroups's
  * layout, qlinear.c's head says it): out [count][k] (dtype 0 fp32, 1 bf16)
  * = the float rows `rows` of the weight, w = code * scale + offset rounded

@@ -59,19 +59,7 @@ static inline float fp8_to_float(uint8_t b) {
 }
 
 /* An fp8 e5m2 as a float: the top byte of a float16, widened exactly. */
-static inline float e5m2_to_float(uint8_t b) {
-    const uint32_t sign = (uint32_t)(b & 0x80) << 24;
-    const uint32_t e = (b >> 2) & 0x1f, m = b & 0x3;
-    float f;
-    if (e == 0) {                               /* zero or a subnormal: m * 2^-16 */
-        f = (float)m * 0x1p-16f;
-        return sign ? -f : f;
-    }
-    uint32_t bits = sign | ((e + 112u) << 23) | (m << 21);
-    if (e == 0x1f) bits = sign | (0xffu << 23) | (m << 21);   /* inf, nan */
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+static inline float e5m2_to_float(uint8_t b) { return half_to_float((uint16_t)(b << 8)); }
 
 /* The scale of the 8-bit cache row of n steps at base[index]. */
 static inline float row_scale(const void *base, int64_t index, int n) {

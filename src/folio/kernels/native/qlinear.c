@@ -92,7 +92,8 @@
  * 60-75 (3B: 1.12x and 1.14x; 1B Q8_0, whose 256 positions are 4 KiB: level);
  * the float path, three streams and bound by its arithmetic, lost 8% at that
  * distance and keeps its own, as does the int8 path at more than IMR rows
- * (32 rows: 0.97x at 8 KiB) (docs/bench/qlinear_prefetch.py --builds). */
+ * (32 rows: 0.97x and 1.06x in two runs, within the noise: left as it was)
+ * (docs/bench/qlinear_prefetch.py --builds). */
 #ifndef FOLIO_QL_PREFETCH_BYTES
 #define FOLIO_QL_PREFETCH_BYTES 8192
 #endif
