@@ -9,9 +9,11 @@ tiny model, shapes, calibration data and prompts as make_quant_fixtures.py
     python scripts/make_ct_fixtures.py OUT_DIR [NAME ...]   (default: every variant)
 
 Writes OUT_DIR/<name>/ (the checkpoint as oneshot saves it with
-save_compressed=True: format pack-quantized) and, in each,
-reference.safetensors: transformers' float32 logits for the prompts, loading
-that same checkpoint (transformers decompresses compressed-tensors itself).
+save_compressed=True: format pack-quantized, float-quantized for the fp8
+ones) and, in each, reference.safetensors: transformers' float32 logits for
+the prompts, loading that same checkpoint (transformers decompresses
+compressed-tensors itself, and quantizes the fp8 ones' activations as their
+scheme says in the forward pass).
 """
 
 import sys
@@ -42,6 +44,40 @@ KV_VARIANTS = {
                              dict(num_bits=8, type="float", strategy="attn_head",
                                   dynamic=False, symmetric=True)),
 }
+# name -> (llm-compressor's preset, its scheme spelled out): QuantizationModifier,
+# fp8 (e4m3) weights and activations (issue 54). The presets are
+# compressed-tensors 0.19.0's (quantization/quant_scheme.py); main() checks that
+# each spelled-out scheme equals its preset, and passes it as config_groups like
+# the variants above rather than as scheme="..."
+FP8_VARIANTS = {
+    # a weight scale per output channel; each token's input scaled on the fly
+    "ct-fp8-dynamic": ("FP8_DYNAMIC", dict(
+        weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True,
+                     dynamic=False),
+        input_activations=dict(num_bits=8, type="float", strategy="token", symmetric=True,
+                               dynamic=True))),
+    # one weight scale per tensor; one static input scale, calibrated
+    "ct-fp8-static": ("FP8", dict(
+        weights=dict(num_bits=8, type="float", strategy="tensor", symmetric=True,
+                     dynamic=False),
+        input_activations=dict(num_bits=8, type="float", strategy="tensor", symmetric=True,
+                               dynamic=False, observer="static_minmax"))),
+    # a weight scale per 128x128 block (DeepSeek-V3's); the inputs scaled on the
+    # fly per token and group of 128
+    "ct-fp8-block": ("FP8_BLOCK", dict(
+        weights=dict(num_bits=8, type="float", strategy="block", symmetric=True,
+                     dynamic=False, block_structure=[128, 128]),
+        input_activations=dict(num_bits=8, type="float", strategy="group", symmetric=True,
+                               dynamic=True, group_size=128))),
+}
+
+
+def fp8_scheme(preset: str, scheme: dict) -> dict:
+    """`scheme` for config_groups, after checking that it is the preset."""
+    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+    assert QuantizationScheme(targets=["Linear"], **scheme) == \
+        preset_name_to_scheme(preset, ["Linear"]), preset
+    return scheme
 
 
 def compress(source: str, recipe, target: Path) -> None:
@@ -68,17 +104,21 @@ def main(out: Path, names: list[str]) -> None:
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     out.mkdir(parents=True, exist_ok=True)
-    recipes = {name: (GPTQModifier, weights, None) for name, weights in VARIANTS.items()}
-    recipes.update({name: (QuantizationModifier, weights, kv)
+    # name -> (modifier, scheme, kv_cache_scheme)
+    recipes = {name: (GPTQModifier, {"weights": weights}, None)
+               for name, weights in VARIANTS.items()}
+    recipes.update({name: (QuantizationModifier, {"weights": weights}, kv)
                     for name, (weights, kv) in KV_VARIANTS.items()})
+    recipes.update({name: (QuantizationModifier, fp8_scheme(*preset), None)
+                    for name, preset in FP8_VARIANTS.items()})
     with tempfile.TemporaryDirectory() as tmp:
         source = make_tiny_model(Path(tmp) / "float", **SHAPE)
-        for name, (modifier, weights, kv) in recipes.items():
+        for name, (modifier, scheme, kv) in recipes.items():
             if names and name not in names:
                 continue
             extra = {"kv_cache_scheme": kv} if kv else {}
             recipe = modifier(
-                config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+                config_groups={"group_0": {"targets": ["Linear"], **scheme}},
                 ignore=["lm_head"], **extra)
             compress(source, recipe, out / name)
 

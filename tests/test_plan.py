@@ -79,6 +79,12 @@ def test_the_figures_everyone_quotes(capsys):
               "--tokens-per-day", "10e6")
     assert awq["gpus_per_replica"] == 1 and awq["weights_bytes_per_gpu"] < 45e9
     assert awq["max_batch"] > bf16["max_batch"] >= 1
+    # fp8 (issue 54): a byte a linear weight (the embeddings and head bf16, 4.2 GB),
+    # so 70B fits one H200 with its KV cache beside it
+    fp8 = run(capsys, "--model", "llama-3-70b", "--quantization", "fp8", "--gpu", "h200",
+              "--tokens-per-day", "10e6")
+    assert 72e9 < fp8["weights_bytes_per_replica"] < 73e9
+    assert fp8["gpus_per_replica"] == 1 and fp8["max_batch"] >= 16
 
 
 def test_the_weights_are_the_packing_codes_bytes():
@@ -89,7 +95,7 @@ def test_the_weights_are_the_packing_codes_bytes():
         table = shape_table({name: m})[name]
         norms = (2 * m.layers + 1) * m.hidden * 2
         for quant, fmt in (("none", "bf16"), ("int8", "int8 (per channel)"),
-                           ("awq", "int4 g128 (GPTQ/AWQ/int4)")):
+                           ("awq", "int4 g128 (GPTQ/AWQ/int4)"), ("fp8", "fp8 e4m3")):
             assert weights_bytes(m, Rank.of(m, 1), quant) - norms == (
                 table["formats"][fmt]["total_bytes"]), (name, quant)
         assert {"bf16", "int8 (per channel)", "int4 g128 (GPTQ/AWQ/int4)"} <= set(FORMATS)

@@ -49,11 +49,12 @@ def add_plan(sub) -> None:
                         "holding one; SmolLM2-135M-Instruct: the default model's), or a "
                         "catalog name: llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, "
                         "qwen2.5-72b, smollm2-135m")
-    p.add_argument("--quantization", choices=["none", "int8", "int4", "awq", "gptq"],
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "awq", "gptq", "fp8"],
                    default="none",
                    help="the weights' format: bf16, int8 per channel, int4 (4-bit codes with a "
-                        "scale and zero per group of 128, as folio serve -q int4), or awq or "
-                        "gptq checkpoints' 4-bit in groups of 128")
+                        "scale and zero per group of 128, as folio serve -q int4), awq or "
+                        "gptq checkpoints' 4-bit in groups of 128, or fp8 (e4m3, a byte a "
+                        "weight: folio serve -q fp8, FP8 checkpoints)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    metavar="N",
                    help="GPUs a replica splits every layer's weights and KV cache across, as "

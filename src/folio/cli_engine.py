@@ -87,11 +87,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how parallel workers start: mp (local processes) or ray")
     g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                    help="the weights' format: gptq, awq, compressed-tensors, gguf, int8, int4, "
-                        "none (default: what the checkpoint says: config.json's "
+                        "fp8, none (default: what the checkpoint says: config.json's "
                         "quantization_config or a GGUF's Q4_0/Q4_1/Q8_0 tensors; else none, "
                         "plain weights). none on a GGUF dequantizes its blocks to float at "
-                        "load; int8/int4: round-to-nearest at load of a float checkpoint "
-                        "or of a GGUF's dequantized weights")
+                        "load; int8/int4/fp8: round-to-nearest at load of a float checkpoint "
+                        "or of a GGUF's dequantized weights (fp8: e4m3, a scale per output "
+                        "feature)")
     g.add_argument("--activation-quantization", choices=["auto", *ACTIVATION_QUANTIZATIONS],
                    default="auto",
                    help="quantized weights on the CPU: int8 multiplies their codes by the "

@@ -17,7 +17,8 @@ GPTQ = [n for n in NAMES if n.startswith("gptq-w")]
 
 
 def test_the_fixtures_are_there():
-    assert NAMES == ["awq-mixtral-w4-g32", "awq-w4-g32", "ct-qwen3moe-w4a16-g32",
+    assert NAMES == ["awq-mixtral-w4-g32", "awq-w4-g32", "ct-fp8-block", "ct-fp8-dynamic",
+                     "ct-fp8-static", "ct-qwen3moe-fp8-dynamic", "ct-qwen3moe-w4a16-g32",
                      "ct-w4a16-asym-g32", "ct-w4a16-g32", "ct-w8a16-channel",
                      "ct-w8a16-kv-fp8", "ct-w8a16-kv-fp8-head", "gptq-qwen3moe-w4-g32",
                      "gptq-w4-g32-asym", "gptq-w4-g32-descact", "gptq-w4-g32-sym",

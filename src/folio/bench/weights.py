@@ -41,6 +41,7 @@ FORMATS = {
     "int4 g128 (GPTQ/AWQ/int4)": (4, 128),
     "GGUF Q8_0 (g32)": (8, 32),
     "GGUF Q4_0/Q4_1 (g32)": (4, 32),
+    "fp8 e4m3": 1,
 }
 
 
@@ -114,7 +115,8 @@ def loaded_bytes(model) -> dict:
         experts = getattr(module, "packed_experts", None)      # a FusedMoE on the CPU
         if experts is not None:
             size += sum(m.weights.nbytes if isinstance(m, IntGroupsLinear) else
-                        _tensor_bytes(m.data) for pair in experts for m in pair)
+                        _tensor_bytes(m.data) + _tensor_bytes(getattr(m, "scales", None))
+                        for pair in experts for m in pair)
             roles["linear"] += size
             formats["packed experts"] = formats.get("packed experts", 0) + 1
             continue
@@ -123,8 +125,8 @@ def loaded_bytes(model) -> dict:
             # (a RowParts: its runs' forms, e.g. int4+int6)
             kind = "+".join(dict.fromkeys(f"int{p.bits}" for p in getattr(
                 method.weights, "parts", [method.weights])))
-        elif isinstance(method, PackedLinear):
-            size += _tensor_bytes(method.data)
+        elif isinstance(method, PackedLinear):       # (fp8: its codes and scales)
+            size += _tensor_bytes(method.data) + _tensor_bytes(getattr(method, "scales", None))
             kind = type(method).__name__
         else:
             kind = "float"

@@ -9,6 +9,9 @@
   the AMX tiles where the CPU has them).
 - `linear_avx2.c`: an fp32 linear layer whose weights are stored as bf16, on
   CPUs with AVX2 and FMA (half the bytes of fp32 weights per step).
+- `fp8linear.c`: an fp32 linear layer whose weights are fp8 (e4m3) codes with
+  a scale per output feature and block of input features, on CPUs with AVX2,
+  FMA and F16C (`layers/quantization/fp8.py`).
 - `qlinear.c`: the linear layer of 4- and 8-bit quantized weights (codes,
   scales and offsets per group: `layers/quantization/int_groups.py`), on CPUs
   with AVX2 and FMA or AVX-512; compiled as five units, one a path, so that
@@ -48,8 +51,8 @@ logger = logging.getLogger("folio")
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "paged_attention.c", _DIR / "elementwise.c", _DIR / "linear.c",
-            _DIR / "linear_avx2.c", _DIR / "decoder.c", _DIR / "qlinear.c", _DIR / "lora.c",
-            _DIR / "moe.c"]
+            _DIR / "linear_avx2.c", _DIR / "fp8linear.c", _DIR / "decoder.c", _DIR / "qlinear.c",
+            _DIR / "lora.c", _DIR / "moe.c"]
 _HEADERS = [_DIR / "bf16.h", _DIR / "simd.h"]
 # What the compiler is run on: qlinear.c as five units, each one of its paths
 # (FOLIO_QLINEAR_PART, see its head: its -O3 build is ~56 s in one unit, ~24
@@ -157,6 +160,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         "folio_linear": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
         "folio_linear_bf16w_available": (ctypes.c_int, []),
         "folio_linear_bf16w": (None, [p, i64, p, p, p, i64, i64, i64, i32]),
+        "folio_fp8_linear_available": (ctypes.c_int, []),
+        "folio_fp8_linear": (ctypes.c_int, [p, i64, p, p, i64, p, p, i64, i64, i64, i32]),
         "folio_decoder_layers": (ctypes.c_int, [p, i32, p]),
         "folio_qlinear_available": (ctypes.c_int, []),
         "folio_qlinear_int8_rows": (ctypes.c_int, [i32]),
@@ -340,6 +345,57 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int,
         raise ValueError(f"linear_bf16w takes fp32 [..., {k}] on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     return _linear_call(load().folio_linear_bf16w, x, packed, n, k, bias)
+
+
+def has_fp8_linear() -> bool:
+    """Whether the library has `fp8_linear` (built with AVX2, FMA and F16C)."""
+    lib = load()
+    return lib is not None and bool(lib.folio_fp8_linear_available())
+
+
+def pack_fp8_linear(codes: torch.Tensor, scales: torch.Tensor,
+                    block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes [N, K] (uint8 or float8_e4m3fn) and fp32 scales [N, KB] (one
+    per output feature and block of `block` inputs, KB = ceil(K / block)) ->
+    the layout `fp8_linear` reads: output features in tiles of 8 (zero-padded),
+    codes [tiles, K, 8] uint8 and scales [tiles, KB, 8] fp32 times 2^8 (the
+    kernel widens a code to its value times 2^-8)."""
+    n, k = codes.shape
+    blocks = -(-k // block)
+    if scales.shape != (n, blocks):
+        raise ValueError(f"fp8 scales {tuple(scales.shape)} for [{n}, {k}] codes in blocks of "
+                         f"{block}: expected [{n}, {blocks}]")
+    tiles = -(-n // 8)
+    c = torch.zeros(tiles * 8, k, dtype=torch.uint8)
+    c[:n] = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
+    s = torch.zeros(tiles * 8, blocks, dtype=torch.float32)
+    s[:n] = scales.float() * 256.0
+    return (c.view(tiles, 8, k).transpose(1, 2).contiguous(),
+            s.view(tiles, 8, blocks).transpose(1, 2).contiguous())
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, n: int,
+               bias: Optional[torch.Tensor] = None, *,
+               lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """x [..., K] fp32 @ W^T (+ bias) with W's codes and scales packed by
+    `pack_fp8_linear`: [..., n] fp32."""
+    k = codes.shape[1]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"fp8_linear takes fp32 [..., {k}] on the CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    lib = lib or load()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*lead, n, dtype=torch.float32)
+    bias = None if bias is None else bias.float().contiguous()
+    if x2.shape[0] and lib.folio_fp8_linear(
+            x2.data_ptr(), x2.stride(0), codes.data_ptr(), scales.data_ptr(), block,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n, k,
+            torch.get_num_threads()):
+        raise MemoryError("fp8_linear: no memory for the widened tiles")
+    return out
 
 
 def runs_qlinear(x: torch.Tensor) -> bool:

@@ -206,8 +206,10 @@ class FusedMoE(nn.Module):
         super().__init__()
         # --quantization int8|int4 (rtn.py's RTNConfig): the experts load as floats,
         # in the checkpoint's dtype, and are quantized once loaded
+        # (and --quantization fp8: fp8.py's Fp8Config, e4m3 codes per expert matrix)
+        from folio.model.layers.quantization.fp8 import Fp8Config
         from folio.model.layers.quantization.rtn import RTNConfig
-        self.rtn = quant_config if isinstance(quant_config, RTNConfig) else None
+        self.rtn = quant_config if isinstance(quant_config, (RTNConfig, Fp8Config)) else None
         # --dtype bfloat16 on a CPU without native bf16: fp32 experts kept as bf16
         # for the AVX2 kernel, as the dense layers' (pack_weight's `store`)
         self.store = None if quant_config is None else quant_config.weight_dtype
@@ -299,7 +301,7 @@ class FusedMoE(nn.Module):
         _copy(param.data[e], loaded.narrow(1, tp_rank() * n, n))
 
     def process_weights_after_loading(self) -> None:
-        """Each expert's two matrices, once loaded: quantized (int8|int4), or on
+        """Each expert's two matrices, once loaded: quantized (int8|int4|fp8), or on
         the CPU packed as the dense layers' are (`pack_weight`: oneDNN's layout,
         or the native kernel's; a bf16 product on an unpacked weight lays it out
         anew on every call, 2.3x the time of the packed one at one token on an AMX
@@ -339,9 +341,13 @@ class FusedMoE(nn.Module):
         for param in (self.w13_weight, self.w2_weight):
             param.data = torch.empty(0, dtype=param.dtype)
 
-    def _quantized(self, weight: torch.Tensor, first_input: int) -> "ExpertMatrix":
+    def _quantized(self, weight: torch.Tensor, first_input: int):
         """One expert matrix [out, in] in RTN's codes (`first_input`: where this
-        rank's inputs start on the checkpoint's axis, for the groups)."""
+        rank's inputs start on the checkpoint's axis, for the groups), or fp8's."""
+        from folio.model.layers.quantization import fp8
+        if isinstance(self.rtn, fp8.Fp8Config):
+            codes, scales = fp8.quantize(weight, "experts: fp8")
+            return fp8.Fp8Linear(codes, scales, weight.shape[1])
         from folio.model.layers.quantization.int_groups import IntGroups
         from folio.model.layers.quantization.rtn import group_of_inputs, quantize
         groups = group_of_inputs(weight.shape[1], self.rtn.group_size, first_input)

@@ -21,6 +21,7 @@ _MODULES = {
     "compressed-tensors": "folio.model.layers.quantization.compressed_tensors",
     "int8": "folio.model.layers.quantization.rtn",
     "int4": "folio.model.layers.quantization.rtn",
+    "fp8": "folio.model.layers.quantization.fp8",
 }
 _REGISTRY: dict[str, type[QuantizationConfig]] = {}
 

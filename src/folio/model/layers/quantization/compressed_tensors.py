@@ -37,19 +37,23 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from folio.distributed.parallel_state import tp_size
 from folio.model.layers.linear import PlainLinearMethod
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig, weight_param
+from folio.model.layers.quantization.fp8 import Fp8Linear
+from folio.model.layers.quantization.fp8 import dequantize as fp8_dequantize
 from folio.model.layers.quantization.gguf import FUSED
 from folio.model.layers.quantization.int_checkpoint import (IntCheckpointMethod, check_input_groups,
                                                         check_packs, unpack_int32)
 
-_FORMATS = ("pack-quantized",)
+_FORMATS = ("pack-quantized", "float-quantized")
 _BITS = (4, 8)
 _STRATEGIES = ("group", "channel")
+_FLOAT_STRATEGIES = ("channel", "tensor", "block")
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,64 @@ class WeightScheme:
     symmetric: bool
 
 
-def _scheme(name: str, group: dict[str, Any], default_format: Optional[str]) -> WeightScheme:
-    """One config group's weight scheme, refusing by name what Folio does not run."""
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """float-quantized 8-bit weights (e4m3), symmetric, their scales per
+    `strategy`: channel, tensor or block (`block`: [rows, inputs] a scale);
+    `static_input`: the checkpoint holds each layer's `input_scale`."""
+    strategy: str
+    block: Optional[tuple[int, int]]
+    static_input: bool = False
+
+
+def _fp8_scheme(where: str, group: dict[str, Any]) -> Fp8Scheme:
+    """A float-quantized group's scheme (FP8_DYNAMIC, FP8, FP8_BLOCK): the
+    weights as stored; the activations' scheme (fp8, dynamic per token or
+    group, or static per tensor) is accepted and run weight-only (fp8.py)."""
+    if group.get("output_activations") is not None:
+        raise ValueError(f"compressed-tensors output activation quantization "
+                         f"({where}.output_activations) is not supported")
+    a = group.get("input_activations")
+    if a is not None and (a.get("type"), a.get("num_bits")) != ("float", 8):
+        raise ValueError(f"compressed-tensors {a.get('type')!r} {a.get('num_bits')}-bit input "
+                         f"activations with fp8 weights ({where}) are not supported; "
+                         "supported: none, or fp8 (float, 8 bits)")
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise ValueError(f"{where} has no weights scheme")
+    kind = (w.get("type"), int(w.get("num_bits", 0)))
+    if kind != ("float", 8):
+        raise ValueError(f"compressed-tensors float-quantized weights of type {kind[0]!r}, "
+                         f"{kind[1]} bits ({where}) are not supported; supported: float, 8 "
+                         "bits (fp8 e4m3)")
+    if not w.get("symmetric", True) or w.get("dynamic"):
+        raise ValueError(f"compressed-tensors fp8 weights ({where}) must be symmetric and "
+                         "static (asymmetric or dynamic fp8 weights are not supported)")
+    strategy = w.get("strategy")
+    if strategy not in _FLOAT_STRATEGIES:
+        raise ValueError(f"compressed-tensors fp8 weight strategy {strategy!r} ({where}) is "
+                         f"not supported; supported: {', '.join(_FLOAT_STRATEGIES)}")
+    block = None
+    if strategy == "block":
+        b = w.get("block_structure")
+        if (not isinstance(b, (list, tuple)) or len(b) != 2
+                or not all(isinstance(v, int) and v > 0 for v in b)):
+            raise ValueError(f"compressed-tensors fp8 block_structure {b!r} ({where}) is not "
+                             "valid (two positive numbers: rows, input features)")
+        block = (int(b[0]), int(b[1]))
+    return Fp8Scheme(strategy, block, a is not None and not a.get("dynamic", False))
+
+
+def _scheme(name: str, group: dict[str, Any], default_format: Optional[str]):
+    """One config group's weight scheme (a WeightScheme, or an Fp8Scheme),
+    refusing by name what Folio does not run."""
     where = f"compressed-tensors config_groups.{name}"
     fmt = group.get("format") or default_format
     if fmt not in _FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} ({where}) is not supported; "
                          f"supported: {', '.join(_FORMATS)}")
+    if fmt == "float-quantized":
+        return _fp8_scheme(where, group)
     for key in ("input_activations", "output_activations"):
         if group.get(key) is not None:
             raise ValueError(f"compressed-tensors activation quantization ({where}.{key}) is "
@@ -165,6 +220,8 @@ class CompressedTensorsConfig(QuantizationConfig):
                              f"layer different schemes ({described}); they must share one")
         if schemes[0] is None:
             return PlainLinearMethod(self.weight_dtype)
+        if isinstance(schemes[0], Fp8Scheme):
+            return CompressedTensorsFp8Method(schemes[0], prefix)
         return CompressedTensorsLinearMethod(schemes[0], prefix)
 
 
@@ -244,3 +301,95 @@ class CompressedTensorsLinearMethod(IntCheckpointMethod):
             zero = unpack_int32(layer.weight_zero_point.data, bits, 0).float()
         groups = torch.arange(codes.shape[1]) // self.group
         return codes, groups, scale, zero
+
+
+class CompressedTensorsFp8Method(LinearMethod):
+    """float-quantized (fp8 e4m3) weights, as stored:
+    - `weight` float8_e4m3fn [out, in];
+    - `weight_scale` per the strategy: channel [out, 1], tensor [1] (a fused
+      layer's shards each their own), block [ceil(out / rows),
+      ceil(in / inputs)] (a last partial block of rows or inputs its own);
+    - `input_scale` [1] (static activations only: read, and not used by the
+      weight-only products).
+
+    Each scale is spread, as it loads, to every output feature it covers: the
+    layer holds [out, blocks of inputs] (one block for channel and tensor),
+    which the layer's loader slices like the weight (a row-parallel rank then
+    needs whole blocks of inputs). Once loaded the layer is handed over to
+    `Fp8Linear` (fp8.py)."""
+
+    def __init__(self, scheme: Fp8Scheme, prefix: str):
+        self.scheme, self.prefix = scheme, prefix
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        s = self.scheme
+        row_parallel = getattr(layer, "input_is_parallel", False)
+        full_in = in_features * (tp_size() if row_parallel else 1)
+        where = f"{self.prefix}: compressed-tensors fp8"
+        if s.block is not None:
+            inputs = s.block[1]
+            if in_features != full_in and in_features % inputs:
+                raise ValueError(f"{where} blocks of {inputs} input features: each of the "
+                                 f"{tp_size()} tensor-parallel ranks gets {in_features} of the "
+                                 f"layer's {full_in}, not whole blocks")
+            self.block_inputs = inputs
+            blocks, input_dim = -(-in_features // inputs), 1
+        else:
+            self.block_inputs, blocks, input_dim = in_features, 1, None
+        weight = weight_param(layer, "weight", (out_features, in_features), torch.float8_e4m3fn,
+                              output_dim=0, input_dim=1)
+        weight.weight_loader = partial(self._load_weight, layer)
+        scale = weight_param(layer, "weight_scale", (out_features, blocks), torch.float32,
+                             output_dim=0, input_dim=input_dim)
+        scale.weight_loader = partial(self._load_scale, layer)
+        if s.static_input:
+            inp = weight_param(layer, "input_scale", (1,), torch.float32, output_dim=None,
+                               input_dim=None)
+            inp.weight_loader = self._load_input_scale
+            inp.data.zero_()
+
+    def _load_weight(self, layer, param, loaded, shard_id=None):
+        if loaded.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{self.prefix}: compressed-tensors fp8 weight stored as "
+                             f"{loaded.dtype}; expected float8_e4m3fn")
+        layer.weight_loader(param, loaded, shard_id)
+
+    def _load_scale(self, layer, param, loaded, shard_id=None):
+        """A checkpoint module's scale spread to each of its output features
+        ([out, blocks], full size), then sliced and placed by the layer."""
+        out, full_in = _full_shape(layer, shard_id)
+        s, where = self.scheme, f"{self.prefix}: compressed-tensors fp8 weight_scale"
+        loaded = loaded.float()
+        if s.strategy == "tensor":
+            if loaded.numel() != 1:
+                raise ValueError(f"{where} of shape {tuple(loaded.shape)}: a tensor scale is "
+                                 "one value")
+            spread = loaded.reshape(1, 1).expand(out, 1)
+        elif s.strategy == "channel":
+            if loaded.numel() != out:
+                raise ValueError(f"{where} of shape {tuple(loaded.shape)}: expected [{out}, 1]")
+            spread = loaded.reshape(out, 1)
+        else:
+            rows, inputs = s.block
+            want = (-(-out // rows), -(-full_in // inputs))
+            if tuple(loaded.shape) != want:
+                raise ValueError(f"{where} of shape {tuple(loaded.shape)}: blocks of "
+                                 f"{rows}x{inputs} over [{out}, {full_in}] are {list(want)}")
+            spread = loaded.repeat_interleave(rows, dim=0)[:out]
+        layer.weight_loader(param, spread.contiguous(), shard_id)
+
+    def _load_input_scale(self, param, loaded, shard_id=None):
+        """A static activation scale (the largest of a fused layer's shards)."""
+        param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
+
+    def process_weights_after_loading(self, layer):
+        layer.quant_method = Fp8Linear(layer.weight.data, layer.weight_scale.data,
+                                       self.block_inputs)
+        for name in ("weight", "weight_scale"):
+            param = getattr(layer, name)
+            param.data = torch.empty(0, dtype=param.dtype)
+
+    def apply(self, layer, x, bias=None):
+        # only before the weights are processed (the layer is handed over then)
+        w = fp8_dequantize(layer.weight.data, layer.weight_scale.data, self.block_inputs)
+        return F.linear(x, w.to(x.dtype), bias)
