@@ -8,9 +8,9 @@ requests one after the other), each against one server at a time, 2 threads:
   Q8_0 embedding): its own 4-bit codes, and `--quantization none` (everything
   dequantized to float at load, the path before issue 16), each in float32
   and bfloat16;
-- Folio with `--quantization int8` (round to nearest at load) on the same
-  weights dequantized and written as a Hugging Face folder, float32 and
-  bfloat16;
+- Folio with `--quantization int8` and `--quantization fp8` (round to
+  nearest at load: int8 codes, e4m3 ones) on the same weights dequantized
+  and written as a Hugging Face folder, float32 and bfloat16;
 - Folio on the GPTQ 4-bit g128 and AWQ 4-bit g64 checkpoints of the same
   model (AWQ cannot make groups of 128 on its 576 inputs), where
   scripts/make_smollm_quant.sh has made them (build/quant-smollm/), bfloat16;
@@ -50,7 +50,9 @@ def one_round(args, tmp: Path) -> dict:
                 f"folio dequantized (-q none), {dtype}": ("--dtype", dtype, "--quantization",
                                                           "none"),
                 f"folio int8 at load, {dtype}": (str(dense), "--dtype", dtype,
-                                                 "--quantization", "int8")}
+                                                 "--quantization", "int8"),
+                f"folio fp8 at load, {dtype}": (str(dense), "--dtype", dtype,
+                                                "--quantization", "fp8")}
         for row, flags in runs.items():
             if wanted(args, row):
                 rows[row] = folio(args, tmp, row.removeprefix("folio "), *flags)
