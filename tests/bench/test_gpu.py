@@ -56,6 +56,15 @@ def test_the_script_dry_runs_every_step(tmp_path):
     assert s["completed"] == 4 and s["failed"] == 0 and s["ttft_ms"]["median"] > 0
     assert s["itl_ms"]["median"] > 0 and s["output_throughput"] > 0
     assert result["transformers"]["requests"] == 2
+    # --quantization fp8 beside bf16 (issue 54), on the same requests
+    f = json.loads((out / "fp8.json").read_text())
+    assert {k: v for k, v in f.items() if k != "device"}.items() <= result["fp8"].items()
+    assert f["batch1"]["tokens_per_s"] > 0 and f["throughput"]["requests"] == 4
+    assert f["fp8_products"] == (CUDA and torch.cuda.get_device_capability() >= (8, 9))
+    assert f["throughput_vs_bf16"] == pytest.approx(
+        f["throughput"]["output_tokens_per_s"] / result["throughput"]["output_tokens_per_s"])
+    assert 0 < f["weight_bytes"] < result["batch1"]["weight_bytes"]
+    assert "| fp8 (-q fp8), batch-1 decode |" in table and "x bf16" in table
     assert result["speedup_over_transformers"] == pytest.approx(
         result["throughput"]["output_tokens_per_s"]
         / result["transformers"]["output_tokens_per_s"])

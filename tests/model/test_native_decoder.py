@@ -491,3 +491,33 @@ def test_moe_layers_leave_the_one_call_where_their_experts_cannot(tmp_path, monk
     assert NativeDecoder.build(layers) is not None
     monkeypatch.setattr(layers[1].mlp, "tp", 2)
     assert NativeDecoder.build(layers) is None
+
+
+@pytest.mark.skipif(not native.has_fp8_linear(), reason="no fp8 kernel on this machine "
+                                                        "(AVX2, FMA and F16C; or no compiler)")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", *MOE])
+def test_fp8_layers_in_one_call_as_in_the_modules(tmp_path, monkeypatch, arch):
+    """-q fp8 (e4m3 weights, fp32 activations): the one call runs every
+    projection, and a MoE layer's experts, on native/fp8linear.c as the
+    modules do, the element-wise layers fused, so the two agree to fp32
+    rounding; steps of one token and of many."""
+    from folio.model.layers.quantization.fp8 import Fp8Linear
+    shape = MOE[arch] if arch in MOE else {"arch": arch}
+    llm = LLM(make_tiny_model(tmp_path, **shape), dtype="float32", num_kv_blocks=64,
+              max_num_batched_tokens=48, quantization="fp8", kv_cache_dtype="float32")
+    decoder = llm.engine.executor.runner.model.model.native_decoder
+    assert decoder is not None and decoder.kind == "fp8" and decoder.fp8
+    assert isinstance(decoder.layers[0].self_attn.qkv_proj.quant_method, Fp8Linear)
+    records = _record_both_paths(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70, 9, 33)], params)
+    llm.generate([{"prompt_token_ids": [7, 8, 9]}], params)
+    assert any(decodes and tokens > decodes for tokens, decodes, *_ in records)
+    assert any(tokens == 1 for tokens, *_ in records)
+    assert all(hidden < 1e-4 and cache < 1e-4 for *_, hidden, cache in records), records
+
+
+def test_fp8_layers_leave_the_one_call_under_bfloat16(tmp_path):
+    """The fp8 kernel takes fp32 activations: a bf16 run keeps the modules."""
+    llm = LLM(make_tiny_model(tmp_path), dtype="bfloat16", num_kv_blocks=16, quantization="fp8")
+    assert llm.engine.executor.runner.model.model.native_decoder is None

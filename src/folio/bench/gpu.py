@@ -23,6 +23,11 @@ moment it is measured (a run cut off by its time limit keeps them):
    1 and at a full batch (200) of ~800-token contexts, and one mixed step
    (those decodes and a prompt chunk): wall time per step against kernel
    time, the costliest kernels;
+4b. `fp8.json` (unless --no-fp8): the same model under `--quantization fp8`
+   (e4m3 weights, a scale per output feature; fp8 products with dynamic
+   per-token activations where the card has them, compute capability 8.9
+   and up): batch-1 decode and the throughput run on the same requests, and
+   each as a ratio to bf16's above (issue 54's goals: 1.7x and 1.4x);
 5. `logprobs`: teacher-forced logprobs of the prompt tokens through the
    TRITON backend against the torch backend, max and mean |difference| (bf16
    greedy tokens of random 8B weights part at the first rounding difference,
@@ -76,6 +81,8 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
                    help="requests the transformers baseline runs (default 64; 2 with --tiny)")
     p.add_argument("--hf-batch", type=positive_int, metavar="B", default=16,
                    help="static batch size of the transformers baseline")
+    p.add_argument("--no-fp8", action="store_true",
+                   help="skip the fp8 run (--quantization fp8 beside bf16)")
     p.add_argument("--profile", action="store_true",
                    help="also profile decode steps at batch 1 and at a full batch of "
                         "~800-token contexts, and one mixed step (torch.profiler: host "
@@ -461,6 +468,14 @@ def run(args) -> dict:
         steps["served_s"] = time.perf_counter() - t
         _headline(args, "served", result["served"])
         save()
+        if not args.no_fp8:
+            t = time.perf_counter()
+            result["fp8"] = fp8_runs(args, folder, dtype_name, device, shape, lens, bandwidth,
+                                     result)
+            steps["fp8_s"] = time.perf_counter() - t
+            _headline(args, "fp8", {"device": _device_name(device), **result["fp8"]})
+            save()
+            _free(device)
         t = time.perf_counter()
         result["logprobs"] = teacher_forced(folder, dtype_name, device, shape["vocab_size"],
                                             (12, 40) if args.tiny else (64, 300, 700))
@@ -543,6 +558,44 @@ def _engine_runs(args, folder, dtype_name, device, shape, n_prompts, lens, bandw
     engine.shutdown()
     del engine, runner
     out["_requests"] = requests
+    return out
+
+
+def fp8_runs(args, folder: Path, dtype_name: str, device: str, shape: dict, lens,
+             bandwidth: float, bf16: dict) -> dict:
+    """The model under --quantization fp8: batch-1 decode and the throughput
+    run on the bf16 run's requests, and their ratios to bf16's."""
+    from folio.bench.throughput import run_engine
+    from folio.bench.weights import loaded_bytes
+    from folio.engine.llm_engine import LLMEngine
+    from folio.model.layers.quantization.fp8 import Fp8Linear
+    b1 = 16 if args.tiny else 256
+    t = time.perf_counter()
+    engine = LLMEngine.from_args(str(folder), dtype=dtype_name, device=device,
+                                 attention_backend="TRITON", quantization="fp8",
+                                 max_model_len=max(lens[0][1] + lens[1][1], 2 * b1) + 16,
+                                 kv_cache_memory_bytes=_dry_run_kv(device))
+    start = time.perf_counter() - t
+    model = engine.executor.runner.model
+    method = model.model.layers[0].self_attn.qkv_proj.quant_method
+    if not isinstance(method, Fp8Linear):
+        raise RuntimeError(f"--quantization fp8 left layer 0's qkv_proj as {method!r}")
+    out: dict = {"engine_start_s": start, "fp8_products": method.products,
+                 "weight_bytes": loaded_bytes(model)["bytes"]["total"]}
+    b = batch1_decode(engine, shape["vocab_size"], bandwidth, b1)
+    # the codes are not parameters: the bytes a step reads, from the packed forms
+    b["weight_bytes"] = out["weight_bytes"]
+    b["bandwidth_fraction"] = b["weight_bytes"] / (b["ms_per_token"] / 1e3) / bandwidth
+    out["batch1"] = b
+    requests = bf16["_requests"]
+    engine.reset_prefix_cache()
+    produced, seconds = run_engine(engine, requests, True, "continuous", 0)
+    out["throughput"] = {"requests": len(requests), "output_tokens": sum(produced),
+                         "seconds": seconds, "output_tokens_per_s": sum(produced) / seconds}
+    out["batch1_vs_bf16"] = b["tokens_per_s"] / bf16["batch1"]["tokens_per_s"]
+    out["throughput_vs_bf16"] = (out["throughput"]["output_tokens_per_s"]
+                                 / bf16["throughput"]["output_tokens_per_s"])
+    engine.shutdown()
     return out
 
 
@@ -651,6 +704,16 @@ def markdown(r: dict) -> str:
         ("speedup", f"{r['speedup_over_transformers']:.2f}x"),
         ("KV blocks; CUDA graphs", f"{r['kv_blocks']}; {r['cuda_graphs']}"),
     ]
+    if "fp8" in r:
+        f = r["fp8"]
+        rows.append(("fp8 (-q fp8), batch-1 decode",
+                     f"{f['batch1']['tokens_per_s']:.0f} tok/s, {f['batch1_vs_bf16']:.2f}x bf16, "
+                     f"{100 * f['batch1']['bandwidth_fraction']:.0f}% of the copy bandwidth "
+                     f"({'fp8 products' if f['fp8_products'] else 'weight-only'})"))
+        rows.append(("fp8 (-q fp8), throughput",
+                     f"{f['throughput']['output_tokens_per_s']:.0f} output tok/s on "
+                     f"{f['throughput']['requests']} requests, {f['throughput_vs_bf16']:.2f}x "
+                     "bf16"))
     for name, p in r.get("profile", {}).items():
         rows.append((f"{name.replace('batch', 'decode step at batch ')}"
                      f"{' step' if name == 'mixed' else ''}",

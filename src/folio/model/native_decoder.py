@@ -19,7 +19,9 @@ Three kinds:
 - quantized weights (4-, 6- or 8-bit `IntGroups`, native/qlinear.c), with bf16
   activations (bit-identical to the modules, which call the same kernels) or
   fp32 ones (the element-wise layers fused as above); int8 activations at
-  decode batch sizes or not, as the layers' --activation-quantization says.
+  decode batch sizes or not, as the layers' --activation-quantization says;
+- fp8 weights (`Fp8Linear` on native/fp8linear.c) with fp32 activations, the
+  element-wise layers fused as above.
 
 The model keeps its torch modules either way, and a step goes back to them
 whenever a kernel is switched off.
@@ -66,6 +68,17 @@ class _Step(ctypes.Structure):
                 ("residual_in", _i32)]
 
 
+class _Fp8Weight(ctypes.Structure):
+    """decoder.c's folio_fp8weight: an fp8 projection (quantization/fp8.py's
+    Fp8Linear, packed for the native kernel)."""
+    _fields_ = [("codes", _p), ("scales", _p), ("block", _i64)]
+
+    @classmethod
+    def of(cls, method) -> "_Fp8Weight":
+        return cls(codes=method.data.data_ptr(), scales=method.scales.data_ptr(),
+                   block=method.block)
+
+
 class _QWeight(ctypes.Structure):
     """decoder.c's folio_qweight: a quantized projection (int_groups.IntGroups),
     or a run of a RowParts' output features with the next run's (`next`)."""
@@ -110,8 +123,9 @@ class NativeDecoder:
         # "bf16_weights": fp32 activations with bf16-stored weights; "bf16": bf16
         # throughout; "int": quantized weights in the model's dtype
         self.bf16_weights = kind == "bf16_weights"
-        self.quantized = kind == "int"
-        self.dtype = {"bf16_weights": torch.float32, "bf16": torch.bfloat16,
+        self.quantized = kind in ("int", "fp8")
+        self.fp8 = kind == "fp8"
+        self.dtype = {"bf16_weights": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32,
                       "int": layers[0].input_layernorm.weight.dtype}[kind]
         self._keep: list = []           # the ctypes structs and fp32 biases the table points to
         first = layers[0]
@@ -125,7 +139,7 @@ class NativeDecoder:
         self.scale = attn.attn.scale
         # folio_qlinear's mode, as the modules' layers take it (IntGroupsLinear)
         self.quantize_x = (attn.qkv_proj.quant_method.quantize_x(self.dtype)
-                           if self.quantized else 0)
+                           if kind == "int" else 0)
         self._tables: dict[tuple[int, ...], ctypes.Array] = {}
         # LoRA (model/lora/layers.py): the step's runs of rows by adapter
         slots = [p.lora for layer in layers for p in _projections(layer)
@@ -184,6 +198,8 @@ class NativeDecoder:
         kind = kinds.pop()
         if kind == "int" and dtype not in (torch.float32, torch.bfloat16):
             return None
+        if kind == "fp8" and dtype != torch.float32:      # the fp8 kernel's activations
+            return None
         return cls(layers, kind)
 
     def usable(self, hidden: torch.Tensor, meta, kv_caches=None) -> bool:
@@ -193,28 +209,33 @@ class NativeDecoder:
             return False
         if kv_caches and kv_caches[0].dtype == torch.float8_e5m2:
             return False
-        if self.quantized and not native.runs_qlinear(hidden):    # what the layers ask
+        if self.fp8 and not native.has_fp8_linear():
             return False
+        if self.quantized and not self.fp8 and not native.runs_qlinear(hidden):
+            return False                                        # what the layers ask
         return native.supports(hidden) and (self.dtype == torch.float32 or native.fuses(hidden))
 
-    def _weight(self, layer, keep: list) -> int:
-        weights = layer.quant_method.native_weight()
+    def _matrix(self, method, keep: list) -> int:
+        """What decoder.c reads for one weight method: a packed tensor, or a
+        struct (kept alive in `keep`)."""
+        if self.fp8:
+            keep.append(_Fp8Weight.of(method))
+            return ctypes.addressof(keep[-1])
+        weights = method.native_weight()
         if not self.quantized:
             return weights.data_ptr()
         keep.append(_QWeight.of(weights))
         return ctypes.addressof(keep[-1])
+
+    def _weight(self, layer, keep: list) -> int:
+        return self._matrix(layer.quant_method, keep)
 
     def _moe(self, mlp: FusedMoE, keep: list) -> int:
         """decoder.c's folio_moe of a MoE layer (its structs kept in `keep`)."""
         def pointers(matrices):
             array = (_p * len(matrices))()
             for i, m in enumerate(matrices):
-                weights = m.native_weight()
-                if self.quantized:
-                    keep.append(_QWeight.of(weights))
-                    array[i] = ctypes.addressof(keep[-1])
-                else:
-                    array[i] = weights.data_ptr()
+                array[i] = self._matrix(m, keep)
             keep.append(array)
             return ctypes.addressof(array)
 
@@ -301,7 +322,8 @@ class NativeDecoder:
             hidden_states=hidden.data_ptr(), residual=residual.data_ptr(),
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), num_threads=torch.get_num_threads(),
-            dtype=native.dtype_code(hidden.dtype), quantized=int(self.quantized),
+            dtype=native.dtype_code(hidden.dtype),
+            quantized=2 if self.fp8 else int(self.quantized),
             quantize_x=self.quantize_x, kv_dtype=native.kv_code(cache.dtype),
             residual_in=int(residual_in))
         ctx = self.lora_context

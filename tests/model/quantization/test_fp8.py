@@ -112,6 +112,22 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(lib):
         assert torch.equal(native.fp8_linear(x[:rows], c, s, block, n, lib=lib), alone[:rows])
 
 
+@pytest.mark.skipif(not x86() or not native.distinct_build(("-mno-avx512f",))
+                    or not cpu_has("avx2", "fma", "f16c") or not native.has_fp8_linear(),
+                    reason="needs an AVX-512 machine that also runs the AVX2 build")
+def test_the_avx512_and_avx2_builds_agree_bit_for_bit():
+    """Each output's sums run in the same order in 16-float and 8-float
+    registers: the two builds give the same bits."""
+    n, k, block = 40, 300, 128
+    codes, scales = _random_fp8(n, k, 3, seed=6)
+    c, s = native.pack_fp8_linear(codes, scales, block)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7))
+    avx2 = native._build(("-mno-avx512f",))
+    for rows in (1, 9):
+        assert torch.equal(native.fp8_linear(x[:rows], c, s, block, n),
+                           native.fp8_linear(x[:rows], c, s, block, n, lib=avx2))
+
+
 def test_packing_refuses_scales_of_another_shape():
     codes, scales = _random_fp8(8, 64, 2)
     with pytest.raises(ValueError, match=r"expected \[8, 1\]"):
@@ -122,7 +138,7 @@ def test_packing_refuses_scales_of_another_shape():
 def test_the_layer_keeps_the_codes_and_gives_them_back():
     codes, scales = _random_fp8(20, 100, 1)
     layer = fp8.Fp8Linear(codes, scales, 100)
-    assert layer.data.dtype == torch.uint8 and layer.data.numel() == 24 * 100   # tiles of 8
+    assert layer.data.dtype == torch.uint8 and layer.data.numel() == 32 * 100   # tiles of 16
     assert torch.equal(layer.dequantize(), fp8.dequantize(codes, scales, 100))
 
 
@@ -411,3 +427,71 @@ def test_quantization_fp8_quantizes_float_experts(tmp_path, moe_float_model):
         theirs = hf_logits(moe_float_model, prompt)
         assert (folio_logits(llm, prompt) - theirs).abs().max().item() \
             < 0.05 * theirs.abs().max().item()
+
+
+# --------------------------------------------------------------------------- fp8 products
+
+
+@pytest.mark.parametrize("name", ["ct-fp8-dynamic", "ct-fp8-static"])
+def test_fp8_products_give_the_tools_own_logits(name, monkeypatch):
+    """The path a GPU with fp8 products takes (`torch._scaled_mm`, which torch
+    also runs on the CPU): each layer's input quantized to e4m3 as the
+    checkpoint declares (per token, or its static input_scale), so the logits
+    are those compressed-tensors' own decompression gave, activations
+    quantized, when the fixture was made."""
+    monkeypatch.setattr(fp8, "fp8_products", lambda device: True)
+    llm = LLM(str(FIXTURES / name), dtype="float32", num_kv_blocks=32)
+    model = llm.engine.executor.runner.model
+    layers = [layer.self_attn.qkv_proj for layer in model.model.layers]
+    assert all(layer.quant_method.products and not layer.quant_method.kernel
+               for layer in layers)
+    static = layers[0].quant_method.input_scale
+    assert (static is not None) == (name == "ct-fp8-static")
+    for prompt, logits in reference(name):
+        ref = logits[:-1]
+        ours = folio_logits(llm, prompt)
+        assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_block_scales_take_the_weight_only_path_even_with_fp8_products(monkeypatch):
+    """_scaled_mm's row scales do not take 128x128 blocks: those layers stay
+    weight-only (the CPU kernel here)."""
+    monkeypatch.setattr(fp8, "fp8_products", lambda device: True)
+    llm = LLM(str(FIXTURES / "ct-fp8-block"), dtype="float32", num_kv_blocks=16)
+    layer = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj
+    assert not layer.quant_method.products
+
+
+def test_quantize_rows_is_compressed_tensors_fake_quantization():
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(5)) * 3
+    x[2] = 0
+    q, s = fp8.quantize_rows(x)
+    assert s.shape == (5, 1) and s[2].item() == 1.0
+    assert (q.float().abs().amax(1)[[0, 1, 3, 4]] == E4M3_MAX).all()
+    expect = (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), expect.view(torch.uint8))
+    q2, s2 = fp8.quantize_rows(x, torch.tensor([0.005]))
+    assert torch.equal(s2, torch.full((5, 1), 0.005))
+    assert q2.float().abs().max().item() == E4M3_MAX            # clamped
+
+
+def test_quantization_fp8_holds_a_layer_in_float_only_while_it_loads(tmp_path, monkeypatch):
+    """-q fp8 allocates a layer's float weight when its first checkpoint
+    tensor arrives and quantizes it (dropping the float) when its last does:
+    in the checkpoint's order at most two of the 8 projections are in float
+    at once (q, k and v's fused layer may wait on o's tensor between them),
+    never the model."""
+    live, peak, done = set(), [0], []
+    original = fp8.Fp8RTNMethod._load
+
+    def load(self, layer, param, loaded, shard_id=None):
+        original(self, layer, param, loaded, shard_id)
+        (live.add if param.numel() else live.discard)(id(self))
+        peak[0] = max(peak[0], len(live))
+        if self.ready is not None:
+            done.append(self.prefix)
+    monkeypatch.setattr(fp8.Fp8RTNMethod, "_load", load)
+    folder = _servable_float_copy("ct-fp8-dynamic", tmp_path / "float")
+    LLM(str(folder), dtype="float32", num_kv_blocks=16, quantization="fp8")
+    assert len(done) == 8 and not live and 1 <= peak[0] <= 2

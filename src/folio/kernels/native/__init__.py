@@ -357,21 +357,21 @@ def pack_fp8_linear(codes: torch.Tensor, scales: torch.Tensor,
                     block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes [N, K] (uint8 or float8_e4m3fn) and fp32 scales [N, KB] (one
     per output feature and block of `block` inputs, KB = ceil(K / block)) ->
-    the layout `fp8_linear` reads: output features in tiles of 8 (zero-padded),
-    codes [tiles, K, 8] uint8 and scales [tiles, KB, 8] fp32 times 2^8 (the
+    the layout `fp8_linear` reads: output features in tiles of 16 (zero-padded),
+    codes [tiles, K, 16] uint8 and scales [tiles, KB, 16] fp32 times 2^8 (the
     kernel widens a code to its value times 2^-8)."""
     n, k = codes.shape
     blocks = -(-k // block)
     if scales.shape != (n, blocks):
         raise ValueError(f"fp8 scales {tuple(scales.shape)} for [{n}, {k}] codes in blocks of "
                          f"{block}: expected [{n}, {blocks}]")
-    tiles = -(-n // 8)
-    c = torch.zeros(tiles * 8, k, dtype=torch.uint8)
+    tiles = -(-n // 16)
+    c = torch.zeros(tiles * 16, k, dtype=torch.uint8)
     c[:n] = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
-    s = torch.zeros(tiles * 8, blocks, dtype=torch.float32)
+    s = torch.zeros(tiles * 16, blocks, dtype=torch.float32)
     s[:n] = scales.float() * 256.0
-    return (c.view(tiles, 8, k).transpose(1, 2).contiguous(),
-            s.view(tiles, 8, blocks).transpose(1, 2).contiguous())
+    return (c.view(tiles, 16, k).transpose(1, 2).contiguous(),
+            s.view(tiles, 16, blocks).transpose(1, 2).contiguous())
 
 
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int, n: int,

@@ -18,6 +18,8 @@
  *   bf16 or fp32 activations, in the mode the modules' layers take
  *   (quantize_x: int8 at decode batch sizes, else int16 for bf16 and float for
  *   fp32); the element-wise kernels as for the dtype.
+ * - fp8: e4m3 weights (folio_fp8weight, for folio_fp8_linear) with fp32
+ *   activations, the element-wise kernels as for fp32.
  * LoRA adapters (lora.c) run after each projection that has slots, over the
  * step's runs of rows of one adapter, as the modules' layers run them.
  * A mixture-of-experts layer (Mixtral, Qwen3-MoE) runs its router (moe.c)
@@ -53,6 +55,9 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                   int64_t per_super, const int32_t *bounds, int64_t groups,
                   const float *bias, void *out, int64_t m, int64_t n, int64_t kp,
                   int quantize_x, int num_threads);
+int folio_fp8_linear(const float *x, int64_t x_stride, const uint8_t *codes, const float *scales,
+                     int64_t bk, const float *bias, float *out, int64_t m, int64_t n, int64_t k,
+                     int num_threads);
 int folio_lora(const void *x, int64_t x_stride, void *y, int64_t y_stride, int dtype,
                const void *at, const void *bt, int w_dtype, const int64_t *runs, int64_t nruns,
                int64_t in, int64_t out, int64_t width, int num_threads);
@@ -80,6 +85,14 @@ typedef struct folio_qweight {
     const struct folio_qweight *next;         /* NULL: the last (or only) run */
     int64_t rows;
 } folio_qweight;
+
+/* An fp8 projection: what folio_fp8_linear reads (native.pack_fp8_linear's
+ * tiles of codes and scales, `block` inputs a scale). */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales;
+    int64_t block;
+} folio_fp8weight;
 
 /* A MoE layer in place of the MLP: its router's weight in fp32 and each
  * expert's two projections as `linear` takes a weight (w13: gate rows then
@@ -132,7 +145,8 @@ typedef struct {
     void *normed, *qkv, *attn, *gate_up, *act;
     int num_threads;
     int dtype;                                /* 1: bf16 / folio_linear, 0: fp32 / bf16w */
-    int quantized;                            /* 1: folio_qweight projections */
+    int quantized;                            /* 1: folio_qweight projections,
+                                                 2: folio_fp8weight ones (fp32) */
     int quantize_x;                           /* their folio_qlinear mode */
     int kv_dtype;                             /* the KV cache's: 0 fp32, 1 bf16, 2 int8, 3 fp8 */
     const int64_t *lora_runs;                 /* [lora_nruns][3]: slot, first row, end */
@@ -262,6 +276,11 @@ static int qlinear(const folio_step *s, const void *x, int64_t x_stride,
 
 static int linear(const folio_step *s, const void *x, int64_t x_stride, const void *w,
                   const void *bias, void *out, int64_t m, int64_t n, int64_t k) {
+    if (s->quantized == 2) {
+        const folio_fp8weight *f = w;
+        return folio_fp8_linear(x, x_stride, f->codes, f->scales, f->block, bias, out, m, n, k,
+                                s->num_threads);
+    }
     if (s->quantized) {
         const folio_qweight *q = w;
         if (q->next == NULL) return qlinear(s, x, x_stride, q, bias, out, m, n);

@@ -309,8 +309,8 @@ class CompressedTensorsFp8Method(LinearMethod):
     - `weight_scale` per the strategy: channel [out, 1], tensor [1] (a fused
       layer's shards each their own), block [ceil(out / rows),
       ceil(in / inputs)] (a last partial block of rows or inputs its own);
-    - `input_scale` [1] (static activations only: read, and not used by the
-      weight-only products).
+    - `input_scale` [1] (static activations only: the fp8 products' scale of
+      the layer's input; a fused layer's largest).
 
     Each scale is spread, as it loads, to every output feature it covers: the
     layer holds [out, blocks of inputs] (one block for channel and tensor),
@@ -383,8 +383,9 @@ class CompressedTensorsFp8Method(LinearMethod):
         param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
 
     def process_weights_after_loading(self, layer):
+        static = layer.input_scale.data.clone() if self.scheme.static_input else None
         layer.quant_method = Fp8Linear(layer.weight.data, layer.weight_scale.data,
-                                       self.block_inputs)
+                                       self.block_inputs, static)
         for name in ("weight", "weight_scale"):
             param = getattr(layer, name)
             param.data = torch.empty(0, dtype=param.dtype)

@@ -12,18 +12,26 @@ compressed-tensors' FP8 checkpoints give channel scales (one block: `block`
 layer's shards each their own) or 128x128 block scales (each row the scale
 of its block of rows); `--quantization fp8` gives channel scales.
 
-Execution, weight-only (the activations stay in the run's dtype; a
-checkpoint's activation scheme, dynamic per token or static, is what fp8
-products on a GPU would use, not built yet):
-- on the CPU, `native/fp8linear.c` reads the codes (1 byte a weight) and
-  sums each block's products in fp32, times its scale, block by block: the
-  same arithmetic at every row count;
-- elsewhere (no kernel, a GPU), the weight is dequantized per call and
-  multiplied (the reference the kernel is tested against).
+Execution:
+- fp8 products (W8A8) on GPUs that have them (CUDA compute capability 8.9
+  or more), for channel and tensor scales: each row of the activations
+  quantized to e4m3 with its own scale, max |x| / 448 (dynamic per token, as
+  FP8_DYNAMIC and `--quantization fp8` say), or with the checkpoint's static
+  `input_scale` (FP8), then `torch._scaled_mm` with the two rows of scales;
+  the activations as the checkpoint declares them, so compressed-tensors'
+  own output is reproduced (tested on the CPU, where torch runs the same
+  call);
+- weight-only elsewhere (the activations stay in the run's dtype): on the
+  CPU `native/fp8linear.c` reads the codes (1 byte a weight) and sums each
+  block's products in fp32, times its scale, block by block, the same
+  arithmetic at every row count; without it (and for block scales on a GPU,
+  which `_scaled_mm`'s row scales do not take), the weight is dequantized
+  per call and multiplied (the reference the kernel is tested against).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -48,22 +56,66 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int,
     return (codes.view(torch.float8_e4m3fn).float() * per_k).to(dtype)
 
 
-class Fp8Linear(PackedLinear):
-    """A layer's fp8 weight: codes [N, K] and fp32 scales [N, ceil(K / block)].
-    On the CPU with the native kernel the layer keeps only their packed copies
-    (`data`: the codes, the bytes a step reads); elsewhere the codes as they
-    are, dequantized per call."""
+def fp8_products(device: torch.device) -> bool:
+    """Whether `device` multiplies fp8 by fp8 (CUDA compute capability 8.9 or
+    more: Ada, Hopper and after)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, block: int):
+
+def quantize_rows(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [M, K], fp32 scales [M, 1]): each row by its own
+    max |x| / 448, or all by `static_scale` (compressed-tensors' fake
+    quantization: x / s clamped to +-448, rounded to nearest even)."""
+    xf = x.float()
+    if static_scale is None:
+        s = xf.abs().amax(-1, keepdim=True) / E4M3_MAX
+        s = torch.where(s == 0, torch.ones_like(s), s)
+    else:
+        s = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return (xf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s.contiguous()
+
+
+class Fp8Linear(PackedLinear):
+    """A layer's fp8 weight: codes [N, K] and fp32 scales [N, ceil(K / block)],
+    and a static activation scale where the checkpoint has one. On the CPU
+    with the native kernel the layer keeps only their packed copies (`data`:
+    the codes, the bytes a step reads); elsewhere the codes as they are, run
+    by `_scaled_mm` where the device has fp8 products and the scales are one
+    a row (`products`), else dequantized per call."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, block: int,
+                 input_scale: Optional[torch.Tensor] = None):
         codes = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
         n, k = codes.shape
-        self.block, self.in_features = block, k
-        self.kernel = codes.device.type == "cpu" and native.has_fp8_linear()
+        self.block, self.in_features, self.input_scale = block, k, input_scale
+        # (CUDA's fp8 products take sizes in multiples of 16)
+        self.products = fp8_products(codes.device) and block >= k and n % 16 == 0 \
+            and k % 16 == 0
+        self.kernel = (not self.products and codes.device.type == "cpu"
+                       and native.has_fp8_linear())
         if self.kernel:
             data, self.scales = native.pack_fp8_linear(codes, scales.float(), block)
         else:
             data, self.scales = codes.contiguous(), scales.float().contiguous()
         super().__init__(data, n)
+        # the one-call native decoder runs the kernel's packed form (fp32 activations)
+        self.native_kind = "fp8" if self.kernel else None
+        # _scaled_mm's second operand: [K, N] column-major (the codes' transpose
+        # as a view), its scales one row [1, N]
+        self.scales_t = self.scales.reshape(1, n) if self.products else None
+
+    def scaled_mm(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The fp8 product: x's rows quantized (dynamic, or the static scale),
+        times the codes, both rows of scales applied by `_scaled_mm`."""
+        lead = x.shape[:-1]
+        xq, xs = quantize_rows(x.reshape(-1, self.in_features), self.input_scale)
+        # CUDA's row-scaled products write bf16 only
+        dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        out = torch._scaled_mm(xq, self.data.view(torch.float8_e4m3fn).t(), scale_a=xs,
+                               scale_b=self.scales_t, out_dtype=dtype)
+        out = out.to(x.dtype).reshape(*lead, self.out_features)
+        return out if bias is None else out + bias.to(out.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] (from the packed copies where the kernel holds them)."""
@@ -75,6 +127,8 @@ class Fp8Linear(PackedLinear):
         return dequantize(codes, scales, self.block, dtype)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.products:
+            return self.scaled_mm(x, bias)
         if self.kernel and x.device.type == "cpu":
             out = native.fp8_linear(x.float(), self.data, self.scales, self.block,
                                     self.out_features, bias)
@@ -124,11 +178,47 @@ class Fp8Config(QuantizationConfig):
 
 
 class Fp8RTNMethod(RTNLinearMethod):
-    """int8's method (the plain float weight while loading, in `load_dtype`),
-    quantized to e4m3 and handed over to `Fp8Linear` once loaded."""
+    """int8's method (the plain float weight, in `load_dtype`), except that the
+    float weight exists only while its layer loads: the parameter is empty
+    until the first of the layer's checkpoint tensors arrives, and the layer
+    is quantized to e4m3 (`Fp8Linear`) and its float weight dropped as soon
+    as the last arrives. So a model never holds more than a layer's weights
+    in float beside its codes (70B in bf16 would not fit one H200)."""
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        super().create_weights(layer, in_features, out_features, dtype)
+        param = layer.weight
+        self.shape, self.dtype, self.device = tuple(param.shape), param.dtype, param.device
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        param.weight_loader = partial(self._load, layer)
+        # the checkpoint tensors that fill the layer: each of its fused shards, or one
+        if hasattr(layer, "output_sizes"):
+            self.shards = set(range(len(layer.output_sizes)))
+        elif hasattr(layer, "num_kv_heads"):
+            self.shards = {"q", "k", "v"}
+        else:
+            self.shards = {None}
+        self.ready: Optional[Fp8Linear] = None
+
+    def _load(self, layer, param, loaded, shard_id=None):
+        if self.ready is not None:
+            raise ValueError(f"{self.prefix}: a checkpoint tensor of a layer already "
+                             "quantized to fp8 (a tensor given twice?)")
+        if param.numel() == 0:
+            param.data = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        layer.weight_loader(param, loaded, shard_id)
+        self.shards.discard(shard_id)
+        if not self.shards:
+            self.ready = self._quantized(param)
+
+    def _quantized(self, param) -> Fp8Linear:
+        weight = param.data
+        codes, scales = quantize(weight, f"{self.prefix}: fp8")
+        param.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        return Fp8Linear(codes, scales, weight.shape[1])
 
     def process_weights_after_loading(self, layer):
-        weight = layer.weight.data
-        codes, scales = quantize(weight, f"{self.prefix}: fp8")
-        layer.quant_method = Fp8Linear(codes, scales, weight.shape[1])
-        layer.weight.data = torch.empty(0, dtype=weight.dtype)
+        layer.quant_method = self.ready or self._quantized(layer.weight)
+
+    def apply(self, layer, x, bias=None):
+        raise RuntimeError(f"{self.prefix}: -q fp8 layer called before it was loaded")
