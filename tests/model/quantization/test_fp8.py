@@ -416,6 +416,12 @@ def test_moe_experts_stay_fp8_and_match_the_exact_float_copy(kernel, moe_float_m
     assert_greedy_tokens_equal(llm, moe_float_model, _prompts(MOE), MOE)
 
 
+def test_moe_tensor_parallel_2_gives_the_same_tokens_and_logprobs():
+    """Every expert's gate and up split along the output with their channel
+    scales, its down along the input (each row's one scale whole)."""
+    assert_tensor_parallel_2_matches(FIXTURES / MOE, _prompts(MOE))
+
+
 def test_quantization_fp8_quantizes_float_experts(tmp_path, moe_float_model):
     """-q fp8 on a float MoE checkpoint: the experts in e4m3 too."""
     from folio.model.layers.moe import FusedMoE

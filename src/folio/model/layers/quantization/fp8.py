@@ -24,13 +24,17 @@ Execution:
 - weight-only elsewhere (the activations stay in the run's dtype): on the
   CPU `native/fp8linear.c` reads the codes (1 byte a weight) and sums each
   block's products in fp32, times its scale, block by block, the same
-  arithmetic at every row count; without it (and for block scales on a GPU,
-  which `_scaled_mm`'s row scales do not take), the weight is dequantized
-  per call and multiplied (the reference the kernel is tested against).
+  arithmetic at every row count; on GPUs without fp8 products, and for
+  block scales on any (`_scaled_mm`'s row scales do not take them),
+  `kernels/triton_fp8.py` reads them; with neither, the weight is
+  dequantized per call and multiplied (the reference both kernels are
+  tested against).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from functools import partial
 from typing import Any, Optional
 
@@ -40,8 +44,11 @@ import torch.nn.functional as F
 from folio.kernels import native
 from folio.model.layers.quantization import register_quantization
 from folio.model.layers.quantization.base import LinearMethod, QuantizationConfig
+from folio.model.layers.quantization.int_groups import has_triton
 from folio.model.layers.quantization.repacked import PackedLinear
 from folio.model.layers.quantization.rtn import _LOAD_DTYPES, RTNLinearMethod
+
+logger = logging.getLogger("folio")
 
 E4M3_MAX = 448.0
 # rows quantized at a time: bounds the fp32 temporaries of a large layer
@@ -60,6 +67,13 @@ def fp8_products(device: torch.device) -> bool:
     """Whether `device` multiplies fp8 by fp8 (CUDA compute capability 8.9 or
     more: Ada, Hopper and after)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _say_dequantized(device: torch.device) -> None:
+    """Once per device: fp8 weights dequantized per call are slow."""
+    logger.warning("fp8 weights on %s run dequantized per call (no fp8 kernel here): correct, "
+                   "and slower than the same model in its float dtype", device)
 
 
 def quantize_rows(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
@@ -98,6 +112,10 @@ class Fp8Linear(PackedLinear):
             data, self.scales = native.pack_fp8_linear(codes, scales.float(), block)
         else:
             data, self.scales = codes.contiguous(), scales.float().contiguous()
+        # GPUs without fp8 products, and block scales on any: the Triton kernel
+        self.triton = not self.products and codes.device.type == "cuda" and has_triton()
+        if not (self.products or self.kernel or self.triton):
+            _say_dequantized(codes.device)
         super().__init__(data, n)
         # the one-call native decoder runs the kernel's packed form (fp32 activations)
         self.native_kind = "fp8" if self.kernel else None
@@ -129,6 +147,9 @@ class Fp8Linear(PackedLinear):
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.products:
             return self.scaled_mm(x, bias)
+        if self.triton and x.is_cuda:
+            from folio.kernels.triton_fp8 import fp8_linear
+            return fp8_linear(x, self.data, self.scales, self.block, bias)
         if self.kernel and x.device.type == "cpu":
             out = native.fp8_linear(x.float(), self.data, self.scales, self.block,
                                     self.out_features, bias)
