@@ -64,6 +64,8 @@ grep -E "^\|" "$OUT/host.log" | tail -n 18
 # first (quick, and what the figures above rest on), whole engines after.
 read -r -d "" -a TESTS <<< "${GPU_TESTS:-tests/model/test_triton_attention.py
     tests/model/test_triton_elementwise.py tests/model/quantization/test_triton_qlinear.py
+    tests/model/quantization/test_triton_fp8.py
+    tests/model/quantization/test_fp8.py::test_fp8_checkpoints_on_the_gpu
     tests/model/layers/test_triton_moe.py tests/model/layers/test_draws.py
     tests/worker/test_sampling_columns.py tests/engine/test_triton_backend.py
     tests/worker/test_cuda_graphs.py tests/worker/test_gpu_memory.py

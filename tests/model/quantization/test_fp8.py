@@ -501,3 +501,22 @@ def test_quantization_fp8_holds_a_layer_in_float_only_while_it_loads(tmp_path, m
     folder = _servable_float_copy("ct-fp8-dynamic", tmp_path / "float")
     LLM(str(folder), dtype="float32", num_kv_blocks=16, quantization="fp8")
     assert len(done) == 8 and not live and 1 <= peak[0] <= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs fp8 checkpoints on CUDA")
+@pytest.mark.parametrize("name", NAMES)
+def test_fp8_checkpoints_on_the_gpu(name, float_copies):
+    """On a card: channel and tensor scales as fp8 products where it has them
+    (compute capability 8.9 and up: the tool's own logits, activations
+    quantized), else and for block scales the Triton kernel (weight-only: the
+    exact float copy's logits); within bf16's rounding of the products'
+    output."""
+    llm = LLM(str(FIXTURES / name), dtype="float32", device="cuda", max_model_len=256)
+    method = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj.quant_method
+    products = fp8.fp8_products(torch.device("cuda")) and name != "ct-fp8-block"
+    assert method.products == products and method.triton == (not products)
+    hf = None if products else float_model(float_copies[name])
+    for prompt, logits in reference(name):
+        ref = logits[:-1] if products else hf_logits(hf, prompt)
+        ours = folio_logits(llm, prompt)
+        assert (ours - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
