@@ -21,7 +21,7 @@ TOO_LONG = ("max_model_len=100000 must be between 1 and the model's "
             "max_position_embeddings (8192)")
 AWQ = ("--quantization awq reads the tensors of awq checkpoints, which a GGUF file does "
        "not hold; a GGUF runs as gguf (its Q4_0/Q4_1/Q8_0 blocks as stored, the default), "
-       "none (dequantized to float at load) or int4 / int8 (its dequantized weights "
+       "none (dequantized to float at load) or fp8 / int4 / int8 (its dequantized weights "
        "requantized at load)")
 
 
@@ -122,4 +122,4 @@ def test_gguf_on_a_folder_is_refused(tmp_path, nothing_loads):
         LLM(folder, quantization="gguf")
     assert str(info.value) == (f"--quantization gguf runs a GGUF file's blocks; {folder} is a "
                                "Hugging Face folder (weights: float): drop the flag, or give "
-                               "int8 / int4 to quantize its float weights at load")
+                               "int8 / int4 / fp8 to quantize its float weights at load")

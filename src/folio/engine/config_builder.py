@@ -38,7 +38,7 @@ def default_step_tokens(device: str, max_model_len: int) -> int:
 def with_quantization_flag(model_config: ModelConfig, quantization: str) -> ModelConfig:
     """The checkpoint's config under --quantization. A checkpoint runs in its
     own format or, where its weights can be had as floats, with a method that
-    loads float weights (`loads_float_weights`: none, int8, int4): any float
+    loads float weights (`loads_float_weights`: none, int8, int4, fp8): any float
     checkpoint, and a GGUF, whose blocks are then all dequantized at load
     (iter_gguf_weights does so for a config whose quantization is not gguf).
     Such a method's config is {"load_dtype": the checkpoint's dtype}: int8 and
@@ -49,7 +49,7 @@ def with_quantization_flag(model_config: ModelConfig, quantization: str) -> Mode
     if name == "gguf" and model_config.format != "gguf":
         raise ValueError(f"--quantization gguf runs a GGUF file's blocks; {model_config.model} "
                          f"is a Hugging Face folder (weights: {stored or 'float'}): drop the "
-                         "flag, or give int8 / int4 to quantize its float weights at load")
+                         "flag, or give int8 / int4 / fp8 to quantize its float weights at load")
     gguf = model_config.format == "gguf" and name != "gguf"
     if gguf and not method.loads_float_weights:
         again = " / ".join(n for n in float_weight_methods() if n != "none")
