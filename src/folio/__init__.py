@@ -2,12 +2,13 @@
 
 from folio.core.beam import BeamSearchParams
 from folio.lora_request import LoRARequest
-from folio.outputs import CompletionOutput, RequestOutput
+from folio.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput",
-           "CompletionOutput", "LoRARequest"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "PoolingParams",
+           "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest"]
 
 
 def __getattr__(name):

@@ -51,3 +51,30 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: Optional[int] = None     # prompt tokens served from the prefix cache
     error: Optional[str] = None     # why the engine failed this request (finish_reason "error")
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's vector (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's EmbeddingRequestOutput):
+    `outputs.embedding` the vector; `error` set (and `outputs.embedding`
+    empty) where the engine failed the request."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: Optional[int] = None
+    error: Optional[str] = None

@@ -102,6 +102,8 @@ class Request:
         # fork from it when its last prompt token is sampled.
         self.forked = len(seqs) == 1
         self.beam = None        # a core.beam.BeamState for beam-search requests
+        # an embedding request's PoolingParams (resolved): its prompt pooled, no token
+        self.pooling = None
         # speculative decoding: proposal runs wholly rejected in a row, and the
         # decodes to go without proposals before the next try (Scheduler._proposals)
         self.spec_misses = 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from folio.lora_request import LoRARequest
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 
@@ -27,6 +28,9 @@ class SamplingInfo:
     num_prompt_tokens: int = 0                 # where the sequence's output starts
     min_tokens_banned: tuple[int, ...] = ()    # EOS and stop ids, masked before min_tokens
     lora: Optional[LoRARequest] = None         # the adapter it runs with
+    # an embedding request (its fields resolved): its prompt's hidden states
+    # pooled into ModelRunnerOutput.pooled at its last chunk, nothing sampled
+    pooling: Optional[PoolingParams] = None
 
     @property
     def temperature(self) -> float:
@@ -103,6 +107,8 @@ class ModelRunnerOutput:
     # seq_id -> error, for sequences whose inputs could not be prepared or
     # sampled this step: their requests fail alone, the engine goes on.
     failed: dict[int, str] = field(default_factory=dict)
+    # seq_id -> the embedding of a pooling sequence whose prompt ended this step
+    pooled: dict[int, list[float]] = field(default_factory=dict)
     # samples still where they were drawn (worker/ahead.py SampledRows), made
     # into the lists above by `materialize` (under --async-scheduling: once the
     # engine takes the step)
@@ -133,6 +139,7 @@ class EngineCoreOutput:
     prompt_logprobs: Optional[list[tuple[float, TopLogprobs]]] = None
     beams: Optional[list] = None      # beam search, when it ends: core.beam.Hypothesis, best first
     error: Optional[str] = None       # the request failed in the step (finish_reason "error")
+    pooled: Optional[list[float]] = None   # an embedding request's vector, when it ends
 
     def __reduce__(self):
         """Pickled as its fields in order (a core process sends hundreds a
@@ -140,7 +147,7 @@ class EngineCoreOutput:
         return (EngineCoreOutput, (self.request_id, self.index, self.new_token_ids,
                                    self.new_logprobs, self.finish_reason, self.stop_reason,
                                    self.new_top_logprobs, self.prompt_logprobs, self.beams,
-                                   self.error))
+                                   self.error, self.pooled))
 
 
 def describe_fault(e: BaseException) -> str:

@@ -246,7 +246,10 @@ class Scheduler:
             for seq in seqs:
                 self.kv.set_salt(seq.seq_id, ("lora", req.lora.lora_int_id))
         cached = 0
-        if len(seqs) == 1 and req.params.prompt_logprobs is None:
+        # (an embedding request pooling more than its last position computes them all)
+        uses_cache = req.params.prompt_logprobs is None and (
+            req.pooling is None or req.pooling.pooling == "last")
+        if len(seqs) == 1 and uses_cache:
             seq = seqs[0]
             # Whole blocks only, and never the last token: its logits are needed.
             cached = self.kv.attach_cached_prefix(seq.seq_id, seq.token_ids, req.num_tokens - 1)
@@ -258,7 +261,7 @@ class Scheduler:
                 self.kv.free(seqs[0].seq_id)
                 req.num_computed_tokens = 0
             return None
-        if len(seqs) == 1 and req.params.prompt_logprobs is None:
+        if len(seqs) == 1 and uses_cache:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += cached
         if req.num_cached_tokens is None:
@@ -364,6 +367,15 @@ class Scheduler:
                 by_seq[seq_id] = EngineCoreOutput(entry[0].request_id, entry[1].index, [], [],
                                                   prompt_logprobs=scored)
         touched: dict[str, Request] = {}   # requests a sequence of which ended
+        for seq_id, vector in runner_out.pooled.items():    # embedding requests: done
+            entry = self._seqs.get(seq_id)
+            if entry is None or entry[1].status.is_finished:   # aborted after scheduling
+                continue
+            req, seq = entry
+            self._finish_seq(seq, RequestStatus.FINISHED_STOPPED)
+            by_seq[seq_id] = EngineCoreOutput(req.request_id, seq.index, [], [], "stop",
+                                              pooled=vector)
+            touched[req.request_id] = req
         beam_tops: dict[str, dict[int, list]] = {}
         ended: set[int] = set()           # ended by a token of this step: its later ones go
         kept: dict[int, int] = {}         # tokens each sequence took this step

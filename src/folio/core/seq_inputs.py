@@ -12,7 +12,7 @@ def sampling_info(req: Request, seq: Sequence) -> SamplingInfo:
     p = req.params
     banned = () if not p.min_tokens else tuple(sorted(
         set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))))
-    return SamplingInfo(p, seq.seed, seq.num_prompt_tokens, banned, req.lora)
+    return SamplingInfo(p, seq.seed, seq.num_prompt_tokens, banned, req.lora, req.pooling)
 
 
 def prompt_targets(req: Request, seq: Sequence, start: int, num_new: int):

@@ -16,6 +16,7 @@ from typing import Optional
 
 from folio.config import FolioConfig
 from folio.core.beam import BeamSearchParams
+from folio.pooling_params import PoolingParams
 from folio.engine.core_process import MOST_STEPS_AT_ONCE, CoreProcess, take_in_steps
 from folio.engine.input_processor import InputProcessor
 from folio.engine.output_processor import OutputProcessor
@@ -66,6 +67,21 @@ class CoreClient:
         request = ip.make_request(request_id, prompt_ids, ip.beam_sampling(params),
                                   arrival_time, priority, validated=True)
         self._add(request, prompt_text, params, lora_request, False)
+        return request
+
+    def add_pooling_request(self, request_id: str, prompt_text: Optional[str],
+                            prompt_ids: list[int], params: PoolingParams,
+                            arrival_time: Optional[float] = None, priority: int = 0,
+                            validated: bool = False,
+                            lora_request: Optional[LoRARequest] = None,
+                            final_only: bool = False) -> Request:
+        ip = self.input_processor
+        if not validated:
+            params = ip.resolve_pooling(prompt_ids, params)
+        request = ip.make_request(request_id, prompt_ids, ip.POOLING_SAMPLING, arrival_time,
+                                  priority, validated=True)
+        request.pooling = params
+        self._add(request, prompt_text, params, lora_request, final_only)
         return request
 
     def _add(self, request: Request, prompt_text, params, lora, final_only: bool) -> None:

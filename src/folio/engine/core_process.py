@@ -39,6 +39,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Optional
 
 from folio.core.beam import BeamSearchParams
+from folio.pooling_params import PoolingParams
 from folio.engine.output_processor import merge_steps
 from folio.worker.multiproc import _main_not_rerun
 
@@ -276,6 +277,7 @@ class Core:
 
     def add(self, rid, prompt_ids, params, arrival_time, priority, lora) -> None:
         add = (self.engine.add_beam_request if isinstance(params, BeamSearchParams)
+               else self.engine.add_pooling_request if isinstance(params, PoolingParams)
                else self.engine.add_tokenized_request)
         try:        # validated again here: a grammar is compiled on this side
             self.requests[rid] = add(rid, None, prompt_ids, params, arrival_time, priority,

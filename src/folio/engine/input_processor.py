@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from folio.config import FolioConfig
 from folio.core.beam import BeamSearchParams
 from folio.engine.grammar import Grammars
+from folio.pooling_params import PoolingParams, model_pooling
 from folio.request import Request, Sequence, next_seq_id
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ class InputProcessor:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or config.model.eos_token_ids
         self._rng = random.Random(config.seed)   # seeds for requests that give none
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.model_pooling: Optional[PoolingParams] = None    # read on first use
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token ids). Token ids are used verbatim."""
@@ -87,6 +89,27 @@ class InputProcessor:
                              f" tokens of every beam, more than max_logprobs "
                              f"({self.config.max_logprobs}; --max-logprobs raises it)")
         self.validate(prompt_ids, self.beam_sampling(params))
+
+    def resolve_pooling(self, prompt_ids: list[int], params: PoolingParams) -> PoolingParams:
+        """An embedding request's checks (its prompt may fill max_model_len:
+        nothing is generated after it) and its params with the model's
+        pooling where unset."""
+        if not prompt_ids:
+            raise ValueError("the input is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        limit = self.config.max_model_len
+        if len(prompt_ids) > limit:
+            raise ValueError(f"the input has {len(prompt_ids)} tokens, more than max_model_len "
+                             f"({limit})")
+        if self.model_pooling is None:
+            self.model_pooling = model_pooling(self.config.model.path)
+        return params.resolved(self.model_pooling, self.config.model.hidden_size)
+
+    # what an embedding request runs as: its prompt, then one greedy step that
+    # is never sampled (the runner pools the prompt instead)
+    POOLING_SAMPLING = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     @staticmethod
     def beam_sampling(params: BeamSearchParams) -> SamplingParams:

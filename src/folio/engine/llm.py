@@ -14,7 +14,8 @@ from folio.engine.config_builder import build_config
 from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.logger import configure_logging
-from folio.outputs import RequestOutput
+from folio.outputs import EmbeddingRequestOutput, RequestOutput
+from folio.pooling_params import PoolingParams
 from folio.core.beam import BeamSearchParams
 from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
@@ -114,6 +115,44 @@ class LLM:
                 rid = str(next(self._ids))
                 self.engine.add_beam_request(rid, text, ids, params, validated=True,
                                              lora_request=lora)
+                order.append(rid)
+        except ValueError:
+            self.engine.abort_request(order)
+            raise
+        return self._drain(order, use_tqdm and len(order) > 1)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
+              ) -> list[EmbeddingRequestOutput]:
+        """Per prompt, its embedding (`outputs.embedding`): the final hidden
+        states of its tokens pooled as `pooling_params` say (one for all, or
+        one per prompt; unset fields: the model's own pooling, from its
+        sentence-transformers files, else the last token's, normalized).
+        Scheduled as any prompt (chunked under the token budget, beside other
+        requests), nothing generated; every prompt is checked before any is
+        added."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenized = [self.engine.input_processor.tokenize(p) for p in prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(tokenized)
+        if len(pooling_params) != len(tokenized):
+            raise ValueError(f"{len(pooling_params)} pooling params for {len(tokenized)} prompts")
+        if priority is not None and len(priority) != len(tokenized):
+            raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
+        resolved = [self.engine.input_processor.resolve_pooling(ids, params)
+                    for (_, ids), params in zip(tokenized, pooling_params)]
+        loras = self._loras(lora_request, len(tokenized))
+        order = []
+        try:
+            for i, ((text, ids), params) in enumerate(zip(tokenized, resolved)):
+                rid = str(next(self._ids))
+                self.engine.add_pooling_request(rid, text, ids, params,
+                                                priority=priority[i] if priority else 0,
+                                                validated=True, lora_request=loras[i],
+                                                final_only=True)
                 order.append(rid)
         except ValueError:
             self.engine.abort_request(order)

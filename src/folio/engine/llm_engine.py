@@ -19,6 +19,7 @@ from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.stats import StepStats
 from folio.outputs import RequestOutput
+from folio.pooling_params import PoolingParams
 from folio.request import Request
 from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
@@ -111,6 +112,29 @@ class LLMEngine:
         self.scheduler.add_request(request)
         if self.output_processor is not None:
             self.output_processor.add_request(request, prompt_text)
+        return request
+
+    def add_pooling_request(self, request_id: str, prompt_text: Optional[str],
+                            prompt_ids: list[int], params: PoolingParams,
+                            arrival_time: Optional[float] = None, priority: int = 0,
+                            validated: bool = False,
+                            lora_request: Optional[LoRARequest] = None,
+                            final_only: bool = False) -> Request:
+        """An embedding request: its prompt's final hidden states pooled into a
+        vector (`params`, resolved against the model's own pooling here unless
+        `validated`), nothing generated; it ends when its prompt is computed."""
+        if not validated:
+            params = self.input_processor.resolve_pooling(prompt_ids, params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
+        request = self.input_processor.make_request(
+            request_id, prompt_ids, self.input_processor.POOLING_SAMPLING, arrival_time,
+            priority, validated=True)
+        request.lora = lora_request
+        request.pooling = params
+        self.scheduler.add_request(request)
+        if self.output_processor is not None:
+            self.output_processor.add_request(request, prompt_text, final_only)
         return request
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -32,7 +32,8 @@ import time
 from typing import Optional, Sequence
 
 from folio.core.outputs import EngineCoreOutput
-from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from folio.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                           RequestMetrics, RequestOutput)
 from folio.request import Request
 
 _REPLACEMENT = "\ufffd"
@@ -168,6 +169,8 @@ class _RequestState:
                 seq.logprobs = []
         # Position 0 has no logprob: nothing precedes it.
         self.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
+        self.embedding = request.pooling is not None    # an embedding request
+        self.pooled: Optional[list[float]] = None
 
     def set_beams(self, beams, tokenizer) -> None:
         """A finished beam search: its hypotheses, best first, become the outputs."""
@@ -209,7 +212,17 @@ class _RequestState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | EmbeddingRequestOutput:
+        if self.embedding:
+            m = self.metrics
+            m.first_scheduled_time = self.request.first_scheduled_time
+            if self.finished and m.finished_time is None:
+                m.finished_time = time.monotonic()
+            return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                          EmbeddingOutput(self.pooled or []),
+                                          finished=self.finished, metrics=m,
+                                          num_cached_tokens=self.request.num_cached_tokens,
+                                          error=self.error)
         outs = [CompletionOutput(i, s.text, list(s.token_ids), s.cumulative_logprob,
                                  s.finish_reason, s.stop_reason,
                                  None if s.logprobs is None else list(s.logprobs), s.score)
@@ -259,6 +272,11 @@ class OutputProcessor:
                 continue
             if co.error is not None:
                 state.fail(co.error)
+                touched[co.request_id] = state
+                continue
+            if co.pooled is not None:           # an embedding request: done
+                state.pooled = co.pooled
+                state.seqs[co.index].finish_reason = co.finish_reason or "stop"
                 touched[co.request_id] = state
                 continue
             if co.prompt_logprobs and state.prompt_logprobs is not None:
@@ -369,7 +387,8 @@ def merge_steps(core_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         k = at.get(key)
         before = None if k is None else merged[k]
         if (before is None or before.finish_reason is not None or before.beams is not None
-                or before.error is not None or co.beams is not None or co.error is not None):
+                or before.error is not None or co.beams is not None or co.error is not None
+                or co.pooled is not None):
             at[key] = len(merged)
             merged.append(co)
             continue

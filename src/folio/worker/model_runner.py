@@ -47,6 +47,7 @@ class SeqState:
     sampling: SamplingInfo
     history: Optional[list[int]] = None    # every token computed, for penalties / min_tokens
     grammar: Optional[GrammarState] = None   # structured outputs: the sequence's matcher
+    pooled: Optional[torch.Tensor] = None    # an embedding request's sum (mean) or first row
 
     @property
     def random(self) -> bool:
@@ -191,12 +192,14 @@ class ModelRunner:
         self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
         self.scorer.score(hidden, ordered, last_rows, out)
+        self._pool(hidden, ordered, last_rows, out)
         # (sequence, row of its logits, position of the token sampled there)
         targets: list[tuple[int, int, int]] = []
         proposals: dict[int, list[int]] = {}         # greedy sequences' proposals
         sampled: list[tuple[ScheduledSeq, int]] = []  # sampled ones with proposals, last row
         for s, row in zip(ordered, last_rows):
-            if s.sample and s.seq_id not in out.failed:
+            if s.sample and s.seq_id not in out.failed \
+                    and self.states[s.seq_id].sampling.pooling is None:
                 if s.spec_token_ids and self.states[s.seq_id].random:
                     sampled.append((s, row))
                     continue
@@ -240,6 +243,38 @@ class ModelRunner:
             self.spec.record_accepted(out, {**proposals, **{s.seq_id: s.spec_token_ids
                                                          for s, _ in sampled}})
         return out
+
+    def _pool(self, hidden: torch.Tensor, ordered: list[ScheduledSeq], last_rows: list[int],
+              out: ModelRunnerOutput) -> None:
+        """Embedding requests: each chunk's final hidden states kept as its
+        pooling needs them (a running sum in fp64 for "mean", restarted with
+        the prompt; the first row for "cls"), and at the prompt's last chunk
+        the vector: truncated to `dimensions`, L2-normalized if asked, into
+        `out.pooled` (plain floats: the scheduler's side has no torch)."""
+        for s, row in zip(ordered, last_rows):
+            state = self.states[s.seq_id]
+            p = state.sampling.pooling
+            if p is None or s.seq_id in out.failed:
+                continue
+            first = row - len(s.token_ids) + 1
+            if p.pooling == "mean":
+                part = hidden[first:row + 1].double().sum(0)
+                state.pooled = part if s.start_pos == 0 else state.pooled + part
+            elif p.pooling == "cls" and s.start_pos == 0:
+                state.pooled = hidden[first].double()
+            if not s.sample:
+                continue
+            if p.pooling == "mean":
+                vector = state.pooled / (s.start_pos + len(s.token_ids))
+            elif p.pooling == "cls":
+                vector = state.pooled
+            else:
+                vector = hidden[row].double()
+            vector = vector[:p.dimensions] if p.dimensions else vector
+            if p.normalize:
+                vector = vector / vector.norm().clamp_min(1e-12)
+            if self.is_driver:
+                out.pooled[s.seq_id] = vector.float().tolist()
 
     def _forward(self, ordered: list[ScheduledSeq], ids: np.ndarray,
                  step: StepDescription, fill=None) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""PoolingParams: how one embedding request reduces its prompt's hidden
+states to a vector, validated up front (vLLM's names: `LLM.embed(prompts,
+pooling_params=PoolingParams(...))`).
+
+An embedding request is its prompt only: the model runs over it (in chunks
+under the step's token budget, like any prompt), the final layer's hidden
+states of its positions are pooled, and the request ends with the vector,
+its blocks freed; no token is sampled and the LM head is not run.
+
+- `pooling`: "last" (the last position's state: decoder embedding models,
+  Qwen3-Embedding's way), "mean" (the mean over every position:
+  sentence-transformers' default) or "cls" (the first position's); None: the
+  model's own (its sentence-transformers pooling config where the folder has
+  one, else "last");
+- `normalize`: divide by the L2 norm (None: the model's own: a
+  sentence-transformers Normalize module, else True);
+- `dimensions`: keep the first this many values (Matryoshka embeddings),
+  before normalizing; None: all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    pooling: Optional[str] = None
+    normalize: Optional[bool] = None
+    dimensions: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool)
+                                            or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+    def resolved(self, default: "PoolingParams", hidden_size: int) -> "PoolingParams":
+        """These params with the model's defaults where unset, checked against
+        the model's width."""
+        if self.dimensions is not None and self.dimensions > hidden_size:
+            raise ValueError(f"dimensions={self.dimensions} is more than the model's "
+                             f"{hidden_size}")
+        return replace(self, pooling=self.pooling or default.pooling or "last",
+                       normalize=(self.normalize if self.normalize is not None
+                                  else default.normalize if default.normalize is not None
+                                  else True))
+
+
+def model_pooling(folder: Optional[str]) -> PoolingParams:
+    """A checkpoint folder's own pooling, from its sentence-transformers files
+    (modules.json naming a Pooling module whose config.json sets its mode, and
+    a Normalize module or not); defaults (None fields) without them."""
+    if folder is None or not Path(folder).is_dir():
+        return PoolingParams()
+    root = Path(folder)
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+    except (OSError, ValueError):
+        return PoolingParams()
+    pooling, normalize = None, False
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            try:
+                config = json.loads((root / module.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                continue
+            for key, name in (("pooling_mode_lasttoken", "last"),
+                              ("pooling_mode_mean_tokens", "mean"),
+                              ("pooling_mode_cls_token", "cls")):
+                if config.get(key):
+                    pooling = name
+                    break
+    return PoolingParams(pooling=pooling, normalize=normalize)
