@@ -68,11 +68,7 @@ class InputProcessor:
         if outside:
             raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary "
                              f"(0..{self.vocab_size - 1})")
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self._check_ids(prompt_ids, "prompt")
         limit = self.config.max_model_len
         if len(prompt_ids) >= limit:
             raise ValueError(
@@ -90,15 +86,19 @@ class InputProcessor:
                              f"({self.config.max_logprobs}; --max-logprobs raises it)")
         self.validate(prompt_ids, self.beam_sampling(params))
 
+    def _check_ids(self, prompt_ids: list[int], what: str) -> None:
+        """Not empty, and every id in the vocabulary."""
+        if not prompt_ids:
+            raise ValueError(f"the {what} is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
     def resolve_pooling(self, prompt_ids: list[int], params: PoolingParams) -> PoolingParams:
         """An embedding request's checks (its prompt may fill max_model_len:
         nothing is generated after it) and its params with the model's
         pooling where unset."""
-        if not prompt_ids:
-            raise ValueError("the input is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self._check_ids(prompt_ids, "input")
         limit = self.config.max_model_len
         if len(prompt_ids) > limit:
             raise ValueError(f"the input has {len(prompt_ids)} tokens, more than max_model_len "
