@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from folio.config import ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES
+from folio.config import ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, TASKS
 from folio.cli_types import (memory_size, non_negative_int, positive_int, power_of_two,
                              probability, seed)
 
@@ -85,6 +85,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--tensor-parallel-size ranks), micro-batched so that they overlap")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                    help="how parallel workers start: mp (local processes) or ray")
+    g.add_argument("--task", choices=TASKS, default="auto",
+                   help="what the model is served for: generate (completions, chat) or embed "
+                        "(/v1/embeddings); auto: embed for a sentence-transformers folder "
+                        "(modules.json with a Pooling module), else generate")
     g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                    help="the weights' format: gptq, awq, compressed-tensors, gguf, int8, int4, "
                         "fp8, none (default: what the checkpoint says: config.json's "
@@ -182,7 +186,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 activation_quantization=args.activation_quantization,
                 kv_cache_dtype=args.kv_cache_dtype,
                 speculative_config=args.speculative_config,
-                tokenizer=args.tokenizer,
+                tokenizer=args.tokenizer, task=args.task,
                 enable_lora=getattr(args, "enable_lora", False),
                 max_loras=getattr(args, "max_loras", 1),
                 max_lora_rank=getattr(args, "max_lora_rank", 64),

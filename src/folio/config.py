@@ -95,6 +95,9 @@ class ModelConfig:
     # sets it); None: max_position_embeddings. Gemma 3's 131072 positions were
     # two tables of ~135 MB each whatever the context served.
     rope_positions: Optional[int] = None
+    # what the server serves the model for (--task; build_config resolves
+    # "auto"): "generate" (completions, chat) or "embed" (/v1/embeddings)
+    task: str = "generate"
 
     @property
     def rope_table_positions(self) -> int:
@@ -192,6 +195,7 @@ class ParallelConfig:
 
 # --activation-quantization: what the activations of quantized layers become
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
+TASKS = ("auto", "generate", "embed")
 # the formats whose checkpoints declare 16-bit activations (GPTQ, AWQ and
 # compressed-tensors W4A16/W8A16): "auto" runs them as declared
 DECLARE_FLOAT_ACTIVATIONS = ("gptq", "awq", "compressed-tensors")

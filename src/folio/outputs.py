@@ -58,6 +58,7 @@ class EmbeddingOutput:
     """An embedding request's vector (vLLM's EmbeddingOutput)."""
 
     embedding: list[float]
+    finish_reason: Optional[str] = None      # "stop" once computed ("error", "abort")
 
     @property
     def hidden_size(self) -> int:

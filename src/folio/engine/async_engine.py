@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 from folio.config import ModelConfig
 from folio.core.beam import BeamSearchParams
+from folio.pooling_params import PoolingParams
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.protocol import (EngineClient, EngineDeadError, Params, RequestFailedError,
                                    StepCallback, ValidatedPrompt, engine_error)
@@ -158,6 +159,8 @@ class AsyncLLMEngine(EngineClient):
         processor = self.engine.input_processor
         if isinstance(params, BeamSearchParams):
             processor.validate_beam(prompt_ids, params)
+        elif isinstance(params, PoolingParams):
+            params = processor.resolve_pooling(prompt_ids, params)
         else:
             processor.validate(prompt_ids, params)
         return ValidatedPrompt(prompt_ids, params)
@@ -176,7 +179,8 @@ class AsyncLLMEngine(EngineClient):
         thread never checks (the request reaches it validated)."""
         self.check_health()
         if not (isinstance(prompt_ids, ValidatedPrompt) and prompt_ids.validates(params)):
-            self.validate(prompt_ids, params)                 # ValueError -> 400
+            prompt_ids = self.validate(prompt_ids, params)    # ValueError -> 400
+            params = prompt_ids.params
         loop, outputs = asyncio.get_running_loop(), _Outputs()
         with self._streams_lock:
             if request_id in self._streams:
@@ -286,6 +290,7 @@ class AsyncLLMEngine(EngineClient):
             if c.request_id not in self._streams:      # the client left before we started
                 return
         add = (self.engine.add_beam_request if isinstance(c.params, BeamSearchParams)
+               else self.engine.add_pooling_request if isinstance(c.params, PoolingParams)
                else self.engine.add_tokenized_request)
         try:         # generate() validated it; what can fail here is the cache and the id
             add(c.request_id, c.prompt, c.prompt_ids, c.params, c.arrival_time, c.priority,

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from folio.config import (ACTIVATION_QUANTIZATIONS, KV_CACHE_DTYPES, CacheConfig, FolioConfig,
                           LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                          SpeculativeConfig, DECLARE_FLOAT_ACTIVATIONS, EIGHT_BIT_KV,
+                          SpeculativeConfig, DECLARE_FLOAT_ACTIVATIONS, EIGHT_BIT_KV, TASKS,
                           kv_cache_dtype_named, parse_size)
 from folio.core.spec_decode import parse_speculative_config
 from folio.model import gguf_loader
@@ -21,6 +21,7 @@ from folio.model.attention.selector import get_attention_backend
 from folio.model.layers.quantization import (float_weight_methods, get_quantization_config,
                                              quantization_class)
 from folio.model.loader import load_model_config
+from folio.pooling_params import model_pooling
 # through the module: tests stand in for what the CPU can do (device.split_cpu_bf16)
 from folio.worker import device as devices
 
@@ -147,6 +148,17 @@ def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
                                                                rope_positions=max_model_len))
 
 
+def resolve_task(task: str, model_config) -> str:
+    """--task: "generate" or "embed" as asked; "auto": "embed" for a folder
+    that says it is a sentence-transformers model (modules.json with a
+    Pooling module: Qwen3-Embedding's), else "generate"."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task != "auto":
+        return task
+    return "embed" if model_pooling(model_config.path).pooling is not None else "generate"
+
+
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  device: Optional[str] = None, max_model_len: Optional[int] = None,
                  block_size: int = 16, kv_cache_memory_bytes: int | str | None = None,
@@ -166,7 +178,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
                  max_cpu_loras: Optional[int] = None,
                  pipeline_parallel_size: int = 1,
                  async_scheduling: bool = False,
-                 tokenizer: Optional[str] = None) -> FolioConfig:
+                 tokenizer: Optional[str] = None, task: str = "auto") -> FolioConfig:
     """A FolioConfig from the user's arguments: the checkpoint's hyperparameters
     read, the device and dtype resolved, every value checked (ValueError naming
     it). Everything is checked here, from the flags and the checkpoint's config
@@ -195,6 +207,7 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     model_config = dataclasses.replace(model_config, rope_positions=max_model_len)
     if tokenizer is not None:
         model_config = dataclasses.replace(model_config, tokenizer=_tokenizer_source(tokenizer))
+    model_config = dataclasses.replace(model_config, task=resolve_task(task, model_config))
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if num_kv_blocks is not None and num_kv_blocks < 1:

@@ -40,7 +40,7 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 64,
                  max_cpu_loras: Optional[int] = None, pipeline_parallel_size: int = 1,
                  async_scheduling: bool = False, tokenizer: Optional[str] = None,
-                 engine_process: bool = False):
+                 task: str = "auto", engine_process: bool = False):
         """vLLM's options (docs/offline.md); `engine_process`: the engine core
         (scheduler, model) in a process of its own, as `folio serve` runs it,
         the text and the outputs made in this one (engine/core_client.py)."""
@@ -62,7 +62,7 @@ class LLM:
             activation_quantization=activation_quantization, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            async_scheduling=async_scheduling, tokenizer=tokenizer)
+            async_scheduling=async_scheduling, tokenizer=tokenizer, task=task)
         if engine_process:
             from folio.engine.core_client import CoreClient
             self.engine: "LLMEngine | CoreClient" = CoreClient(config)

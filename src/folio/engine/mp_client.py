@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from folio.config import FolioConfig, ModelConfig
 from folio.core.beam import BeamSearchParams
+from folio.pooling_params import PoolingParams
 from folio.engine.async_engine import AsyncLLMEngine, _Add, _answer
 from folio.engine.core_process import MOST_STEPS_AT_ONCE, CoreProcess, take_in_steps
 from folio.engine.protocol import EngineDeadError, StepCallback
@@ -113,6 +114,8 @@ class MPEngineClient(AsyncLLMEngine):
         from folio.engine.protocol import ValidatedPrompt
         if isinstance(params, BeamSearchParams):
             self.input_processor.validate_beam(prompt_ids, params)
+        elif isinstance(params, PoolingParams):
+            params = self.input_processor.resolve_pooling(prompt_ids, params)
         else:
             self.input_processor.validate(prompt_ids, params)
         return ValidatedPrompt(prompt_ids, params)
@@ -157,6 +160,10 @@ class MPEngineClient(AsyncLLMEngine):
         if isinstance(c.params, BeamSearchParams):     # this side's copy, for the text
             request = ip.make_request(c.request_id, c.prompt_ids, ip.beam_sampling(c.params),
                                       c.arrival_time, c.priority, validated=True)
+        elif isinstance(c.params, PoolingParams):      # an embedding: its vector, no text
+            request = ip.make_request(c.request_id, c.prompt_ids, ip.POOLING_SAMPLING,
+                                      c.arrival_time, c.priority, validated=True)
+            request.pooling = c.params
         else:
             request = ip.make_request(c.request_id, c.prompt_ids, c.params, c.arrival_time,
                                       c.priority, validated=True)

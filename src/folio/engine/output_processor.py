@@ -219,7 +219,8 @@ class _RequestState:
             if self.finished and m.finished_time is None:
                 m.finished_time = time.monotonic()
             return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                                          EmbeddingOutput(self.pooled or []),
+                                          EmbeddingOutput(self.pooled or [],
+                                                          self.seqs[0].finish_reason),
                                           finished=self.finished, metrics=m,
                                           num_cached_tokens=self.request.num_cached_tokens,
                                           error=self.error)

@@ -23,6 +23,7 @@ from folio.core.beam import BeamSearchParams
 from folio.engine.stats import StepStats
 from folio.lora_request import LoRARequest
 from folio.outputs import RequestOutput
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ __all__ = ["BeamSearchParams", "EngineClient", "EngineDeadError", "Params",
            "RequestFailedError", "StepCallback", "StepStats", "ValidatedPrompt",
            "default_model"]
 
-Params = Union[SamplingParams, BeamSearchParams]
+# PoolingParams: an embedding request (its RequestOutput an EmbeddingRequestOutput)
+Params = Union[SamplingParams, BeamSearchParams, PoolingParams]
 # Called in the engine thread after every step: the scheduler's numbers, then the
 # outputs of that step (aborted requests included).
 StepCallback = Callable[[StepStats, list[RequestOutput]], None]
@@ -108,7 +110,9 @@ class EngineClient(Protocol):
 
     def validate(self, prompt_ids: list[int], params: Params) -> ValidatedPrompt:
         """The input processor's checks (token ids, lengths, logprobs, beam width);
-        ValueError with the message a client sees, as a 400."""
+        ValueError with the message a client sees, as a 400. For PoolingParams
+        the answer's `params` are them resolved against the model's pooling:
+        what `generate` is then given."""
         ...
 
     @property

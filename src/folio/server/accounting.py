@@ -106,9 +106,10 @@ class Ticket:
 def _max_tokens(call: EngineCall) -> int:
     params = call.params
     width = getattr(params, "n", None) or getattr(params, "beam_width", 1) or 1
-    return (params.max_tokens or 0) * width
+    return (getattr(params, "max_tokens", 0) or 0) * width      # (an embedding: none)
 
 
 def _finish_reason(outputs: list[RequestOutput]) -> Optional[str]:
-    reasons = {c.finish_reason for o in outputs for c in o.outputs}
+    reasons = {c.finish_reason for o in outputs
+               for c in (o.outputs if isinstance(o.outputs, list) else [o.outputs])}
     return reasons.pop() if len(reasons) == 1 else ",".join(sorted(r or "" for r in reasons))

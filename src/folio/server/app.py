@@ -40,12 +40,13 @@ from folio.server.accounting import Accounting
 from folio.server.cost import CostMeter
 from folio.server.error_shape import error_body
 from folio.server.metrics import ServerMetrics
+from folio.server.embeddings import create_embedding
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest, now)
+                                   EmbeddingRequest, TokenizeRequest, now)
 from folio.server.responses import (ChatCompletionResponse, ChatCompletionStreamResponse,
                                     CompletionResponse, CompletionStreamResponse,
-                                    DetokenizeResponse, ModelList, TokenizeResponse,
-                                    UsageReport, VersionResponse)
+                                    DetokenizeResponse, EmbeddingResponse, ModelList,
+                                    TokenizeResponse, UsageReport, VersionResponse)
 from folio.server.lora_routes import add_lora_routes, model_cards, register
 from folio.server.router_routes import add_router_routes
 from folio.server.serving import HTTPError, ServedModel, off_loop
@@ -420,6 +421,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
               responses={**openapi.streamed(ChatCompletionStreamResponse), **errors})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(state.ready(), req, raw)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors)
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        return await create_embedding(state.ready(), req, raw)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:

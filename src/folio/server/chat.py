@@ -252,6 +252,7 @@ def _thinking(served: ServedModel, req: ChatCompletionRequest,
 
 
 async def create_chat_completion(served: ServedModel, req: ChatCompletionRequest, raw: Request):
+    served.check_task("generate", "/v1/chat/completions")
     lora = served.check_model(req.model, raw.state.tenant)
     served.check_priority(req.priority)
     if req.auto_tools and served.tool_parser is None:

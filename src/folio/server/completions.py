@@ -203,6 +203,7 @@ async def _stream(served: ServedModel, req: CompletionRequest, calls: list[Engin
 
 
 async def create_completion(served: ServedModel, req: CompletionRequest, raw: Request):
+    served.check_task("generate", "/v1/completions")
     lora = served.check_model(req.model, raw.state.tenant)
     served.check_priority(req.priority)
     prompts = await prompt_ids(served, req.prompt)

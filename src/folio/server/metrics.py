@@ -175,6 +175,16 @@ class ServerMetrics:
 
     def _on_output(self, out: RequestOutput, step: list[int]) -> None:
         m = out.metrics
+        if not isinstance(out.outputs, list):   # an embedding: its prompt, once, when done
+            if out.finished:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                step[0] += len(out.prompt_token_ids)
+                if m is not None and m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                self.success.labels(self.model_name, out.outputs.finish_reason or "abort").inc()
+                if m is not None and m.finished_time is not None:
+                    self.e2e.observe(m.finished_time - m.arrival_time)
+            return
         tokens = sum(len(c.token_ids) for c in out.outputs)
         seen, last = self._seen.get(out.request_id, (0, None))
         new = tokens - seen

@@ -418,6 +418,24 @@ class DetokenizeRequest(_Request):
     tokens: list[StrictInt]
 
 
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings (OpenAI's fields; `input` a string, a list of them, a
+    list of token ids or a list of such lists)."""
+    model: Optional[str] = None
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    priority: int = 0
+
+    def _check(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise InvalidRequest(f"dimensions must be at least 1, got {self.dimensions}",
+                                 "dimensions")
+        if self.input == [] or self.input == "":
+            raise InvalidRequest("input must not be empty", "input")
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -188,6 +188,26 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"]
+    index: int
+    embedding: Union[list[float], str]      # encoding_format "base64": float32s, little-endian
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class VersionResponse(_Response):
     version: str
 

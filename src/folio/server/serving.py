@@ -144,8 +144,22 @@ class ServedModel:
     def validated(self, calls: list["EngineCall"]) -> list["EngineCall"]:
         """Every call checked by the engine before any runs, so a bad one is a 400
         before a stream starts; the engine takes the checked prompts as they are."""
-        return [dataclasses.replace(c, prompt_ids=self.engine.validate(c.prompt_ids, c.params))
-                for c in calls]
+        out = []
+        for c in calls:
+            checked = self.engine.validate(c.prompt_ids, c.params)
+            # (an embedding's params come back resolved: the ones the engine then runs)
+            out.append(dataclasses.replace(c, prompt_ids=checked, params=checked.params))
+        return out
+
+    def check_task(self, task: str, endpoint: str) -> None:
+        """A 400 for an endpoint of the other task than the model is served for
+        (--task)."""
+        served = self.engine.model_config.task
+        if served != task:
+            what = {"generate": "generation", "embed": "embeddings"}
+            raise HTTPError(400, f"{endpoint} serves {what[task]}, but this server serves "
+                                 f"{self.name} for {what[served]} (--task {served}): start it "
+                                 f"with --task {task}", "model")
 
 
 @dataclass
@@ -329,8 +343,10 @@ def holdback(params: SamplingParams) -> int:
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
+    """(An embedding request's output generates nothing: its prompt only.)"""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs if isinstance(o.outputs, list)
+                     for c in o.outputs)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
