@@ -30,6 +30,7 @@ COMMANDS = {
     "bench serve": ("`folio bench serve`", ()),
     "bench memory": ("`folio bench memory`", ("Engine flags", )),
     "bench weights": ("`folio bench weights`", ("Engine flags", )),
+    "bench embeddings": ("`folio bench embeddings`", ("Engine flags", )),
     "bench gpu": ("`folio bench gpu`", ()),
     "bench host": ("`folio bench host`", ()),
     "bench autoscale": ("`folio bench autoscale`", ()),

@@ -1,4 +1,4 @@
-"""`folio bench throughput | serve | memory | weights | gpu | host | autoscale`: each benchmark's
+"""`folio bench throughput | serve | memory | weights | embeddings | gpu | host | autoscale`: each benchmark's
 flags are defined when its command is used, so no other command waits for
 the benchmarks' imports."""
 
@@ -70,6 +70,10 @@ def add_bench(sub) -> None:
                  "bytes for Llama-3-8B and -70B shapes",
                  _in_process("weights", "bench_weights", "print_weights")).defer(
         _lazy("weights", "add_weights_args", add_engine_args))
+    add_command(kinds, "embeddings", "sentences a second embedded, beside "
+                 "sentence-transformers on the same folder and sentences",
+                 _in_process("embeddings", "bench_embeddings", "print_embeddings")).defer(
+        _lazy("embeddings", "add_embeddings_args", add_engine_args))
     add_command(kinds, "gpu", "the GPU path on a random Llama-3-8B: correctness, batch-1 "
                  "decode, throughput against transformers, memory",
                  _bench_gpu).defer(_lazy("gpu", "add_gpu_args"))
