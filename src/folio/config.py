@@ -96,12 +96,17 @@ class ModelConfig:
     # two tables of ~135 MB each whatever the context served.
     rope_positions: Optional[int] = None
     # what the server serves the model for (--task; build_config resolves
-    # "auto"): "generate" (completions, chat) or "embed" (/v1/embeddings)
+    # "auto"): "generate" (completions, chat), "embed" (/v1/embeddings) or
+    # "score" (a cross-encoder: /v1/rerank, /score)
     task: str = "generate"
     # a bidirectional encoder (BERT): embeddings only, each input whole in one
     # step (no chunks, no prefix cache); its token type embeddings
     encoder: bool = False
     type_vocab_size: int = 0
+    # a cross-encoder (BertForSequenceClassification): its labels, and the
+    # [SEP] id after whose first occurrence an input's tokens are of type 1
+    num_labels: int = 0
+    sep_token_id: Optional[int] = None
 
     @property
     def rope_table_positions(self) -> int:
@@ -199,7 +204,7 @@ class ParallelConfig:
 
 # --activation-quantization: what the activations of quantized layers become
 ACTIVATION_QUANTIZATIONS = ("int8", "none")
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "score")
 # the formats whose checkpoints declare 16-bit activations (GPTQ, AWQ and
 # compressed-tensors W4A16/W8A16): "auto" runs them as declared
 DECLARE_FLOAT_ACTIVATIONS = ("gptq", "awq", "compressed-tensors")

@@ -79,3 +79,22 @@ class EmbeddingRequestOutput:
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: Optional[int] = None
     error: Optional[str] = None
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score (vLLM's ScoringOutput): a cross-encoder's one logit
+    through the sigmoid."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+    error: Optional[str] = None

@@ -9,9 +9,11 @@ its blocks freed; no token is sampled and the LM head is not run.
 
 - `pooling`: "last" (the last position's state: decoder embedding models,
   Qwen3-Embedding's way), "mean" (the mean over every position:
-  sentence-transformers' default) or "cls" (the first position's); None: the
-  model's own (its sentence-transformers pooling config where the folder has
-  one, else "last");
+  sentence-transformers' default), "cls" (the first position's) or
+  "classify" (a cross-encoder's logits from its first position: its pooler
+  and classifier; what scores are made of); None: the model's own ("classify"
+  for a cross-encoder, else its sentence-transformers pooling config where
+  the folder has one, else "last");
 - `normalize`: divide by the L2 norm (None: the model's own: a
   sentence-transformers Normalize module, else True);
 - `dimensions`: keep the first this many values (Matryoshka embeddings),
@@ -25,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TYPES = ("last", "mean", "cls", "classify")
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,21 @@ def model_pooling(folder: Optional[str]) -> PoolingParams:
                 config = json.loads((root / module.get("path", "") / "config.json").read_text())
             except (OSError, ValueError):
                 continue
+            for key in _UNSUPPORTED_MODES:
+                if config.get(key):
+                    raise ValueError(f"{folder}: sentence-transformers pooling {key} is not "
+                                     "supported; supported: mean, cls, last token")
             for key, name in (("pooling_mode_lasttoken", "last"),
                               ("pooling_mode_mean_tokens", "mean"),
                               ("pooling_mode_cls_token", "cls")):
                 if config.get(key):
                     pooling = name
                     break
+        elif not kind.endswith("Transformer"):
+            raise ValueError(f"{folder}: sentence-transformers module {kind!r} is not "
+                             "supported (Transformer, Pooling and Normalize are)")
     return PoolingParams(pooling=pooling, normalize=normalize)
+
+
+_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                      "pooling_mode_weightedmean_tokens")

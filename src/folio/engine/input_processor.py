@@ -107,9 +107,19 @@ class InputProcessor:
         if len(prompt_ids) > limit:
             raise ValueError(f"the input has {len(prompt_ids)} tokens, more than max_model_len "
                              f"({limit})")
+        model = self.config.model
         if self.model_pooling is None:
-            self.model_pooling = model_pooling(self.config.model.path)
-        return params.resolved(self.model_pooling, self.config.model.hidden_size)
+            self.model_pooling = (PoolingParams(pooling="classify") if model.num_labels
+                                  else model_pooling(model.path))
+        params = params.resolved(self.model_pooling, model.hidden_size)
+        if (params.pooling == "classify") != bool(model.num_labels):
+            raise ValueError(f"pooling {params.pooling!r}: {model.model} is "
+                             + ("a cross-encoder: it gives scores (pooling classify)"
+                                if model.num_labels else "not a cross-encoder: it has no "
+                                "classifier to score with"))
+        if params.pooling == "classify" and params.dimensions is not None:
+            raise ValueError("dimensions applies to embeddings, not to a classifier's logits")
+        return params
 
     # what an embedding request runs as: its prompt, then one greedy step that
     # is never sampled (the runner pools the prompt instead)

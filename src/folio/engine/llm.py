@@ -8,19 +8,29 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Optional, Sequence, Union
 
 from folio.engine.config_builder import build_config
 from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.logger import configure_logging
-from folio.outputs import EmbeddingRequestOutput, RequestOutput
+from folio.outputs import (EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                           ScoringRequestOutput)
 from folio.pooling_params import PoolingParams
 from folio.core.beam import BeamSearchParams
 from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
+
+
+def sigmoid(x: float) -> float:
+    """1 / (1 + e^-x), without overflow for large |x|."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 class LLM:
@@ -158,6 +168,33 @@ class LLM:
             self.engine.abort_request(order)
             raise
         return self._drain(order, use_tqdm and len(order) > 1)
+
+    def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score of each pair (vLLM's LLM.score): one text
+        against each of `data_2` (1 -> N), or `data_1[i]` against `data_2[i]`
+        (N -> N); each pair one input as the tokenizer joins two texts, its
+        score the sigmoid of the model's one logit (sentence-transformers'
+        CrossEncoder's default)."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(f"score takes one text or as many as the others: got "
+                             f"{len(first)} and {len(second)}")
+        model = self.engine.input_processor.config.model
+        if model.num_labels != 1:
+            raise ValueError(f"{model.model} is not a cross-encoder with one label: it gives "
+                             "no scores")
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.encode_pair(a, b)} for a, b in zip(first, second)]
+        outs = self.embed(prompts, PoolingParams(pooling="classify"), use_tqdm=use_tqdm)
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                     ScoringOutput(sigmoid(o.outputs.embedding[0])
+                                                   if o.outputs.embedding else float("nan")),
+                                     error=o.error)
+                for o in outs]
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -21,6 +21,8 @@ accounting of the tokens in flight.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -42,9 +44,28 @@ def bert_fields(cfg: dict, num_layers: int, source: str) -> dict:
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"{source}: position_embedding_type "
                          f"{cfg.get('position_embedding_type')!r} is not supported (absolute)")
-    return {"rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
-            "type_vocab_size": int(cfg.get("type_vocab_size", 2)), "hidden_act": "gelu",
-            "encoder": True}
+    fields = {"rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+              "type_vocab_size": int(cfg.get("type_vocab_size", 2)), "hidden_act": "gelu",
+              "encoder": True}
+    if "ForSequenceClassification" in (cfg.get("architectures") or [""])[0]:
+        labels = cfg.get("id2label")
+        fields["num_labels"] = len(labels) if isinstance(labels, dict) and labels \
+            else int(cfg.get("num_labels", 2))
+        fields["sep_token_id"] = _sep_id(cfg, source)
+    return fields
+
+
+def _sep_id(cfg: dict, source: str) -> int:
+    """[SEP]'s id: config.json's sep_token_id, else the folder's tokenizer.json
+    vocabulary's "[SEP]"."""
+    if isinstance(cfg.get("sep_token_id"), int):
+        return cfg["sep_token_id"]
+    try:
+        vocab = json.loads((Path(source).parent / "tokenizer.json").read_text())["model"]["vocab"]
+        return int(vocab["[SEP]"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{source}: a cross-encoder needs its [SEP] id (sep_token_id, or "
+                         "tokenizer.json's [SEP]) to tell a pair's two texts apart") from None
 
 
 class _Layer(nn.Module):
@@ -76,6 +97,8 @@ class BertModel(nn.Module):
     _NAMES = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
               "intermediate.dense": "up", "output.dense": "down", "output.LayerNorm": "out_norm"}
     _QKV = ("query", "key", "value")
+    _SKIP = ("pooler.", "cls.")         # heads this class does not run
+    _HEADS: dict[str, str] = {}         # a subclass's head tensors -> its parameters
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str,
                  quant_config=None, attn_backend=None):
@@ -112,11 +135,24 @@ class BertModel(nn.Module):
         if starts[0] != 0:
             raise RuntimeError("a BERT encoder computes whole inputs: a step held part of one")
         spans = list(zip(starts[:-1], starts[1:]))
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
+        x = self.word(input_ids) + self.position(positions) + self._token_types(input_ids, spans)
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, spans)
         return x
+
+    def _token_types(self, input_ids: torch.Tensor, spans) -> torch.Tensor:
+        """Type 0 everywhere, or for a cross-encoder's pair ([CLS] a [SEP] b
+        [SEP]) type 1 after each input's first [SEP], as its tokenizer marks them."""
+        sep = self.config.sep_token_id
+        if sep is None or self.config.type_vocab_size < 2:
+            return self.token_type.weight[0]
+        types = torch.zeros_like(input_ids)
+        for a, b in spans:
+            hits = (input_ids[a:b] == sep).nonzero()
+            if hits.numel():
+                types[a + int(hits[0]) + 1:b] = 1
+        return self.token_type(types)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a BERT encoder has no LM head: it serves embeddings only")
@@ -133,7 +169,7 @@ class BertModel(nn.Module):
         qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             name = name.removeprefix("bert.")
-            if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+            if name.startswith(self._SKIP) or name.endswith("position_ids"):
                 continue
             target = self._target(name, qkv, tensor)
             if target is None:
@@ -155,7 +191,7 @@ class BertModel(nn.Module):
 
     def _target(self, name: str, qkv: dict, tensor: torch.Tensor) -> Optional[str]:
         """Our parameter of BERT's tensor `name` (None: held for the fused qkv)."""
-        direct = {"embeddings.word_embeddings.weight": "word.weight",
+        direct = {**self._HEADS, "embeddings.word_embeddings.weight": "word.weight",
                   "embeddings.position_embeddings.weight": "position.weight",
                   "embeddings.token_type_embeddings.weight": "token_type.weight",
                   "embeddings.LayerNorm.weight": "embed_norm.weight",
@@ -186,3 +222,24 @@ class BertModel(nn.Module):
                              f"not fit parameter of shape {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder (sentence-transformers' CrossEncoder, ms-marco MiniLM &
+    co.): BERT over a pair, then its pooler (dense and tanh on the [CLS]
+    state) and classifier: `num_labels` logits, served as scores (`--task
+    score`: /v1/rerank, /score; LLM.score)."""
+
+    _SKIP = ("cls.",)
+    _HEADS = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias",
+              "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str,
+                 quant_config=None, attn_backend=None):
+        super().__init__(cfg, dtype, device, quant_config, attn_backend)
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels, dtype=dtype)
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] [CLS] states -> [N, num_labels] logits."""
+        return self.classifier(torch.tanh(self.pooler(cls_states)))

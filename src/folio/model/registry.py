@@ -68,6 +68,10 @@ ARCHITECTURES = {
     # an encoder, for embeddings only (--task embed): sentence-transformers' MiniLM & co.
     "BertModel": Architecture("folio.model.bert:BertModel", "bert", 512,
                               config_fields="folio.model.bert:bert_fields"),
+    # a cross-encoder, for scores only (--task score): ms-marco MiniLM & co.
+    "BertForSequenceClassification": Architecture(
+        "folio.model.bert:BertForSequenceClassification", "bert", 512,
+        config_fields="folio.model.bert:bert_fields"),
 }
 MODEL_REGISTRY = {name: a.cls for name, a in ARCHITECTURES.items()}      # name -> "module:class"
 

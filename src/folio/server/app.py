@@ -40,13 +40,15 @@ from folio.server.accounting import Accounting
 from folio.server.cost import CostMeter
 from folio.server.error_shape import error_body
 from folio.server.metrics import ServerMetrics
-from folio.server.embeddings import create_embedding
+from folio.server.embeddings import create_embedding, create_rerank, create_score
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   EmbeddingRequest, TokenizeRequest, now)
+                                   EmbeddingRequest, RerankRequest, ScoreRequest,
+                                   TokenizeRequest, now)
 from folio.server.responses import (ChatCompletionResponse, ChatCompletionStreamResponse,
                                     CompletionResponse, CompletionStreamResponse,
                                     DetokenizeResponse, EmbeddingResponse, ModelList,
-                                    TokenizeResponse, UsageReport, VersionResponse)
+                                    RerankResponse, ScoreResponse, TokenizeResponse,
+                                    UsageReport, VersionResponse)
 from folio.server.lora_routes import add_lora_routes, model_cards, register
 from folio.server.router_routes import add_router_routes
 from folio.server.serving import HTTPError, ServedModel, off_loop
@@ -425,6 +427,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors)
     async def embeddings(req: EmbeddingRequest, raw: Request):
         return await create_embedding(state.ready(), req, raw)
+
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=errors)
+    @app.post("/rerank", response_model=RerankResponse, responses=errors,
+              include_in_schema=False)
+    async def rerank(req: RerankRequest, raw: Request):
+        return await create_rerank(state.ready(), req, raw)
+
+    @app.post("/score", response_model=ScoreResponse, responses=errors)
+    @app.post("/v1/score", response_model=ScoreResponse, responses=errors,
+              include_in_schema=False)
+    async def score(req: ScoreRequest, raw: Request):
+        return await create_score(state.ready(), req, raw)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:

@@ -5,7 +5,9 @@ requests; `dimensions` keeps the first N values, then normalizes).
 Served only by a server whose model runs for embeddings (`--task embed`, or
 a sentence-transformers folder under `--task auto`); a generation server
 answers 400 naming `--task`, and an embedding server does so on the
-completion endpoints. Inputs are checked before any runs (too long a one is
+completion endpoints. POST /v1/rerank and /score (vLLM's shapes) are a
+cross-encoder's (`--task score`): each (query, document) pair one input as
+the tokenizer joins two texts, its score the sigmoid of the model's logit. Inputs are checked before any runs (too long a one is
 a 400 naming max_model_len); usage (prompt tokens) goes to the tenants'
 ledger as a completion's does; a client that hangs up aborts them all.
 """
@@ -15,14 +17,27 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from folio.engine.llm import sigmoid
 from folio.pooling_params import PoolingParams
 from folio.server.completions import prompt_ids
-from folio.server.protocol import EmbeddingRequest, now, random_id
-from folio.server.serving import EngineCall, HTTPError, ServedModel, collect
+from folio.server.protocol import (EmbeddingRequest, RerankRequest, ScoreRequest, now,
+                                   random_id)
+from folio.server.serving import EngineCall, HTTPError, ServedModel, collect, off_loop
+
+
+def _computed(outputs: list) -> list:
+    """The outputs, each with its vector: one the engine ended without (out of
+    KV cache) is a 503 rather than an empty vector."""
+    for o in outputs:
+        if not o.outputs.embedding:
+            raise HTTPError(503, f"the engine ended an input without computing it "
+                                 f"({o.outputs.finish_reason}): retry later")
+    return outputs
 
 
 def _encoded(vector: list[float], encoding: str):
@@ -50,7 +65,7 @@ async def create_embedding(served: ServedModel, req: EmbeddingRequest, raw: Requ
             from None
     ticket = served.accounting.admit(raw.state.tenant, calls, base)
     try:
-        outputs = await collect(served, calls, raw, ticket.seen)
+        outputs = _computed(await collect(served, calls, raw, ticket.seen))
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         body = {"id": base, "object": "list", "created": now(),
                 "model": served.model_name(req.model),
@@ -62,3 +77,54 @@ async def create_embedding(served: ServedModel, req: EmbeddingRequest, raw: Requ
     finally:                        # the client left, or a call or the answer failed
         ticket.abandon()
     return JSONResponse(body)
+
+
+async def _scores(served: ServedModel, pairs: list[tuple[str, str]], model: Optional[str],
+                  priority: int, raw: Request, endpoint: str, prefix: str):
+    """(response id, each pair's score, the tokens read) of a cross-encoder."""
+    served.check_task("score", endpoint)
+    lora = served.check_model(model, raw.state.tenant)
+    served.check_priority(priority)
+    if served.engine.model_config.num_labels != 1:
+        raise HTTPError(400, f"{served.name} has {served.engine.model_config.num_labels} "
+                             "labels: scores need a cross-encoder with one", "model")
+    ids = [await off_loop(served.tokenizer.encode_pair, a, b) for a, b in pairs]
+    params = PoolingParams(pooling="classify")
+    base = random_id(prefix)
+    calls = [EngineCall(f"{base}-{i}", None, p, params, priority, lora)
+             for i, p in enumerate(ids)]
+    try:
+        calls = await asyncio.to_thread(served.validated, calls)
+    except ValueError as e:
+        raise HTTPError(400, str(e), None) from None
+    ticket = served.accounting.admit(raw.state.tenant, calls, base)
+    try:
+        outputs = _computed(await collect(served, calls, raw, ticket.seen))
+        scores = [sigmoid(o.outputs.embedding[0]) for o in outputs]
+        await ticket.complete(outputs)
+    finally:
+        ticket.abandon()
+    return base, scores, sum(len(o.prompt_token_ids) for o in outputs)
+
+
+async def create_rerank(served: ServedModel, req: RerankRequest, raw: Request):
+    base, scores, tokens = await _scores(served, [(req.query, d) for d in req.documents],
+                                         req.model, req.priority, raw, "/v1/rerank", "rerank")
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if req.top_n:
+        order = order[:req.top_n]
+    results = [{"index": i, "relevance_score": scores[i],
+                **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
+               for i in order]
+    return JSONResponse({"id": base, "model": served.model_name(req.model),
+                         "usage": {"total_tokens": tokens}, "results": results})
+
+
+async def create_score(served: ServedModel, req: ScoreRequest, raw: Request):
+    base, scores, tokens = await _scores(served, req.pairs(), req.model, req.priority, raw,
+                                         "/score", "score")
+    return JSONResponse({"id": base, "object": "list", "created": now(),
+                         "model": served.model_name(req.model),
+                         "data": [{"index": i, "object": "score", "score": s}
+                                  for i, s in enumerate(scores)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

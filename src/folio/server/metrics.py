@@ -177,8 +177,9 @@ class ServerMetrics:
         m = out.metrics
         if not isinstance(out.outputs, list):   # an embedding: its prompt, once, when done
             if out.finished:
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-                step[0] += len(out.prompt_token_ids)
+                if out.outputs.finish_reason == "stop":     # (computed, not aborted)
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    step[0] += len(out.prompt_token_ids)
                 if m is not None and m.first_scheduled_time is not None:
                     self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
                 self.success.labels(self.model_name, out.outputs.finish_reason or "abort").inc()

@@ -436,6 +436,47 @@ class EmbeddingRequest(_Request):
             raise InvalidRequest("input must not be empty", "input")
 
 
+class RerankRequest(_Request):
+    """POST /v1/rerank (vLLM's, Jina's and Cohere's shape)."""
+    model: Optional[str] = None
+    query: str
+    documents: list[str]
+    top_n: int = 0                      # 0: every document
+    return_documents: bool = True
+    priority: int = 0
+
+    def _check(self) -> None:
+        if not self.documents:
+            raise InvalidRequest("documents must not be empty", "documents")
+        if self.top_n < 0:
+            raise InvalidRequest(f"top_n must be at least 0, got {self.top_n}", "top_n")
+
+
+class ScoreRequest(_Request):
+    """POST /score (vLLM's): text_1 against each of text_2, or pair by pair."""
+    model: Optional[str] = None
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    priority: int = 0
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        return list(zip(first, second))
+
+    def _check(self) -> None:
+        n1 = 1 if isinstance(self.text_1, str) else len(self.text_1)
+        n2 = 1 if isinstance(self.text_2, str) else len(self.text_2)
+        if not n1 or not n2:
+            raise InvalidRequest("text_1 and text_2 must not be empty",
+                                 "text_1" if not n1 else "text_2")
+        if n1 != 1 and n1 != n2:
+            raise InvalidRequest(f"text_1 has {n1} texts and text_2 {n2}: give one text_1, "
+                                 "or as many as text_2", "text_1")
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -208,6 +208,42 @@ class EmbeddingResponse(_Response):
     usage: EmbeddingUsage
 
 
+class RerankDocument(_Response):
+    text: str
+
+
+class RerankResult(_Response):
+    index: int
+    relevance_score: float
+    document: Optional[RerankDocument] = None
+
+
+class RerankUsage(_Response):
+    total_tokens: int
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ScoreData(_Response):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
 class VersionResponse(_Response):
     version: str
 

@@ -156,7 +156,7 @@ class ServedModel:
         (--task)."""
         served = self.engine.model_config.task
         if served != task:
-            what = {"generate": "generation", "embed": "embeddings"}
+            what = {"generate": "generation", "embed": "embeddings", "score": "scores"}
             raise HTTPError(400, f"{endpoint} serves {what[task]}, but this server serves "
                                  f"{self.name} for {what[served]} (--task {served}): start it "
                                  f"with --task {task}", "model")
@@ -289,7 +289,8 @@ class Deadline:
 
     def expire(self, outputs) -> None:
         """The 504 of a request whose time is up."""
-        made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        made = sum(len(c.token_ids) for o in outputs if isinstance(o.outputs, list)
+                   for c in o.outputs)        # (an embedding generates nothing)
         # a 5xx that clients must not retry: the same request would time out again
         # (the openai client retries a 5xx twice unless told not to)
         raise HTTPError(504, f"the request ran past this server's --request-timeout of "

@@ -266,12 +266,14 @@ class ModelRunner:
                 continue
             if p.pooling == "mean":
                 vector = state.pooled / (s.start_pos + len(s.token_ids))
+            elif p.pooling == "classify":   # a cross-encoder's logits (whole inputs)
+                vector = self.model.classify(hidden[first:first + 1])[0].double()
             elif p.pooling == "cls":
                 vector = state.pooled
             else:
                 vector = hidden[row].double()
             vector = vector[:p.dimensions] if p.dimensions else vector
-            if p.normalize:
+            if p.normalize and p.pooling != "classify":
                 vector = vector / vector.norm().clamp_min(1e-12)
             if self.is_driver:
                 out.pooled[s.seq_id] = vector.float().tolist()
