@@ -41,14 +41,16 @@ from folio.server.cost import CostMeter
 from folio.server.error_shape import error_body
 from folio.server.metrics import ServerMetrics
 from folio.server.embeddings import create_embedding, create_rerank, create_score
+from folio.server.responses_api import ResponsesRequest, create_response
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    EmbeddingRequest, RerankRequest, ScoreRequest,
                                    TokenizeRequest, now)
 from folio.server.responses import (ChatCompletionResponse, ChatCompletionStreamResponse,
                                     CompletionResponse, CompletionStreamResponse,
                                     DetokenizeResponse, EmbeddingResponse, ModelList,
-                                    RerankResponse, ScoreResponse, TokenizeResponse,
-                                    UsageReport, VersionResponse)
+                                    RerankResponse, ResponseObject, ResponseStreamEvent,
+                                    ScoreResponse, TokenizeResponse, UsageReport,
+                                    VersionResponse)
 from folio.server.lora_routes import add_lora_routes, model_cards, register
 from folio.server.router_routes import add_router_routes
 from folio.server.serving import HTTPError, ServedModel, off_loop
@@ -427,6 +429,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors)
     async def embeddings(req: EmbeddingRequest, raw: Request):
         return await create_embedding(state.ready(), req, raw)
+
+    @app.post("/v1/responses", response_model=ResponseObject,
+              responses={**openapi.streamed(ResponseStreamEvent), **errors})
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await create_response(state.ready(), req, raw)
 
     @app.post("/v1/rerank", response_model=RerankResponse, responses=errors)
     @app.post("/rerank", response_model=RerankResponse, responses=errors,

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from folio.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from folio.server.responses import (ChatCompletionStreamResponse, CompletionStreamResponse,
-                                    ErrorResponse)
+                                    ErrorResponse, ResponseStreamEvent)
 
 _WHY = {400: "The request is invalid: the message says why, `param` names the field.",
         401: "The API key is missing or wrong (only when the server was started with keys).",
@@ -63,7 +63,8 @@ def _finish(doc: dict) -> None:
     for model, mode in ((CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
                         (TokenizeRequest, "validation"), (DetokenizeRequest, "validation"),
                         (CompletionStreamResponse, "serialization"),
-                        (ChatCompletionStreamResponse, "serialization")):
+                        (ChatCompletionStreamResponse, "serialization"),
+                        (ResponseStreamEvent, "serialization")):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

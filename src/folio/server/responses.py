@@ -7,7 +7,7 @@ these models, and `extra="forbid"` makes a field missing here a test failure.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -242,6 +242,72 @@ class ScoreResponse(_Response):
     model: str
     data: list[ScoreData]
     usage: EmbeddingUsage
+
+
+class ResponseOutputText(_Response):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class ResponseMessageItem(_Response):
+    id: str
+    type: Literal["message"]
+    status: str
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionCallItem(_Response):
+    id: str
+    type: Literal["function_call"]
+    status: str
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(_Response):
+    """POST /v1/responses (OpenAI's Response; server/responses_api.py)."""
+    id: str
+    object: Literal["response"]
+    created_at: float
+    status: str
+    model: str
+    output: list[Union[ResponseMessageItem, ResponseFunctionCallItem]]
+    output_text: Optional[str] = None
+    error: None = None
+    incomplete_details: None = None
+    instructions: Optional[str] = None
+    metadata: dict[str, Any]
+    max_output_tokens: Optional[int] = None
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    reasoning: None = None
+    store: bool
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    text: dict[str, Any]
+    tool_choice: Union[str, dict[str, Any]]
+    tools: list[dict[str, Any]]
+    truncation: str
+    usage: Optional[ResponseUsage] = None
+
+
+class ResponseStreamEvent(_Response):
+    """One event of a streamed response (its `type` says which; the fields
+    of OpenAI's events of that type beside)."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
 
 
 class VersionResponse(_Response):
