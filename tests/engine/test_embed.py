@@ -199,3 +199,23 @@ def test_bad_inputs_are_refused_before_any_is_added(model, prompt, params, messa
 def test_impossible_params_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PoolingParams(**kwargs)
+
+
+def test_an_aborted_embedding_frees_its_blocks_and_says_so(model):
+    """Aborted mid-prompt (its first chunk computed): its blocks come back,
+    its output says "abort" with no vector, and the others finish."""
+    folder, _ = model
+    engine = LLM(folder, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16).engine
+    free = engine.scheduler.kv.pool.num_free_blocks
+    engine.add_pooling_request("long", None, PROMPTS[1], PoolingParams(pooling="mean"))
+    engine.add_pooling_request("short", None, PROMPTS[0], PoolingParams())
+    engine.step()                                   # the long one's first chunk
+    [aborted] = engine.abort_request(["long"])
+    assert aborted.finished and aborted.outputs.embedding == []
+    assert aborted.outputs.finish_reason == "abort"
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert len(done["short"].outputs.embedding) == 64 and "long" not in done
+    assert engine.scheduler.kv.pool.num_free_blocks == free

@@ -91,6 +91,21 @@ def test_a_forced_function_call_is_a_function_call_item(client):
     assert again.status == "completed" and again.output_text
 
 
+def test_a_streamed_forced_call_comes_whole_as_the_unstreamed_one(client):
+    kwargs = dict(model="SmolLM2-135M-Instruct", input="Weather in Rome?", tools=[WEATHER],
+                  temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    whole = [i for i in client.responses.create(**kwargs).output if i.type == "function_call"]
+    kinds = []
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    calls = [i for i in final.output if i.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
+    assert "response.function_call_arguments.done" in kinds
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
+
+
 def test_a_json_schema_constrains_the_text(client):
     schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
               "required": ["colour"], "additionalProperties": False}
