@@ -107,6 +107,9 @@ class ModelConfig:
     # [SEP] id after whose first occurrence an input's tokens are of type 1
     num_labels: int = 0
     sep_token_id: Optional[int] = None
+    # a decoder saved as its base model (Qwen3-Embedding's: tensors without the
+    # "model." prefix, no lm_head): embeddings only, its names prefixed at load
+    headless: bool = False
 
     @property
     def rope_table_positions(self) -> int:

@@ -219,3 +219,38 @@ def test_an_aborted_embedding_frees_its_blocks_and_says_so(model):
             done[out.request_id] = out
     assert len(done["short"].outputs.embedding) == 64 and "long" not in done
     assert engine.scheduler.kv.pool.num_free_blocks == free
+
+
+def test_a_decoder_saved_as_its_base_model_serves_embeddings(tmp_path):
+    """Qwen3-Embedding's layout: a Qwen3ForCausalLM config, its tensors the base
+    model's (no "model." prefix, no lm_head), sentence-transformers files for
+    last-token pooling and Normalize. Folio loads it for embeddings (--task
+    auto: embed), gives transformers' last hidden state of the last token,
+    normalized, and refuses to generate from it."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "emb"
+    make_tiny_model(folder, arch="qwen3")
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()
+               if not k.startswith("lm_head.")}, str(path), metadata={"format": "pt"})
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.config.model.headless and llm.engine.config.model.task == "embed"
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    hf = _hf(str(folder))
+    for ids, out in zip(PROMPTS, outs):
+        assert torch.allclose(torch.tensor(out.outputs.embedding, dtype=torch.float64),
+                              _reference(hf, ids, "last", True), atol=1e-6)
+    with pytest.raises(ValueError, match="a base model without an LM head: it computes"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="saved as a base model, without an LM head"):
+        LLM(str(folder), task="generate")

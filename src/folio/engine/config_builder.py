@@ -186,6 +186,11 @@ def resolve_task(task: str, model_config) -> str:
     if task == "score":
         raise ValueError(f"--task score serves a cross-encoder's scores; "
                          f"{model_config.architecture} is not one")
+    if model_config.headless:
+        if task == "generate":
+            raise ValueError(f"{model_config.model} is saved as a base model, without an LM "
+                             "head: it serves embeddings (--task embed), not generation")
+        return "embed"
     if task != "auto":
         return task
     return "embed" if pooling.pooling is not None else "generate"

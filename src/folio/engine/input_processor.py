@@ -68,9 +68,10 @@ class InputProcessor:
         if outside:
             raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary "
                              f"(0..{self.vocab_size - 1})")
-        if self.config.model.encoder:
-            raise ValueError(f"{self.config.model.model} is an encoder "
-                             f"({self.config.model.architecture}): it computes embeddings "
+        if self.config.model.encoder or self.config.model.headless:
+            what = (f"an encoder ({self.config.model.architecture})" if self.config.model.encoder
+                    else "a base model without an LM head")
+            raise ValueError(f"{self.config.model.model} is {what}: it computes embeddings "
                              "(LLM.embed, /v1/embeddings), it does not generate")
         self._check_ids(prompt_ids, "prompt")
         limit = self.config.max_model_len

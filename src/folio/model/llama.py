@@ -219,10 +219,13 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend or get_attention_backend(device, dtype)
         self.model = self.model_cls(cfg, dtype, self.attn_backend, quant_config, self.layer_cls)
         # the logits are stage 0's, beside the sampler's state (model/pipeline.py)
+        # a checkpoint saved as its base model has no head: the embeddings stand in
+        # for it (nothing is generated from such a model: input_processor refuses)
+        tied = cfg.tie_word_embeddings or cfg.headless
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, quant_config,
-                                      "lm_head", tied=cfg.tie_word_embeddings) \
+                                      "lm_head", tied=tied) \
             if self.model.stage.is_first else None
-        if cfg.tie_word_embeddings and self.lm_head is not None:
+        if tied and self.lm_head is not None:
             self.lm_head.tie(self.model.embed_tokens)
 
     @classmethod

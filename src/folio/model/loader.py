@@ -141,7 +141,12 @@ def iter_weights(model_config: ModelConfig, keep: Optional[Callable[[str], bool]
     if model_config.format == "gguf":
         yield from gguf_loader.iter_gguf_weights(model_config, keep)
         return
+    if model_config.headless:           # the base model's names, as the model's own
+        keep_own = keep
+        keep = None if keep_own is None else (lambda n: keep_own(f"model.{n}"))
     for name, tensor in _iter_safetensors(Path(model_config.path), keep):
+        if model_config.headless:
+            name = f"model.{name}"
         if "rotary_emb." in name:
             continue
         if model_config.tie_word_embeddings and name == "lm_head.weight":
@@ -190,9 +195,28 @@ def _hf_architecture(cfg: dict[str, Any], source: str) -> str:
 
 def _hf_model_config(model: str, folder: Path) -> ModelConfig:
     gen_path = folder / "generation_config.json"
-    return model_config_from_dict(_read_json(folder / "config.json"), model,
-                                  str(folder / "config.json"), folder,
-                                  _read_json(gen_path) if gen_path.is_file() else {})
+    config = model_config_from_dict(_read_json(folder / "config.json"), model,
+                                    str(folder / "config.json"), folder,
+                                    _read_json(gen_path) if gen_path.is_file() else {})
+    if not config.encoder and _saved_as_base_model(folder):
+        config = dataclasses.replace(config, headless=True, tie_word_embeddings=False)
+    return config
+
+
+def _saved_as_base_model(folder: Path) -> bool:
+    """Whether a decoder's tensors are its base model's alone: no name with the
+    "model." prefix and no lm_head (Qwen3-Embedding saves Qwen3Model so)."""
+    try:
+        names = [name for file in _safetensors_files(folder)
+                 for name in _tensor_names(file)]
+    except (OSError, ValueError):
+        return False
+    return bool(names) and not any(n.startswith(("model.", "lm_head.")) for n in names)
+
+
+def _tensor_names(file: Path) -> list[str]:
+    with _open_safetensors(file) as f:
+        return list(f.keys())
 
 
 def model_config_from_dict(cfg: dict[str, Any], model: str, source: str,
