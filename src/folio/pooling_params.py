@@ -23,6 +23,7 @@ its blocks freed; no token is sampled and the LM head is not run.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -98,3 +99,12 @@ def model_pooling(folder: Optional[str]) -> PoolingParams:
 
 _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                       "pooling_mode_weightedmean_tokens")
+
+
+def sigmoid(x: float) -> float:
+    """A cross-encoder's score of its one logit: 1 / (1 + e^-x), without
+    overflow for large |x|."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)

@@ -83,6 +83,6 @@ def test_what_a_cross_encoder_refuses(folder, tmp_path):
 
 
 def test_sigmoid_is_stable():
-    from folio.engine.llm import sigmoid
+    from folio.pooling_params import sigmoid
     assert sigmoid(0.0) == 0.5 and sigmoid(1000.0) == 1.0 and sigmoid(-1000.0) == 0.0
     assert abs(sigmoid(2.0) - 1 / (1 + math.exp(-2))) < 1e-15

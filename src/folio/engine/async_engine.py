@@ -156,14 +156,7 @@ class AsyncLLMEngine(EngineClient):
     def validate(self, prompt_ids: list[int], params: Params) -> ValidatedPrompt:
         """The input processor's checks, on the caller's thread (it reads only the
         frozen config), so a bad request fails before anything is queued."""
-        processor = self.engine.input_processor
-        if isinstance(params, BeamSearchParams):
-            processor.validate_beam(prompt_ids, params)
-        elif isinstance(params, PoolingParams):
-            params = processor.resolve_pooling(prompt_ids, params)
-        else:
-            processor.validate(prompt_ids, params)
-        return ValidatedPrompt(prompt_ids, params)
+        return ValidatedPrompt(prompt_ids, self.engine.input_processor.check(prompt_ids, params))
 
     @property
     def num_in_flight(self) -> int:

@@ -78,9 +78,7 @@ class CoreClient:
         ip = self.input_processor
         if not validated:
             params = ip.resolve_pooling(prompt_ids, params)
-        request = ip.make_request(request_id, prompt_ids, ip.POOLING_SAMPLING, arrival_time,
-                                  priority, validated=True)
-        request.pooling = params
+        request = ip.make_pooling_request(request_id, prompt_ids, params, arrival_time, priority)
         self._add(request, prompt_text, params, lora_request, final_only)
         return request
 

@@ -126,6 +126,27 @@ class InputProcessor:
     # is never sampled (the runner pools the prompt instead)
     POOLING_SAMPLING = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
+    def check(self, prompt_ids: list[int], params):
+        """A request's checks, whatever its kind (sampling, beam search,
+        embedding); its params as the engine runs them (an embedding's
+        resolved against the model's pooling)."""
+        if isinstance(params, BeamSearchParams):
+            self.validate_beam(prompt_ids, params)
+        elif isinstance(params, PoolingParams):
+            return self.resolve_pooling(prompt_ids, params)
+        else:
+            self.validate(prompt_ids, params)
+        return params
+
+    def make_pooling_request(self, request_id: str, prompt_ids: list[int],
+                             params: PoolingParams, arrival_time: Optional[float] = None,
+                             priority: int = 0) -> Request:
+        """An embedding request of resolved `params`: its prompt, pooled."""
+        request = self.make_request(request_id, prompt_ids, self.POOLING_SAMPLING,
+                                    arrival_time, priority, validated=True)
+        request.pooling = params
+        return request
+
     @staticmethod
     def beam_sampling(params: BeamSearchParams) -> SamplingParams:
         """Greedy steps that report each beam's top 2W logprobs."""

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any, Optional, Sequence, Union
 
 from folio.engine.config_builder import build_config
@@ -17,20 +16,12 @@ from folio.engine.llm_engine import LLMEngine
 from folio.logger import configure_logging
 from folio.outputs import (EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                            ScoringRequestOutput)
-from folio.pooling_params import PoolingParams
+from folio.pooling_params import PoolingParams, sigmoid
 from folio.core.beam import BeamSearchParams
 from folio.lora_request import LoRARequest
 from folio.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
-
-
-def sigmoid(x: float) -> float:
-    """1 / (1 + e^-x), without overflow for large |x|."""
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)
-    return e / (1.0 + e)
 
 
 class LLM:

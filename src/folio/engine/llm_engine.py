@@ -127,11 +127,9 @@ class LLMEngine:
             params = self.input_processor.resolve_pooling(prompt_ids, params)
         if lora_request is not None:
             self.check_lora(lora_request)
-        request = self.input_processor.make_request(
-            request_id, prompt_ids, self.input_processor.POOLING_SAMPLING, arrival_time,
-            priority, validated=True)
+        request = self.input_processor.make_pooling_request(request_id, prompt_ids, params,
+                                                            arrival_time, priority)
         request.lora = lora_request
-        request.pooling = params
         self.scheduler.add_request(request)
         if self.output_processor is not None:
             self.output_processor.add_request(request, prompt_text, final_only)

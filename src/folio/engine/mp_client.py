@@ -112,13 +112,7 @@ class MPEngineClient(AsyncLLMEngine):
 
     def validate(self, prompt_ids, params):
         from folio.engine.protocol import ValidatedPrompt
-        if isinstance(params, BeamSearchParams):
-            self.input_processor.validate_beam(prompt_ids, params)
-        elif isinstance(params, PoolingParams):
-            params = self.input_processor.resolve_pooling(prompt_ids, params)
-        else:
-            self.input_processor.validate(prompt_ids, params)
-        return ValidatedPrompt(prompt_ids, params)
+        return ValidatedPrompt(prompt_ids, self.input_processor.check(prompt_ids, params))
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         self._call("check_lora", lora_request)
@@ -161,9 +155,8 @@ class MPEngineClient(AsyncLLMEngine):
             request = ip.make_request(c.request_id, c.prompt_ids, ip.beam_sampling(c.params),
                                       c.arrival_time, c.priority, validated=True)
         elif isinstance(c.params, PoolingParams):      # an embedding: its vector, no text
-            request = ip.make_request(c.request_id, c.prompt_ids, ip.POOLING_SAMPLING,
-                                      c.arrival_time, c.priority, validated=True)
-            request.pooling = c.params
+            request = ip.make_pooling_request(c.request_id, c.prompt_ids, c.params,
+                                              c.arrival_time, c.priority)
         else:
             request = ip.make_request(c.request_id, c.prompt_ids, c.params, c.arrival_time,
                                       c.priority, validated=True)

@@ -22,8 +22,7 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from folio.engine.llm import sigmoid
-from folio.pooling_params import PoolingParams
+from folio.pooling_params import PoolingParams, sigmoid
 from folio.server.completions import prompt_ids
 from folio.server.protocol import (EmbeddingRequest, RerankRequest, ScoreRequest, now,
                                    random_id)

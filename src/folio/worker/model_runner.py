@@ -93,6 +93,7 @@ class ModelRunner:
         self.graphs = capture_graphs(self)
         self.pieces = capture_piecewise(self)      # steps with prompt tokens
         self.states: dict[int, SeqState] = {}
+        self.pooling: set[int] = set()   # live embedding sequences (none: no step looks)
         self.scorer = PromptScorer(self.model, self.device, self.states,
                                    config.parallel.tensor_parallel_size)
         # --async-scheduling: the last step's samples, kept on the device for
@@ -192,14 +193,14 @@ class ModelRunner:
         self.num_computed_tokens_total += hidden.shape[0]
         out = ModelRunnerOutput()
         self.scorer.score(hidden, ordered, last_rows, out)
-        self._pool(hidden, ordered, last_rows, out)
+        if self.pooling:
+            self._pool(hidden, ordered, last_rows, out)
         # (sequence, row of its logits, position of the token sampled there)
         targets: list[tuple[int, int, int]] = []
         proposals: dict[int, list[int]] = {}         # greedy sequences' proposals
         sampled: list[tuple[ScheduledSeq, int]] = []  # sampled ones with proposals, last row
         for s, row in zip(ordered, last_rows):
-            if s.sample and s.seq_id not in out.failed \
-                    and self.states[s.seq_id].sampling.pooling is None:
+            if s.sample and s.seq_id not in out.failed and s.seq_id not in self.pooling:
                 if s.spec_token_ids and self.states[s.seq_id].random:
                     sampled.append((s, row))
                     continue
@@ -252,10 +253,10 @@ class ModelRunner:
         the vector: truncated to `dimensions`, L2-normalized if asked, into
         `out.pooled` (plain floats: the scheduler's side has no torch)."""
         for s, row in zip(ordered, last_rows):
+            if s.seq_id not in self.pooling or s.seq_id in out.failed:
+                continue
             state = self.states[s.seq_id]
             p = state.sampling.pooling
-            if p is None or s.seq_id in out.failed:
-                continue
             first = row - len(s.token_ids) + 1
             if p.pooling == "mean":
                 part = hidden[first:row + 1].double().sum(0)
@@ -401,6 +402,8 @@ class ModelRunner:
                              grammar=self._grammar(s.sampling))
             self.columns.set(state.row, s.sampling)
             self.states[s.seq_id] = state
+            if s.sampling.pooling is not None:
+                self.pooling.add(s.seq_id)
         elif s.block_ids is not None:   # resumed after preemption, or table rewritten
             self.tables.set(state.row, s.block_ids)
         elif s.new_block_ids:
@@ -458,6 +461,7 @@ class ModelRunner:
     def _forget(self, seq_id: int) -> None:
         """A sequence's state and its block table's row, given back."""
         state = self.states.pop(seq_id, None)
+        self.pooling.discard(seq_id)
         if state is not None:
             self.tables.remove(state.row)
             self.columns.release(state.row)
