@@ -17,7 +17,9 @@ EOS ignored, greedy):
   its decode rate is 1000 / the median time per output token (prefill left
   out), and set against the roofline: the read bandwidth / the bytes a decode
   step reads (`folio bench weights`: the linear layers and the LM head, the
-  embedding table when it is the head);
+  embedding table when it is the head; and the KV cache's keys and values
+  at the workload's mean decode context, 384 tokens, 2 bytes an element as
+  both servers keep them: 1-2% of a step at 1B-8B);
 - 32 requests: the standard workload (prompts 32-384, outputs 32-192 tokens,
   all sent at once), output tokens/s; llama-server with 16 slots; once (it
   runs for minutes), not in rounds;
@@ -54,6 +56,27 @@ WORKLOADS = {
                 "--max-concurrency", "1"],
 }
 WARM_UP = ["--num-prompts", "2", "--input-len", "64", "--output-len", "16"]
+
+
+# the one-request workload's mean context while it decodes: 256 prompt tokens
+# and half of its 256 output tokens
+MEAN_DECODE_CONTEXT = 256 + 128
+
+
+def kv_step_bytes(model: str, context: int = MEAN_DECODE_CONTEXT) -> int:
+    """The keys and values a decode step of a GGUF's model reads at `context`
+    tokens: layers x 2 x KV heads x head size x 2 bytes (bf16 in Folio on a CPU
+    with it, f16 in llama.cpp) a token."""
+    from gguf import GGUFReader
+    fields = GGUFReader(model).fields
+    arch = str(bytes(fields["general.architecture"].parts[-1]), "utf-8")
+
+    def get(key: str, default=None):
+        f = fields.get(f"{arch}.{key}")
+        return default if f is None else int(f.parts[f.data[0]][0])
+    heads = get("attention.head_count")
+    head_dim = get("attention.key_length", get("embedding_length") // heads)
+    return get("block_count") * 2 * get("attention.head_count_kv", heads) * head_dim * 2 * context
 
 
 def bench(args, url: str, model: str, flags: list[str]) -> dict:
@@ -155,9 +178,11 @@ def main() -> None:
     for model in args.models:
         name = Path(model).stem
         bw = read_copy_bandwidth(args)["read GB/s"]
-        nbytes = decode_step_bytes(args, model)
+        weights, kv = decode_step_bytes(args, model), kv_step_bytes(model)
+        nbytes = weights + kv
         print(f"{name}: read bandwidth {bw:.1f} GB/s, a decode step reads {nbytes / 1e6:.0f} MB "
-              f"(roofline {bw * 1e9 / nbytes:.1f} tok/s)", flush=True)
+              f"({weights / 1e6:.0f} MB of weights, {kv / 1e6:.1f} MB of KV cache at "
+              f"{MEAN_DECODE_CONTEXT} tokens; roofline {bw * 1e9 / nbytes:.1f} tok/s)", flush=True)
         servers = {"folio": [*folio_cmd(args), "serve", "--model", model, "--port", "PORT"]}
         for slots, ws in ((1, {"one", "prefill"}), (16, {"32"})):
             if ws & set(workloads):
@@ -166,7 +191,7 @@ def main() -> None:
                     "-c", str(max(2048, slots * 1024)), "--host", "127.0.0.1", "--port",
                     "PORT", "--no-webui"]
         got = run_servers(args, servers, model, workloads, tmp)
-        rows.append({"model": name, "read GB/s": bw, "step bytes": nbytes, **got,
+        rows.append({"model": name, "read GB/s": bw, "step bytes": nbytes, "kv bytes": kv, **got,
                      "bandwidth after": read_copy_bandwidth(args)["read GB/s"]})
     print(f"\n{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim} | "
           f"{args.rounds} round(s), medians")
