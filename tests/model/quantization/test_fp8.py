@@ -319,6 +319,19 @@ def test_tensors_that_do_not_fit_the_scheme_are_caught_at_load(edit, message, tm
         LLM(str(folder), dtype="float32", num_kv_blocks=16)
 
 
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf")])
+def test_a_static_input_scale_that_is_not_positive_and_finite_is_refused(bad, tmp_path):
+    """Activations are divided by the static scale: 0 would make them all
+    infinite (NaN logits on the fp8-products path), so the load refuses it."""
+    folder = copy_fixture(tmp_path, "ct-fp8-static")
+    key = "model.layers.0.self_attn.k_proj.input_scale"
+    edit_tensors(folder, lambda t: t.update({key: torch.tensor([bad])}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.(k_proj|qkv_proj): "
+                       r"compressed-tensors input_scale \[.*\]: a static activation scale is "
+                       "one positive, finite value"):
+        LLM(str(folder), dtype="float32", num_kv_blocks=16)
+
+
 # --------------------------------------------------------------------------- --quantization fp8
 
 

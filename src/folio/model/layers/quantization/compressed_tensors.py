@@ -379,8 +379,14 @@ class CompressedTensorsFp8Method(LinearMethod):
         layer.weight_loader(param, spread.contiguous(), shard_id)
 
     def _load_input_scale(self, param, loaded, shard_id=None):
-        """A static activation scale (the largest of a fused layer's shards)."""
-        param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
+        """A static activation scale (the largest of a fused layer's shards):
+        positive and finite, or the activations divided by it are not numbers."""
+        value = loaded.float().reshape(-1)
+        if value.numel() != 1 or not (torch.isfinite(value).all() and (value > 0).all()):
+            raise ValueError(f"{self.prefix}: compressed-tensors input_scale "
+                             f"{value.tolist()}: a static activation scale is one positive, "
+                             "finite value")
+        param.data.copy_(torch.maximum(param.data, value))
 
     def process_weights_after_loading(self, layer):
         static = layer.input_scale.data.clone() if self.scheme.static_input else None
