@@ -17,7 +17,11 @@ its blocks freed; no token is sampled and the LM head is not run.
 - `normalize`: divide by the L2 norm (None: the model's own: a
   sentence-transformers Normalize module, else True);
 - `dimensions`: keep the first this many values (Matryoshka embeddings),
-  before normalizing; None: all.
+  before normalizing; None: all;
+- `second_text_start`: a cross-encoder's pair, the position of the second
+  text's first token (its tokens are of type 1, as the tokenizer's pair
+  encoding marks them; `LLM.score` and the server's score and rerank set it);
+  None: type 1 after the input's first [SEP].
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class PoolingParams:
     pooling: Optional[str] = None
     normalize: Optional[bool] = None
     dimensions: Optional[int] = None
+    second_text_start: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
@@ -47,6 +52,10 @@ class PoolingParams:
                                             or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        start = self.second_text_start
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                  or start < 1):
+            raise ValueError(f"second_text_start must be a positive integer, got {start!r}")
 
     def resolved(self, default: "PoolingParams", hidden_size: int) -> "PoolingParams":
         """These params with the model's defaults where unset, checked against

@@ -196,10 +196,13 @@ class Tokenizer:
                                               add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int]:
         """Two texts as one input, as the tokenizer's post-processor joins a
-        pair (a cross-encoder's: [CLS] first [SEP] second [SEP])."""
-        return self._backend.encode_batch([(first, second)])[0].ids
+        pair (a cross-encoder's: [CLS] first [SEP] second [SEP]), and where
+        the second text's part begins (its first token of type 1; the
+        input's length if none is)."""
+        enc = self._backend.encode_batch([(first, second)])[0]
+        return enc.ids, next((i for i, t in enumerate(enc.type_ids) if t == 1), len(enc.ids))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -67,6 +67,31 @@ def test_scores_are_transformers_own(folder):
     assert abs(pairs[1].outputs.score - _reference(folder, [(DOCS[1], QUERY)])[0]) < 1e-5
 
 
+def test_a_text_holding_a_literal_sep_keeps_its_pairs_token_types(folder):
+    """The tokenizer reads the text "[SEP]" as the token: a query holding it
+    has two [SEP]s before the document's part. Its types come from the pair's
+    own boundary (LLM.score passes it), as transformers' token_type_ids do,
+    not from the first [SEP] (which would mark the rest of the query type 1)."""
+    query = "How long does a passport [SEP] renewal take?"
+    llm = LLM(folder, dtype="float32")
+    sep = llm.engine.config.model.sep_token_id
+    ids, start = llm.engine.tokenizer.encode_pair(query, DOCS[0])
+    assert ids.count(sep) == 3 and ids[start - 1] == sep and ids.index(sep) < start - 1
+    ref = _reference(folder, [(query, d) for d in DOCS[:2]])
+    outs = llm.score(query, DOCS[:2], use_tqdm=False)
+    for out, r in zip(outs, ref):
+        assert abs(out.outputs.score - r) < 1e-5
+    # the boundary matters: the first-[SEP] rule (no start given) scores otherwise
+    guessed = llm.embed([{"prompt_token_ids": ids}], PoolingParams(pooling="classify"),
+                        use_tqdm=False)[0].outputs.embedding[0]
+    assert abs(1 / (1 + math.exp(-guessed)) - ref[0]) > 1e-3
+    with pytest.raises(ValueError, match="second_text_start=99 is past the input's"):
+        llm.embed([{"prompt_token_ids": ids}],
+                  PoolingParams(pooling="classify", second_text_start=99), use_tqdm=False)
+    with pytest.raises(ValueError, match="second_text_start must be a positive integer"):
+        PoolingParams(pooling="classify", second_text_start=0)
+
+
 def test_what_a_cross_encoder_refuses(folder, tmp_path):
     llm = LLM(folder, dtype="float32")
     with pytest.raises(ValueError, match="it does not generate"):

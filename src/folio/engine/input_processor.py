@@ -120,6 +120,9 @@ class InputProcessor:
                                 "classifier to score with"))
         if params.pooling == "classify" and params.dimensions is not None:
             raise ValueError("dimensions applies to embeddings, not to a classifier's logits")
+        if params.second_text_start is not None and params.second_text_start > len(prompt_ids):
+            raise ValueError(f"second_text_start={params.second_text_start} is past the input's "
+                             f"{len(prompt_ids)} tokens")
         return params
 
     # what an embedding request runs as: its prompt, then one greedy step that

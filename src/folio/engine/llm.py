@@ -179,8 +179,10 @@ class LLM:
             raise ValueError(f"{model.model} is not a cross-encoder with one label: it gives "
                              "no scores")
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.encode_pair(a, b)} for a, b in zip(first, second)]
-        outs = self.embed(prompts, PoolingParams(pooling="classify"), use_tqdm=use_tqdm)
+        pairs = [tok.encode_pair(a, b) for a, b in zip(first, second)]
+        outs = self.embed([{"prompt_token_ids": ids} for ids, _ in pairs],
+                          [PoolingParams(pooling="classify", second_text_start=start)
+                           for _, start in pairs], use_tqdm=use_tqdm)
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
                                      ScoringOutput(sigmoid(o.outputs.embedding[0])
                                                    if o.outputs.embedding else float("nan")),

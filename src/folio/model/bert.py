@@ -118,6 +118,9 @@ class BertModel(nn.Module):
         self.token_type = nn.Embedding(max(cfg.type_vocab_size, 1), h, dtype=dtype)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
         self.layers = nn.ModuleList(_Layer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        # a pair's second text's start for each input of the next step (the
+        # runner sets it; None for one: after its first [SEP])
+        self.second_text_starts: Optional[list[Optional[int]]] = None
 
     @classmethod
     def shape(cls, cfg: ModelConfig) -> ModelShape:
@@ -145,15 +148,21 @@ class BertModel(nn.Module):
 
     def _token_types(self, input_ids: torch.Tensor, spans) -> torch.Tensor:
         """Type 0 everywhere, or for a cross-encoder's pair ([CLS] a [SEP] b
-        [SEP]) type 1 after each input's first [SEP], as its tokenizer marks them."""
+        [SEP]) type 1 from the second text's first token, as its tokenizer
+        marks them: where the request says it begins (`second_text_starts`,
+        the step's inputs in order, set by the runner), else after the input's
+        first [SEP] (a text may hold a literal "[SEP]", which the tokenizer
+        reads as the token: the pair's own boundary is the one to trust)."""
         sep = self.config.sep_token_id
         if sep is None or self.config.type_vocab_size < 2:
             return self.token_type.weight[0]
+        starts = self.second_text_starts or [None] * len(spans)
         types = torch.zeros_like(input_ids)
-        for a, b in spans:
-            hits = (input_ids[a:b] == sep).nonzero()
-            if hits.numel():
-                types[a + int(hits[0]) + 1:b] = 1
+        for (a, b), start in zip(spans, starts):
+            if start is None:
+                hits = (input_ids[a:b] == sep).nonzero()
+                start = int(hits[0]) + 1 if hits.numel() else b - a
+            types[a + start:b] = 1
         return self.token_type(types)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

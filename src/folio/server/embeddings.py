@@ -87,11 +87,11 @@ async def _scores(served: ServedModel, pairs: list[tuple[str, str]], model: Opti
     if served.engine.model_config.num_labels != 1:
         raise HTTPError(400, f"{served.name} has {served.engine.model_config.num_labels} "
                              "labels: scores need a cross-encoder with one", "model")
-    ids = [await off_loop(served.tokenizer.encode_pair, a, b) for a, b in pairs]
-    params = PoolingParams(pooling="classify")
+    encoded = [await off_loop(served.tokenizer.encode_pair, a, b) for a, b in pairs]
     base = random_id(prefix)
-    calls = [EngineCall(f"{base}-{i}", None, p, params, priority, lora)
-             for i, p in enumerate(ids)]
+    calls = [EngineCall(f"{base}-{i}", None, ids,
+                        PoolingParams(pooling="classify", second_text_start=start), priority, lora)
+             for i, (ids, start) in enumerate(encoded)]
     try:
         calls = await asyncio.to_thread(served.validated, calls)
     except ValueError as e:
