@@ -145,20 +145,8 @@ class LLM:
             raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
         resolved = [self.engine.input_processor.resolve_pooling(ids, params)
                     for (_, ids), params in zip(tokenized, pooling_params)]
-        loras = self._loras(lora_request, len(tokenized))
-        order = []
-        try:
-            for i, ((text, ids), params) in enumerate(zip(tokenized, resolved)):
-                rid = str(next(self._ids))
-                self.engine.add_pooling_request(rid, text, ids, params,
-                                                priority=priority[i] if priority else 0,
-                                                validated=True, lora_request=loras[i],
-                                                final_only=True)
-                order.append(rid)
-        except ValueError:
-            self.engine.abort_request(order)
-            raise
-        return self._drain(order, use_tqdm and len(order) > 1)
+        return self._add_all(self.engine.add_pooling_request, tokenized, resolved, priority,
+                             self._loras(lora_request, len(tokenized)), use_tqdm)
 
     def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]],
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
@@ -219,17 +207,22 @@ class LLM:
             self.engine.input_processor.validate(ids, params)
         if priority is not None and len(priority) != len(tokenized):
             raise ValueError(f"{len(priority)} priorities for {len(tokenized)} prompts")
-        loras = self._loras(lora_request, len(tokenized))
+        return self._add_all(self.engine.add_tokenized_request, tokenized, sampling_params,
+                             priority, self._loras(lora_request, len(tokenized)), use_tqdm)
+
+    def _add_all(self, add, tokenized, params, priority, loras, use_tqdm: bool) -> list:
+        """Each validated prompt added by `add` (the engine's add_tokenized_request
+        or add_pooling_request), all or none: a ValueError while adding (e.g. a
+        request larger than the whole cache) aborts those already added. Then
+        the engine stepped until every one has finished, in input order."""
         order = []
         try:
-            for i, ((text, ids), params) in enumerate(zip(tokenized, sampling_params)):
+            for i, ((text, ids), p) in enumerate(zip(tokenized, params)):
                 rid = str(next(self._ids))
-                self.engine.add_tokenized_request(rid, text, ids, params,
-                                                  priority=priority[i] if priority else 0,
-                                                  validated=True, lora_request=loras[i],
-                                                  final_only=True)
+                add(rid, text, ids, p, priority=priority[i] if priority else 0, validated=True,
+                    lora_request=loras[i], final_only=True)
                 order.append(rid)
-        except ValueError:          # e.g. a request larger than the whole cache
+        except ValueError:
             self.engine.abort_request(order)
             raise
         return self._drain(order, use_tqdm and len(order) > 1)

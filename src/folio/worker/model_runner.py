@@ -294,9 +294,8 @@ class ModelRunner:
                 [(self.states[s.seq_id].sampling.lora, len(s.token_ids)) for s in ordered]))
         if self.pooling and hasattr(self.model, "second_text_starts"):
             # a cross-encoder's pairs: where each one's second text begins
-            self.model.second_text_starts = [
-                getattr(self.states[s.seq_id].sampling.pooling, "second_text_start", None)
-                for s in ordered]
+            self.model.second_text_starts = [self.states[s.seq_id].sampling.pooling
+                                             .second_text_start for s in ordered]
         try:
             ids_tensor = self._tensor(ids)
             if fill is not None:
