@@ -217,7 +217,7 @@ def cpu_summary() -> str:
     """The CPU's name, family and model (a VM's "AMD EPYC" names no generation:
     family 25 model 17 is a Zen 4, family 26 a Zen 5) and the flags that pick
     the kernels' paths (the VNNI ones decide the int8 products)."""
-    flags, model, ident = "", "", {}
+    flags, ident = "", {}
     with open("/proc/cpuinfo") as f:
         for line in f:
             key = line.split(":", 1)[0].strip()
