@@ -278,6 +278,47 @@ def test_int16_activations_stay_within_their_rounding(lib, bits, n, k, group, ac
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits,group,shared", [(4, 32, False), (6, 16, True), (6, 32, False)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 36])
+def test_k_quant_int8_takes_x_per_super_block_and_its_scales_as_integers(lib, bits, group,
+                                                                        shared, rows):
+    """A K-quant's int8 path (qlinear.c's sblock): x rounded to int8 per
+    super-block of 256 inputs (its scale the block's largest |x| / 127), each
+    group's integer sum times its int8 scale and the offsets' int8s times
+    the groups' sums of x's bytes, exactly in integers, then per super-block
+    two fp32 multiply-adds by the float16 d and m times x's scale. Against
+    that arithmetic in float64: equal to the last bits of those few fp32
+    operations, where rounding x per 32 inputs (other formats') would be off
+    by orders more."""
+    g = torch.Generator().manual_seed(rows + bits)
+    n, k, per = 40, 768, 256 // group
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g)
+    groups = torch.arange(k) // group
+    d, e = ((torch.randn(n, k // 256, generator=g) * 0.01).half().float() for _ in range(2))
+    sc = torch.randint(-128, 128, (n, k // group), generator=g).float()
+    om = sc if shared else torch.randint(0, 64, (n, k // group), generator=g).float()
+    w = IntGroups.from_codes(codes, groups, sc * d.repeat_interleave(per, 1), bits,
+                             offset=om * e.repeat_interleave(per, 1),
+                             supers=(d.repeat_interleave(per, 1), e.repeat_interleave(per, 1),
+                                     per))
+    assert w.supers is not None
+    x = torch.randn(rows, k, generator=g) * torch.rand(1, k, generator=g) * 4
+    amax = x.view(rows, -1, 256).abs().amax(-1)                 # [rows, supers], as fp32
+    xs, inv = amax / 127, 127 / amax
+    x8 = torch.round(x.view(rows, -1, 256) * inv[..., None]).view(rows, k).double()
+    prod = (x8[:, None, :] * codes.double()[None]).view(rows, n, -1, group).sum(-1)  # per group
+    isc = (prod * sc.double()[None]).view(rows, n, -1, per).sum(-1)                 # per super
+    xg = x8.view(rows, -1, group).sum(-1)                                           # [rows, groups]
+    ioff = (xg[:, None, :] * om.double()[None]).view(rows, n, -1, per).sum(-1)
+    dxs = (d[None] * xs[:, None, :]).double()          # the fp32 products
+    exs = (e[None] * xs[:, None, :]).double()
+    want = (isc * dxs + ioff * exs).sum(-1)
+    scale = ((isc * dxs).abs() + (ioff * exs).abs()).sum(-1)
+    got = native.qlinear(x, w, quantize_x=2, lib=lib).double()
+    assert bool(((got - want).abs() <= scale * 2 ** -21 + 1e-30).all())
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n,k,group,act_order", [(40, 64, 32, False), (192, 576, 32, False),
                                                  (100, 96, -1, True), (33, 80, 20, True)])

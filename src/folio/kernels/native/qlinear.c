@@ -54,6 +54,13 @@
  *   instructions a weight. x carries up to 2^-8 of its block's largest value
  *   (the drift this gives a model's logprobs: docs/benchmarks.md, bounded by
  *   tests/engine/test_int8_activations.py).
+ *   A K-quant's two-level scales (4- and 6-bit codes, groups of at most 32)
+ *   take it as llama.cpp's q8_K does instead: x per super-block of 256
+ *   positions, each group's integer sum times its int8 scale in integers,
+ *   and per super-block two fp32 multiply-adds (sblock says how): at 32
+ *   rows the AVX-512 build's pass over the 1B Q4_K_M 1.19-1.23x, the AVX2
+ *   one's 1.04-1.06x, one row 1.02-1.09x; it costs a requantized default
+ *   model +0.28 % perplexity where x per 32 costs +0.14 % (docs/benchmarks.md).
  * - `quantize_x` 3: int8 at up to folio_qlinear_int8_rows(bits) rows, where
  *   it wins; above, int16 for bf16 x and float for fp32 x.
  * The activations are first gathered into position order and widened to fp32
@@ -97,6 +104,12 @@
 #ifndef FOLIO_QL_PREFETCH_BYTES
 #define FOLIO_QL_PREFETCH_BYTES 8192
 #endif
+/* The int8 path's K-quant arithmetic (sblock): 1 x per super-block and the
+ * scales as integers, 0 x per block of 32 and every group's sums scaled in
+ * fp32 (iblock's, as other formats'), kept to measure one against the other. */
+#ifndef FOLIO_QL_SUPER
+#define FOLIO_QL_SUPER 1
+#endif
 #define QL_PART(n) (FOLIO_QLINEAR_PART < 0 || FOLIO_QLINEAR_PART == (n))
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || \
@@ -132,6 +145,10 @@ typedef __m512i ivec;
 #define izero() _mm512_setzero_si512()
 #define iadd(a, b) _mm512_add_epi32(a, b)
 #define itof(a) _mm512_cvtepi32_ps(a)
+#define ismall(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define imul32(a, b) _mm512_mullo_epi32(a, b)
+#define vtoi(v) _mm512_castps_si512(v)
+#define itov(i) _mm512_castsi512_ps(i)
 #if defined(__AVX512VNNI__)
 #define idot(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #define VNNI8 1
@@ -178,6 +195,10 @@ typedef __m256i ivec;
 #define izero() _mm256_setzero_si256()
 #define iadd(a, b) _mm256_add_epi32(a, b)
 #define itof(a) _mm256_cvtepi32_ps(a)
+#define ismall(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define imul32(a, b) _mm256_mullo_epi32(a, b)
+#define vtoi(v) _mm256_castps_si256(v)
+#define itov(i) _mm256_castsi256_ps(i)
 #if defined(__AVXVNNI__)
 #define idot(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #define VNNI8 1
@@ -229,6 +250,7 @@ typedef struct {
     const float *xscale;           /* [m][blocks] */
     const int8_t *x8;              /* int8 path: [m][kp] in position order */
     const int32_t *x8sum;          /* [m][blocks]: each block's sum of x8 */
+    const int32_t *x8pair;         /* isuper: [m][groups / 2] two groups' sums of x8 as int16s */
     const uint8_t *codes;
     const void *scales, *offsets;   /* float16; with supers int8 (offsets NULL: the scales') */
     const uint16_t *supers;         /* two-level scales: float16 [tiles][supers][2][16] */
@@ -238,6 +260,7 @@ typedef struct {
     int64_t m, n, kp, groups, blocks, supers_n;
     int bits, dtype, zeros, super_shift;     /* per_super = 1 << super_shift */
     int64_t code_tile0;             /* the tile `codes` starts at (a widened copy's) */
+    int isuper;                     /* int8 path, two-level scales in integers (sblock) */
 } job;
 
 /* bytes of a tile's codes: 16 output features x kp positions x bits / 8 */
@@ -797,16 +820,94 @@ static inline __attribute__((always_inline)) ivec bstep(ivec acc, ivec w, ivec x
  * (wlo times x's bytes x0, whi times x1) summed in int16 (at most
  * 4 x 63 x 127), then widened once into acc's int32 sums. */
 static inline __attribute__((always_inline)) ivec bpair6(ivec acc, ivec wlo, ivec whi, ivec x0,
-                                                         ivec x1) {
-    return iadd(acc, imadd16(iadd16(imaddubs(wlo, x0), imaddubs(whi, x1)), iset16(1)));
+                                                         ivec x1, ivec mul) {
+    /* mul: ones, or (sblock) the groups' integer scales, each in both halves */
+    return iadd(acc, imadd16(iadd16(imaddubs(wlo, x0), imaddubs(whi, x1)), mul));
 }
 #endif
+
+/* One block's (positions p0 .. p1, at most 32) integer sums, rows r0 .. r0 +
+ * mr against tiles t0 .. t0 + nt, into iacc (zeroed by the caller; chains:
+ * iblock's). Without VNNI, 6-bit codes' int16 pairs are widened by vpmaddwd
+ * with mul (ones; sblock: the groups' integer scales, so their sums come out
+ * scaled). */
+static inline __attribute__((always_inline)) void block_sums(const job *J, int64_t r0,
+                                                             int64_t t0, int64_t p0, int64_t p1,
+                                                             const int bits, const int mr,
+                                                             const int nt, const int chains,
+                                                             const ivec *mul,
+                                                             ivec iacc[2][IMR][INT * VPT]) {
+    const int64_t kp = J->kp, stride = tile_bytes(J);
+    (void)mul;
+    for (int64_t p = p0; p < p1; p += 8) {
+        /* each lane's word: positions 0..3 of the octet (lo), 4..7 (hi) */
+        ivec w[2][INT * VPT];
+        prefetch_codes(J, t0, nt, p, bits, J->m <= IMR ? FOLIO_QL_PREFETCH_BYTES : 0);
+#pragma GCC unroll 2
+        for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+            for (int v = 0; v < VPT; v++) {
+                const uint8_t *t = J->codes + (t0 + j - J->code_tile0) * stride +
+                                   (p >> 3) * 64 + v * VL * 4;
+                if (bits == 4) {
+                    const ivec c = iload(t), m4 = iset1(0x0f0f0f0f);
+                    w[0][j * VPT + v] = iand(c, m4);
+                    w[1][j * VPT + v] = iand(isrl(c, 4), m4);
+                } else {
+                    /* 6-bit codes packed, or widened by itile_group into
+                     * the 8-bit layout (J->bits 8), the arithmetic of
+                     * codes under 64 either way */
+                    ivec b[2];
+                    const uint8_t *at = J->codes + (t0 + j - J->code_tile0) * stride;
+                    if (bits == 6 && J->bits == 8)
+                        byte_words(at, p >> 3, v, 8, b);
+                    else
+                        byte_words(at, p >> 3, v, bits, b);
+                    w[0][j * VPT + v] = b[0];
+                    w[1][j * VPT + v] = b[1];
+                    if (!VNNI8 && bits == 8) {
+                        w[0][j * VPT + v] = ixor(w[0][j * VPT + v], iset1((int)0x80808080));
+                        w[1][j * VPT + v] = ixor(w[1][j * VPT + v], iset1((int)0x80808080));
+                    }
+                }
+            }
+#if !VNNI8
+        if (bits == 6) {
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                int32_t word[2];
+                memcpy(word, J->x8 + (r0 + r) * kp + p, 8);
+                const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
+#pragma GCC unroll 4
+                for (int j = 0; j < nt * VPT; j++) {
+                    iacc[0][r][j] = bpair6(iacc[0][r][j], w[0][j], w[1][j], x0, x1,
+                                           mul[j]);
+                    HOLD(iacc[0][r][j]);
+                }
+            }
+            continue;
+        }
+#endif
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                int32_t word;
+                memcpy(&word, J->x8 + (r0 + r) * kp + p + 4 * h, 4);
+                const ivec xv = iset1(word);
+#pragma GCC unroll 4
+                for (int j = 0; j < nt * VPT; j++) {
+                    iacc[h % chains][r][j] = bstep(iacc[h % chains][r][j], w[h][j], xv, bits);
+                    HOLD(iacc[h % chains][r][j]);
+                }
+            }
+    }
+}
 
 static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r0, int64_t t0,
                                                          const vec *held,
                                                          const int bits, const int mr,
                                                          const int nt) {
-    const int64_t kp = J->kp, stride = tile_bytes(J);
     /* vpdpbusd's latency: with one or two rows, the low and high words' sums in
      * two chains (vpmaddubsw's sums are a one-cycle add) */
     const int chains = VNNI8 && mr <= 2 ? 2 : 1;
@@ -817,6 +918,9 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
         for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
     int64_t blk = 0;
     vec sup[2 * INT * VPT];
+    ivec ones[INT * VPT];
+#pragma GCC unroll 4
+    for (int j = 0; j < INT * VPT; j++) ones[j] = iset16(1);
     for (int64_t g = 0; g < J->groups; g++) {
         vec s[INT * VPT], o[INT * VPT];
         scales_of(J, held, INT, t0, g, nt, s, o, sup);
@@ -829,69 +933,7 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
                 for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
                     for (int j = 0; j < nt * VPT; j++) iacc[c][r][j] = izero();
-            for (int64_t p = p0; p < p1; p += 8) {
-                /* each lane's word: positions 0..3 of the octet (lo), 4..7 (hi) */
-                ivec w[2][INT * VPT];
-                prefetch_codes(J, t0, nt, p, bits, J->m <= IMR ? FOLIO_QL_PREFETCH_BYTES : 0);
-#pragma GCC unroll 2
-                for (int j = 0; j < nt; j++)
-#pragma GCC unroll 2
-                    for (int v = 0; v < VPT; v++) {
-                        const uint8_t *t = J->codes + (t0 + j - J->code_tile0) * stride +
-                                           (p >> 3) * 64 + v * VL * 4;
-                        if (bits == 4) {
-                            const ivec c = iload(t), m4 = iset1(0x0f0f0f0f);
-                            w[0][j * VPT + v] = iand(c, m4);
-                            w[1][j * VPT + v] = iand(isrl(c, 4), m4);
-                        } else {
-                            /* 6-bit codes packed, or widened by itile_group into
-                             * the 8-bit layout (J->bits 8), the arithmetic of
-                             * codes under 64 either way */
-                            ivec b[2];
-                            const uint8_t *at = J->codes + (t0 + j - J->code_tile0) * stride;
-                            if (bits == 6 && J->bits == 8)
-                                byte_words(at, p >> 3, v, 8, b);
-                            else
-                                byte_words(at, p >> 3, v, bits, b);
-                            w[0][j * VPT + v] = b[0];
-                            w[1][j * VPT + v] = b[1];
-                            if (!VNNI8 && bits == 8) {
-                                w[0][j * VPT + v] = ixor(w[0][j * VPT + v], iset1((int)0x80808080));
-                                w[1][j * VPT + v] = ixor(w[1][j * VPT + v], iset1((int)0x80808080));
-                            }
-                        }
-                    }
-#if !VNNI8
-                if (bits == 6) {
-#pragma GCC unroll 4
-                    for (int r = 0; r < mr; r++) {
-                        int32_t word[2];
-                        memcpy(word, J->x8 + (r0 + r) * kp + p, 8);
-                        const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
-#pragma GCC unroll 4
-                        for (int j = 0; j < nt * VPT; j++) {
-                            iacc[0][r][j] = bpair6(iacc[0][r][j], w[0][j], w[1][j], x0, x1);
-                            HOLD(iacc[0][r][j]);
-                        }
-                    }
-                    continue;
-                }
-#endif
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-#pragma GCC unroll 4
-                    for (int r = 0; r < mr; r++) {
-                        int32_t word;
-                        memcpy(&word, J->x8 + (r0 + r) * kp + p + 4 * h, 4);
-                        const ivec xv = iset1(word);
-#pragma GCC unroll 4
-                        for (int j = 0; j < nt * VPT; j++) {
-                            iacc[h % chains][r][j] = bstep(iacc[h % chains][r][j], w[h][j], xv,
-                                                           bits);
-                            HOLD(iacc[h % chains][r][j]);
-                        }
-                    }
-            }
+            block_sums(J, r0, t0, p0, p1, bits, mr, nt, chains, ones, iacc);
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const vec xs = vbcast(J->xscale + (r0 + r) * J->blocks + blk);
@@ -924,6 +966,147 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
+/* Two-level scales in integers (J->isuper: a K-quant's int8 scales and
+ * offsets under a float16 pair per super-block, x quantized to int8 per
+ * super-block, groups of at most 32 positions): per super-block S, row r and
+ * output feature n, exactly in int32,
+ *     isc = sum_{g in S} sc[n][g] * (sum_{k in g} q[n][k] x8[r][k])
+ *     ioff = sum_{g in S} off[n][g] * (sum_{k in g} x8[r][k])
+ * then y += isc * (d[n][S] xs[r][S]); y += ioff * (m[n][S] xs[r][S]), two
+ * fp32 multiply-adds a super-block, in this order on every path (sblock,
+ * rows4s, rows4_q4_all), so a row's output is the same bits at any row
+ * count. The integer scales multiply each group's sums as integers
+ * (vpmaddwd by the scale in both halves of a lane without VNNI, vpmulld
+ * with it), the offsets' sums two groups a vpmaddwd (x8pair). */
+static inline __attribute__((always_inline)) ivec super_k(const job *J, int64_t tile, int64_t g,
+                                                          int v) {
+    const ivec k = ismall((const int8_t *)J->scales + (tile * J->groups + g) * 16 + v * VL);
+#if VNNI8
+    return k;
+#else
+    return ior(iand(k, iset1(0xffff)), isll(k, 16));
+#endif
+}
+
+/* groups g (even) and g + 1's int8 offsets (Q6_K: the scales) as int16 pairs */
+static inline __attribute__((always_inline)) ivec super_offpair(const job *J, int64_t tile,
+                                                                int64_t g, int v) {
+    const int8_t *o = (const int8_t *)(J->offsets ? J->offsets : J->scales) +
+                      (tile * J->groups + g) * 16 + v * VL;
+    return ior(iand(ismall(o), iset1(0xffff)), isll(ismall(o + 16), 16));
+}
+
+/* The integer scales held for all row blocks (isuper), width tiles a slot of
+ * width * VPT vectors: slot g group g's super_k, slot groups + g / 2 the
+ * pair of g's offsets, slots groups + groups / 2 + 2 S and + 1 super-block
+ * S's d and m. */
+static const vec *hold_super(const job *J, int64_t t0, int nt, int width, vec *scratch) {
+    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2;
+    for (int j = 0; j < nt; j++)
+        for (int v = 0; v < VPT; v++) {
+            const int at = j * VPT + v;
+            for (int64_t g = 0; g < J->groups; g++) {
+                scratch[g * width * VPT + at] = itov(super_k(J, t0 + j, g, v));
+                if (!(g & 1))
+                    scratch[(J->groups + g / 2) * width * VPT + at] =
+                        itov(super_offpair(J, t0 + j, g, v));
+            }
+            for (int64_t S = 0; S < J->supers_n; S++)
+                super_pair(J, t0 + j, S * per, v,
+                           scratch + (J->groups + half + 2 * S) * width * VPT + at,
+                           scratch + (J->groups + half + 2 * S + 1) * width * VPT + at);
+        }
+    return scratch;
+}
+
+/* The end of super-block S for one row: its offsets' integer sum (two groups
+ * a vpmaddwd) and the two multiply-adds. op: the offset pairs of the tile
+ * vector, a slot apart (stride vectors); pairs: the row's x8pair there. */
+static inline __attribute__((always_inline)) vec super_end(vec acc, ivec isc, const vec *op,
+                                                           int64_t stride, const int32_t *pairs,
+                                                           int64_t npairs, vec d, vec m, vec xs) {
+    ivec io = izero();
+    for (int64_t p = 0; p < npairs; p++) io = iadd(io, imadd16(vtoi(op[p * stride]), iset1(pairs[p])));
+    acc = vfma(itof(isc), vmul(d, xs), acc);
+    return vfma(itof(io), vmul(m, xs), acc);
+}
+
+static inline __attribute__((always_inline)) void sblock(const job *J, int64_t r0, int64_t t0,
+                                                         const vec *held, const int bits,
+                                                         const int mr, const int nt) {
+    const int chains = VNNI8 && mr <= 2 ? 2 : 1;
+    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2, W = INT * VPT;
+    vec acc[IMR][INT * VPT];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nt * VPT; j++) acc[r][j] = vzero();
+    for (int64_t S = 0; S < J->supers_n; S++) {
+        ivec isc[IMR][INT * VPT];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < nt * VPT; j++) isc[r][j] = izero();
+        for (int64_t g = S * per; g < (S + 1) * per; g++) {
+            ivec k[INT * VPT];
+#pragma GCC unroll 4
+            for (int j = 0; j < nt * VPT; j++)
+                k[j] = held ? vtoi(held[g * W + j]) : super_k(J, t0 + j / VPT, g, j % VPT);
+            ivec iacc[2][IMR][INT * VPT];
+#pragma GCC unroll 2
+            for (int c = 0; c < chains; c++)
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+                    for (int j = 0; j < nt * VPT; j++) iacc[c][r][j] = izero();
+            block_sums(J, r0, t0, J->bounds[g], J->bounds[g + 1], bits, mr, nt, chains, k, iacc);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+                for (int j = 0; j < nt * VPT; j++) {
+                    ivec sum = iacc[0][r][j];
+#if VNNI8
+                    if (chains == 2) sum = iadd(sum, iacc[1][r][j]);
+                    sum = imul32(sum, k[j]);
+#else
+                    if (bits == 4) sum = imadd16(sum, k[j]);   /* 6 bits: scaled already */
+#endif
+                    isc[r][j] = iadd(isc[r][j], sum);
+                }
+        }
+        /* the super-block's float16 pairs and offset pairs: held, or
+         * computed once for the rows (isuper: at most 8 pairs) */
+        vec d[INT * VPT], m[INT * VPT], ops[INT * VPT][8];
+        const vec *op = held ? held + (J->groups + S * per / 2) * W : ops[0];
+        const int64_t ostride = held ? W : 1;
+#pragma GCC unroll 4
+        for (int j = 0; j < nt * VPT; j++) {
+            if (held) {
+                d[j] = held[(J->groups + half + 2 * S) * W + j];
+                m[j] = held[(J->groups + half + 2 * S + 1) * W + j];
+                continue;
+            }
+            super_pair(J, t0 + j / VPT, S * per, j % VPT, d + j, m + j);
+            for (int64_t p = 0; p < per / 2; p++)
+                ops[j][p] = itov(super_offpair(J, t0 + j / VPT, S * per + 2 * p, j % VPT));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            const vec xs = vbcast(J->xscale + (r0 + r) * J->blocks + S);
+            const int32_t *pairs = J->x8pair + (r0 + r) * half + S * per / 2;
+#pragma GCC unroll 4
+            for (int j = 0; j < nt * VPT; j++)
+                acc[r][j] = super_end(acc[r][j], isc[r][j], op + (held ? j : 8 * j), ostride,
+                                      pairs, per / 2, d[j], m[j], xs);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nt * VPT; j++)
+            store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
+}
+
 #if !VNNI8 && VL == 8
 /* AVX2 without VNNI, four rows of one tile, the scales held, every group one
  * block (4-bit codes: groups of 32 positions, Q4_K's; 6-bit ones widened to
@@ -933,22 +1116,30 @@ static inline __attribute__((always_inline)) void iblock(const job *J, int64_t r
  * the row pointers are taken once. The same sums as iblock's, in its order. */
 static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0, int64_t t0,
                                                         const vec *held, const int bits,
-                                                        const int octets) {
+                                                        const int octets, const int sup) {
     const int64_t kp = J->kp;
     const uint8_t *codes = J->codes + (t0 - J->code_tile0) * tile_bytes(J);
     const int8_t *x8[4];
     const float *xs[4], *xsum[4];
     float acc[4][16] __attribute__((aligned(32)));
+    int32_t isc[4][16] __attribute__((aligned(32)));    /* sup: the super-block's */
+    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2;
     for (int r = 0; r < 4; r++) {
         x8[r] = J->x8 + (r0 + r) * kp;
         xs[r] = J->xscale + (r0 + r) * J->blocks;
         xsum[r] = J->xsum + (r0 + r) * J->groups;
         vstore(acc[r], vzero());
         vstore(acc[r] + 8, vzero());
+        istore(isc[r], izero());
+        istore(isc[r] + 8, izero());
     }
     const ivec m4 = iset1(0x0f0f0f0f), ones = iset16(1);
     for (int64_t g = 0; g < J->groups; g++) {
         const int64_t p0 = J->bounds[g];
+        const vec *sg = held + 2 * g * VPT, *og = sg + VPT;
+        /* sup: the group's integer scales (6 bits: inside the sums) */
+        ivec mul[2] = {ones, ones};
+        if (sup) mul[0] = vtoi(held[g * VPT]), mul[1] = vtoi(held[g * VPT + 1]);
         ivec a[4][2];       /* 4 bits: int16 pairs (as iblock's); 6: int32 */
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = izero();
@@ -983,14 +1174,39 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
                     int32_t word[2];
                     memcpy(word, x8[r] + at, 8);
                     const ivec x0 = iset1(word[0]), x1 = iset1(word[1]);
-                    a[r][0] = bpair6(a[r][0], w00, w10, x0, x1);
-                    a[r][1] = bpair6(a[r][1], w01, w11, x0, x1);
+                    a[r][0] = bpair6(a[r][0], w00, w10, x0, x1, mul[0]);
+                    a[r][1] = bpair6(a[r][1], w01, w11, x0, x1, mul[1]);
                     HOLD(a[r][0]);
                     HOLD(a[r][1]);
                 }
             }
         }
-        const vec *sg = held + 2 * g * VPT, *og = sg + VPT;
+        if (sup) {
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+#pragma GCC unroll 2
+                for (int v = 0; v < 2; v++) {
+                    const ivec sum = bits == 4 ? imadd16(a[r][v], mul[v]) : a[r][v];
+                    istore(isc[r] + 8 * v, iadd(iload(isc[r] + 8 * v), sum));
+                }
+            if ((g & (per - 1)) != per - 1) continue;
+            const int64_t S = g >> J->super_shift;
+            const vec *dm = held + (J->groups + half + 2 * S) * VPT;
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const vec x = vbcast(xs[r] + S);
+                const int32_t *pairs = J->x8pair + (r0 + r) * half + S * per / 2;
+#pragma GCC unroll 2
+                for (int v = 0; v < 2; v++) {
+                    vstore(acc[r] + 8 * v,
+                           super_end(vload(acc[r] + 8 * v), iload(isc[r] + 8 * v),
+                                     held + (J->groups + S * per / 2) * VPT + v, VPT, pairs,
+                                     per / 2, dm[v], dm[VPT + v], x));
+                    istore(isc[r] + 8 * v, izero());
+                }
+            }
+            continue;
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             const vec x = vbcast(xs[r] + g), xg = vbcast(xsum[r] + g);
@@ -1010,12 +1226,22 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
 
 static __attribute__((noinline)) void rows4_q4(const job *J, int64_t r0, int64_t t0,
                                                 const vec *held) {
-    rows4(J, r0, t0, held, 4, 4);
+    rows4(J, r0, t0, held, 4, 4, 0);
 }
 
 static __attribute__((noinline)) void rows4_q6(const job *J, int64_t r0, int64_t t0,
                                                 const vec *held) {
-    rows4(J, r0, t0, held, 6, 2);
+    rows4(J, r0, t0, held, 6, 2, 0);
+}
+
+static __attribute__((noinline)) void rows4_q4s(const job *J, int64_t r0, int64_t t0,
+                                                 const vec *held) {
+    rows4(J, r0, t0, held, 4, 4, 1);
+}
+
+static __attribute__((noinline)) void rows4_q6s(const job *J, int64_t r0, int64_t t0,
+                                                 const vec *held) {
+    rows4(J, r0, t0, held, 6, 2, 1);
 }
 
 /* 4-bit codes at more than IMR rows, the group outermost: a group's codes
@@ -1024,23 +1250,31 @@ static __attribute__((noinline)) void rows4_q6(const job *J, int64_t r0, int64_t
  * rows4 unpacked them again for each (8 times at 32 rows): the AVX2 build's
  * pass over the 1B Q4_K_M at 32 rows 1.10-1.16x (the 6-bit groups, widened
  * already, the same way: 0.91x, left to rows4). The float sums of up to GR
- * rows live in memory. The same sums as rows4's, in its order. */
+ * rows live in memory (sup: and the super-block's integer ones). The same
+ * sums as rows4's, in its order. */
 #ifndef FOLIO_QL_GROUPED
 #define FOLIO_QL_GROUPED 1
 #endif
 #define GR 64
-static __attribute__((noinline)) void rows4_q4_all(const job *J, int64_t rows, int64_t t0,
-                                                   const vec *held) {
+static inline __attribute__((always_inline)) void rows4_q4_all(const job *J, int64_t rows,
+                                                               int64_t t0, const vec *held,
+                                                               const int sup) {
     const int64_t kp = J->kp;
     const uint8_t *codes = J->codes + (t0 - J->code_tile0) * tile_bytes(J);
     float acc[GR][16] __attribute__((aligned(32)));
+    int32_t isc[GR][16] __attribute__((aligned(32)));
     ivec un[4][2][2];   /* [octet][half][lanes 0-7, 8-15] */
     const ivec m4 = iset1(0x0f0f0f0f), ones = iset16(1);
+    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2;
     for (int64_t c0 = 0; c0 < rows; c0 += GR) {
         const int64_t cn = rows - c0 < GR ? rows - c0 : GR;
         for (int64_t r = 0; r < cn; r++) {
             vstore(acc[r], vzero());
             vstore(acc[r] + 8, vzero());
+            if (sup) {
+                istore(isc[r], izero());
+                istore(isc[r] + 8, izero());
+            }
         }
         for (int64_t g = 0; g < J->groups; g++) {
             const int64_t p0 = J->bounds[g];
@@ -1054,6 +1288,8 @@ static __attribute__((noinline)) void rows4_q4_all(const job *J, int64_t rows, i
                 un[oct][1][1] = iand(isrl(w1, 4), m4);
             }
             const vec *sg = held + 2 * g * VPT, *og = sg + VPT;
+            ivec mul[2] = {ones, ones};
+            if (sup) mul[0] = vtoi(held[g * VPT]), mul[1] = vtoi(held[g * VPT + 1]);
             for (int64_t r0 = 0; r0 < cn; r0 += 4) {
                 const int8_t *x8[4];
 #pragma GCC unroll 4
@@ -1077,6 +1313,16 @@ static __attribute__((noinline)) void rows4_q4_all(const job *J, int64_t rows, i
                             HOLD(a[r][1]);
                         }
                     }
+                if (sup) {
+#pragma GCC unroll 4
+                    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 2
+                        for (int v = 0; v < 2; v++) {
+                            int32_t *at = isc[r0 + r] + 8 * v;
+                            istore(at, iadd(iload(at), imadd16(a[r][v], mul[v])));
+                        }
+                    continue;
+                }
 #pragma GCC unroll 4
                 for (int r = 0; r < 4; r++) {
                     const int64_t row = c0 + r0 + r;
@@ -1091,6 +1337,21 @@ static __attribute__((noinline)) void rows4_q4_all(const job *J, int64_t rows, i
                     }
                 }
             }
+            if (!sup || (g & (per - 1)) != per - 1) continue;
+            const int64_t S = g >> J->super_shift;
+            const vec *dm = held + (J->groups + half + 2 * S) * VPT;
+            for (int64_t r = 0; r < cn; r++) {
+                const vec x = vbcast(J->xscale + (c0 + r) * J->blocks + S);
+                const int32_t *pairs = J->x8pair + (c0 + r) * half + S * per / 2;
+#pragma GCC unroll 2
+                for (int v = 0; v < 2; v++) {
+                    vstore(acc[r] + 8 * v,
+                           super_end(vload(acc[r] + 8 * v), iload(isc[r] + 8 * v),
+                                     held + (J->groups + S * per / 2) * VPT + v, VPT, pairs,
+                                     per / 2, dm[v], dm[VPT + v], x));
+                    istore(isc[r] + 8 * v, izero());
+                }
+            }
         }
         for (int64_t r = 0; r < cn; r++) {
             store_row(J, c0 + r, t0 * 16, vload(acc[r]));
@@ -1100,11 +1361,22 @@ static __attribute__((noinline)) void rows4_q4_all(const job *J, int64_t rows, i
 }
 #undef GR
 
+static __attribute__((noinline)) void rows4_q4_rows(const job *J, int64_t rows, int64_t t0,
+                                                    const vec *held) {
+    rows4_q4_all(J, rows, t0, held, 0);
+}
+
+static __attribute__((noinline)) void rows4_q4_rows_s(const job *J, int64_t rows, int64_t t0,
+                                                      const vec *held) {
+    rows4_q4_all(J, rows, t0, held, 1);
+}
+
 /* Which rows4 serves this job (read after 6-bit codes are widened): 4 (4-bit,
  * groups of 32), 6 (6-bit widened, groups of 16), else 0. */
 static int rows4_kind(const job *J, int bits) {
     const int64_t len = bits == 4 ? 32 : 16;
-    if (!(bits == 4 || (bits == 6 && J->bits == 8)) || J->blocks != J->groups) return 0;
+    if (!(bits == 4 || (bits == 6 && J->bits == 8)) || (!J->isuper && J->blocks != J->groups))
+        return 0;
     for (int64_t g = 0; g < J->groups; g++)
         if (J->bounds[g + 1] - J->bounds[g] != len) return 0;
     return bits;
@@ -1112,7 +1384,9 @@ static int rows4_kind(const job *J, int bits) {
 #endif
 
 QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t *codes8) {
-    const vec *held = J->m > IMR && scratch ? hold_scales(J, t0, nt, INT, scratch) : 0;
+    const vec *held = !(J->m > IMR && scratch) ? 0
+                      : J->isuper ? hold_super(J, t0, nt, INT, scratch)
+                                  : hold_scales(J, t0, nt, INT, scratch);
     job J8;
     const int bits = J->bits;
     if (bits == 6 && J->m > IMR && codes8) J = widen_codes(J, t0, nt, codes8, &J8);
@@ -1126,7 +1400,10 @@ QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t
 #if !VNNI8 && VL == 8
     if (FOLIO_QL_GROUPED && kind == 4) {
         first = J->m & ~(int64_t)3;
-        rows4_q4_all(J, first, t0, held);
+        if (J->isuper)
+            rows4_q4_rows_s(J, first, t0, held);
+        else
+            rows4_q4_rows(J, first, t0, held);
     }
 #endif
     for (int64_t r = first; r < J->m; r += IMR) {
@@ -1134,14 +1411,19 @@ QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t
 #if !VNNI8 && VL == 8
         if (kind && mr == 4) {
             if (kind == 4)
-                rows4_q4(J, r, t0, held);
+                (J->isuper ? rows4_q4s : rows4_q4)(J, r, t0, held);
             else
-                rows4_q6(J, r, t0, held);
+                (J->isuper ? rows4_q6s : rows4_q6)(J, r, t0, held);
             continue;
         }
 #endif
 #define FOLIO_IBLOCK(B, R, T) \
-    case BITS_KEY(B) + R * 8 + T: iblock(J, r, t0, held, B, R, T); break;
+    case BITS_KEY(B) + R * 8 + T:                                     \
+        if (J->isuper && (VNNI8 || B != 8))                           \
+            sblock(J, r, t0, held, B, R, T);                          \
+        else                                                          \
+            iblock(J, r, t0, held, B, R, T);                          \
+        break;
         switch (BITS_KEY(key) + mr * 8 + nt) {
 #if INT == 2
             FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
@@ -1205,23 +1487,35 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
     if (supers && ((int64_t)1 << super_shift) != per_super) return 2;
     if (quantize_x == 3)        /* int8 where it wins; else int16 for bf16, float for fp32 */
         quantize_x = m <= folio_qlinear_int8_rows(bits) ? 2 : dtype == 1;
+    /* int8 with a K-quant's two-level scales: x per super-block, the scales
+     * as integers (sblock says how), where every group fits a block and the
+     * super-blocks are whole, of an even number of groups, at most 16, and
+     * the codes under 64 (the int32 sums then exact: 256 x 63 x 128 x 127) */
+    int isuper = FOLIO_QL_SUPER && quantize_x == 2 && supers && bits <= 6 && per_super % 2 == 0 &&
+                 per_super <= 16 && groups % per_super == 0;
+    for (int64_t g = 0; isuper && g < groups; g++)
+        if (bounds[g + 1] - bounds[g] > 32) isuper = 0;
     int64_t blocks = 0;
     for (int64_t g = 0; g < groups; g++) blocks += (bounds[g + 1] - bounds[g] + 31) / 32;
+    if (isuper) blocks = groups / per_super;
     /* floats: x, group sums, block scales; then the int16 pairs (2 per word),
-     * or the int8 blocks' sums and bytes */
+     * or the int8 blocks' sums (isuper: the groups' pairs of sums) and bytes */
     const size_t floats = (size_t)(m * kp + m * groups + (quantize_x ? m * blocks : 0));
     const size_t ints = quantize_x == 1 ? 2 * (size_t)(m * kp)
-                        : quantize_x == 2 ? 4 * (size_t)(m * blocks) + (size_t)(m * kp) : 0;
+                        : quantize_x == 2 ? 4 * (size_t)(m * (isuper ? groups / 2 : blocks)) +
+                                                (size_t)(m * kp)
+                                          : 0;
     float *xf = (float *)malloc(sizeof(float) * floats + ints);
     if (!xf) return 1;
     float *xsum = xf + m * kp, *xscale = xsum + m * groups;
     int32_t *xq = quantize_x == 1 ? (int32_t *)(xscale + m * blocks) : 0;
     int32_t *x8sum = quantize_x == 2 ? (int32_t *)(xscale + m * blocks) : 0;
-    int8_t *x8 = quantize_x == 2 ? (int8_t *)(x8sum + m * blocks) : 0;
+    int8_t *x8 = quantize_x == 2 ? (int8_t *)(x8sum + m * (isuper ? groups / 2 : blocks)) : 0;
     const int64_t tiles = (n + 15) / 16;
-    job J = {xf, xsum, xq, xscale, x8, x8sum, codes, scales, offsets, supers, bounds, bias, out,
-             m, n, kp, groups, blocks, supers ? (groups + per_super - 1) / per_super : 0,
-             bits, dtype, zeros, super_shift, 0};
+    job J = {xf, xsum, xq, xscale, x8, x8sum, isuper ? x8sum : 0, codes, scales, offsets, supers,
+             bounds, bias, out, m, n, kp, groups, blocks,
+             supers ? (groups + per_super - 1) / per_super : 0, bits, dtype, zeros, super_shift,
+             0, isuper};
     const float limit = quantize_x == 2 ? 127.0f : 32767.0f;
     /* the group sums serve the int16 path and the few-row float one, not the panel */
     const int sums = quantize_x || m <= MR;
@@ -1247,6 +1541,29 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
                 }
             }
             if (!sums) continue;
+            if (isuper) {
+                /* per super-block: one scale, the bytes, each two groups' sums */
+                for (int64_t S = 0; S < blocks; S++) {
+                    const int64_t p0 = bounds[S * per_super], p1 = bounds[(S + 1) * per_super];
+                    float amax = 0;
+                    int64_t i = p0;
+                    for (; i + 32 <= p1; i += 32) amax = fmaxf(amax, amax32(dst + i));
+                    for (; i < p1; i++) amax = fmaxf(amax, fabsf(dst[i]));
+                    const float inv = amax > 0 ? limit / amax : 0.0f;
+                    xscale[r * blocks + S] = amax / limit;
+                    int8_t *q = x8 + r * kp;
+                    for (i = p0; i + 32 <= p1; i += 32) quantize32(dst + i, inv, q + i);
+                    for (; i < p1; i++) q[i] = (int8_t)lrintf(dst[i] * inv);
+                    for (int64_t g = S * per_super; g < (S + 1) * per_super; g += 2) {
+                        int32_t a = 0, b = 0;
+                        for (i = bounds[g]; i < bounds[g + 1]; i++) a += q[i];
+                        for (i = bounds[g + 1]; i < bounds[g + 2]; i++) b += q[i];
+                        x8sum[r * (groups / 2) + g / 2] =
+                            (int32_t)((uint32_t)(uint16_t)a | ((uint32_t)(uint16_t)b << 16));
+                    }
+                }
+                continue;
+            }
             int64_t blk = 0;
             for (int64_t g = 0; g < groups; g++) {
                 float s = 0;
@@ -1302,8 +1619,9 @@ int folio_qlinear(const void *x, int64_t x_stride, int dtype, const int64_t *per
         void *held = 0, *codes8 = 0;
         const int width = quantize_x == 2 ? INT : quantize_x ? QNT : NT;
         const int many = m > (quantize_x == 2 ? IMR : QMR);
+        const int64_t slots = isuper ? groups + groups / 2 + 2 * blocks : 2 * groups;  /* hold_super's */
         if (quantize_x && many &&
-            posix_memalign(&held, 64, sizeof(vec) * 2 * (size_t)(groups * width * VPT)))
+            posix_memalign(&held, 64, sizeof(vec) * (size_t)(slots * width * VPT)))
             held = 0;
         /* 6-bit codes as bytes: the int8 path's for many rows, the int16 and
          * few-row float paths' always (the panel path widens as it dequantizes) */
