@@ -1107,6 +1107,11 @@ static inline __attribute__((always_inline)) void sblock(const job *J, int64_t r
             store_row(J, r0 + r, (t0 + j / VPT) * 16 + (j % VPT) * VL, acc[r][j]);
 }
 
+/* 1: rows4_q4_all (below) takes the AVX2 build's 4-bit groups at many rows */
+#ifndef FOLIO_QL_GROUPED
+#define FOLIO_QL_GROUPED 1
+#endif
+
 #if !VNNI8 && VL == 8
 /* AVX2 without VNNI, four rows of one tile, the scales held, every group one
  * block (4-bit codes: groups of 32 positions, Q4_K's; 6-bit ones widened to
@@ -1224,19 +1229,21 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
     }
 }
 
+#if !FOLIO_QL_GROUPED      /* else rows4_q4_all takes every 4-row block of 4-bit codes */
 static __attribute__((noinline)) void rows4_q4(const job *J, int64_t r0, int64_t t0,
                                                 const vec *held) {
     rows4(J, r0, t0, held, 4, 4, 0);
 }
 
-static __attribute__((noinline)) void rows4_q6(const job *J, int64_t r0, int64_t t0,
-                                                const vec *held) {
-    rows4(J, r0, t0, held, 6, 2, 0);
-}
-
 static __attribute__((noinline)) void rows4_q4s(const job *J, int64_t r0, int64_t t0,
                                                  const vec *held) {
     rows4(J, r0, t0, held, 4, 4, 1);
+}
+#endif
+
+static __attribute__((noinline)) void rows4_q6(const job *J, int64_t r0, int64_t t0,
+                                                const vec *held) {
+    rows4(J, r0, t0, held, 6, 2, 0);
 }
 
 static __attribute__((noinline)) void rows4_q6s(const job *J, int64_t r0, int64_t t0,
@@ -1252,9 +1259,6 @@ static __attribute__((noinline)) void rows4_q6s(const job *J, int64_t r0, int64_
  * already, the same way: 0.91x, left to rows4). The float sums of up to GR
  * rows live in memory (sup: and the super-block's integer ones). The same
  * sums as rows4's, in its order. */
-#ifndef FOLIO_QL_GROUPED
-#define FOLIO_QL_GROUPED 1
-#endif
 #define GR 64
 static inline __attribute__((always_inline)) void rows4_q4_all(const job *J, int64_t rows,
                                                                int64_t t0, const vec *held,
@@ -1410,9 +1414,11 @@ QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t
         const int mr = J->m - r < IMR ? (int)(J->m - r) : IMR;
 #if !VNNI8 && VL == 8
         if (kind && mr == 4) {
+#if !FOLIO_QL_GROUPED
             if (kind == 4)
                 (J->isuper ? rows4_q4s : rows4_q4)(J, r, t0, held);
             else
+#endif
                 (J->isuper ? rows4_q6s : rows4_q6)(J, r, t0, held);
             continue;
         }
@@ -1420,23 +1426,33 @@ QL_PATH void itile_group(const job *J, int64_t t0, int nt, vec *scratch, uint8_t
 #define FOLIO_IBLOCK(B, R, T) \
     case BITS_KEY(B) + R * 8 + T:                                     \
         if (J->isuper && (VNNI8 || B != 8))                           \
-            sblock(J, r, t0, held, B, R, T);                          \
+            sblock(J, r, t, h, B, R, T);                              \
         else                                                          \
-            iblock(J, r, t0, held, B, R, T);                          \
+            iblock(J, r, t, h, B, R, T);                              \
         break;
-        switch (BITS_KEY(key) + mr * 8 + nt) {
+        /* a remainder of fewer than IMR rows takes its tiles one at a time
+         * (the same arithmetic a row; those blocks' build time saved), the
+         * held scales of tile t at h (a tile's vectors VPT apart in each slot) */
+        const int tn = mr < IMR ? 1 : nt;
+        for (int64_t t = t0; t < t0 + nt; t += tn) {
+            const vec *h = held ? held + (t - t0) * VPT : 0;
+            switch (BITS_KEY(key) + mr * 8 + tn) {
 #if INT == 2
-            FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
-            FOLIO_IBLOCK(4, 1, 2) FOLIO_IBLOCK(4, 2, 2) FOLIO_IBLOCK(4, 3, 2) FOLIO_IBLOCK(4, 4, 2)
-            FOLIO_IBLOCK(6, 1, 1) FOLIO_IBLOCK(6, 2, 1) FOLIO_IBLOCK(6, 3, 1) FOLIO_IBLOCK(6, 4, 1)
-            FOLIO_IBLOCK(6, 1, 2) FOLIO_IBLOCK(6, 2, 2) FOLIO_IBLOCK(6, 3, 2) FOLIO_IBLOCK(6, 4, 2)
-            FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1) FOLIO_IBLOCK(8, 4, 1)
-            FOLIO_IBLOCK(8, 1, 2) FOLIO_IBLOCK(8, 2, 2) FOLIO_IBLOCK(8, 3, 2) FOLIO_IBLOCK(8, 4, 2)
+                FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1)
+                FOLIO_IBLOCK(4, 4, 1) FOLIO_IBLOCK(4, 4, 2)
+                FOLIO_IBLOCK(6, 1, 1) FOLIO_IBLOCK(6, 2, 1) FOLIO_IBLOCK(6, 3, 1)
+                FOLIO_IBLOCK(6, 4, 1) FOLIO_IBLOCK(6, 4, 2)
+                FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1)
+                FOLIO_IBLOCK(8, 4, 1) FOLIO_IBLOCK(8, 4, 2)
 #else
-            FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1) FOLIO_IBLOCK(4, 4, 1)
-            FOLIO_IBLOCK(6, 1, 1) FOLIO_IBLOCK(6, 2, 1) FOLIO_IBLOCK(6, 3, 1) FOLIO_IBLOCK(6, 4, 1)
-            FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1) FOLIO_IBLOCK(8, 4, 1)
+                FOLIO_IBLOCK(4, 1, 1) FOLIO_IBLOCK(4, 2, 1) FOLIO_IBLOCK(4, 3, 1)
+                FOLIO_IBLOCK(4, 4, 1)
+                FOLIO_IBLOCK(6, 1, 1) FOLIO_IBLOCK(6, 2, 1) FOLIO_IBLOCK(6, 3, 1)
+                FOLIO_IBLOCK(6, 4, 1)
+                FOLIO_IBLOCK(8, 1, 1) FOLIO_IBLOCK(8, 2, 1) FOLIO_IBLOCK(8, 3, 1)
+                FOLIO_IBLOCK(8, 4, 1)
 #endif
+            }
         }
 #undef FOLIO_IBLOCK
     }
