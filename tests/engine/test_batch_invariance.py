@@ -2,7 +2,8 @@
 tokens are the same alone, in a batch, with its prompt chunked otherwise,
 with n-gram proposals and with a draft model's, on the default configuration
 (the default model's 4-bit codes, int8 activations) and with
---activation-quantization none, and on a tiny random model.
+--activation-quantization none, on a tiny random model, and on tiny K-quant
+GGUFs (their int8 path rounds x per super-block).
 
 What made them differ: a decode step with few (sequence, KV head) tasks for
 the threads split each context into shares summed in another order, so a
@@ -70,14 +71,30 @@ def test_the_default_model_alone_batched_chunked_and_speculating(activations):
         assert base.engine.config.activation_quantization == "int8"
 
 
-def test_a_tiny_random_model_alone_batched_chunked_and_speculating(tmp_path):
-    path = make_tiny_model(tmp_path / "m", max_position_embeddings=512)
-    rng = random.Random(1)
+def _tiny_every_way(path, seed):
+    """_every_way on a tiny model at path (ids under 380): random prompts of
+    20-90 tokens and one that repeats itself (the n-gram proposer finds runs
+    in it)."""
+    rng = random.Random(seed)
     prompts = [{"prompt_token_ids": [rng.randrange(5, 380) for _ in range(rng.randint(20, 90))]}
                for _ in range(6)]
-    # a prompt that repeats itself: the n-gram proposer finds runs in it
     prompts.append({"prompt_token_ids": [7, 8, 9, 10, 11] * 12})
 
     def make(**kw):
         return LLM(path, dtype="float32", num_kv_blocks=256, block_size=8, **kw)
-    _every_way(make, prompts, [])
+    return _every_way(make, prompts, [])
+
+
+def test_a_tiny_random_model_alone_batched_chunked_and_speculating(tmp_path):
+    _tiny_every_way(make_tiny_model(tmp_path / "m", max_position_embeddings=512), 1)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-Q4_K_M.gguf", "tiny-llama-Q5_K_M.gguf"])
+def test_a_k_quant_gguf_alone_batched_chunked_and_speculating(name):
+    """A K-quant file (made by llama-quantize) on its default configuration:
+    its layers take the int8 path with x per super-block (qlinear.c's sblock,
+    and rows4 / rows4_q4_all with sup on AVX2 without VNNI), whose rows must
+    come out the same bits in any step."""
+    from pathlib import Path
+    base, _, _ = _tiny_every_way(str(Path(__file__).parents[1] / "fixtures" / "gguf" / name), 2)
+    assert base.engine.config.activation_quantization == "int8"
