@@ -20,15 +20,18 @@ from quant_quality import PROMPTS, agreement, greedy, perplexity  # noqa: E402
 from folio import LLM  # noqa: E402
 
 
-def main() -> None:
+def compare(runs) -> None:
+    """Print quant_quality.py's measures for each run, in order: runs are
+    (name, a function making its LLM), the first the reference of the
+    perplexity ratio and of the greedy agreement."""
     rows, ref = [], None
-    for activations in ("none", "int8"):
-        llm = LLM(dtype="float32", max_model_len=2048, activation_quantization=activations)
+    for name, make in runs:
+        llm = make()
         ppl, n = perplexity(llm, 512)
         answers = greedy(llm)
         ref = ref or answers
         pairs = [agreement(a, b) for a, b in zip(ref, answers)]
-        rows.append((activations, ppl, n, sum(p for p, _ in pairs) / len(pairs),
+        rows.append((name, ppl, n, sum(p for p, _ in pairs) / len(pairs),
                      sum(s for _, s in pairs) / len(pairs)))
         llm.shutdown()
     base = rows[0][1]
@@ -38,6 +41,10 @@ def main() -> None:
     for a, ppl, _, prefix, same in rows:
         print(f"| {a} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f} % | {prefix:.1f} | {same:.1f} |")
 
+
+def main() -> None:
+    compare((a, lambda a=a: LLM(dtype="float32", max_model_len=2048, activation_quantization=a))
+            for a in ("none", "int8"))
 
 if __name__ == "__main__":
     main()

@@ -4,9 +4,9 @@ llama.cpp's q8_K does) where every other format rounds it per block of 32.
 On a real model, measured three ways on the same file: `--activation-
 quantization none` (fp32 arithmetic on the codes), int8 with x per 32 inputs
 (the library built with -DFOLIO_QL_SUPER=0), int8 with x per super-block (the
-default build); quant_quality.py's measures (the perplexity of docs/bench/
-quant_quality_eval.txt in windows of 512 tokens, the 12 chats' first 32
-greedy tokens against `none`'s).
+default build); quant_quality.py's measures as int8_activations_ppl.py
+prints them (the perplexity of docs/bench/quant_quality_eval.txt in windows
+of 512 tokens, the 12 chats' first 32 greedy tokens against `none`'s).
 
 The file: the default model (SmolLM2-135M-Instruct, GGUF Q4_1) requantized
 to Q4_K_M by llama.cpp's llama-quantize (`--allow-requantize`; scripts/
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quant_quality import PROMPTS, agreement, greedy, perplexity  # noqa: E402
+from int8_activations_ppl import compare  # noqa: E402
 
 from folio import LLM  # noqa: E402
 from folio.kernels import native  # noqa: E402
@@ -54,26 +54,19 @@ def main() -> None:
     path = str(requantized(Path(args.dir)))
     per32 = native._build(("-DFOLIO_QL_SUPER=0",))
     default = native.load()
-    rows, ref = [], None
-    for name, activations, lib in (("none (fp32 arithmetic)", "none", default),
-                                   ("int8, x per 32 inputs", "int8", per32),
-                                   ("int8, x per super-block (the default)", "int8", default)):
-        native._lib = lib           # the library every kernel call of the run takes
-        llm = LLM(path, dtype="float32", max_model_len=2048, activation_quantization=activations)
-        ppl, n = perplexity(llm, 512)
-        answers = greedy(llm)
-        ref = ref or answers
-        pairs = [agreement(a, b) for a, b in zip(ref, answers)]
-        rows.append((name, ppl, n, sum(p for p, _ in pairs) / len(pairs),
-                     sum(s for _, s in pairs) / len(pairs)))
-        llm.shutdown()
-    native._lib = default
-    base = rows[0][1]
-    print(f"| activations | perplexity ({rows[0][2]} tokens) | vs none | first-32 common prefix "
-          f"(mean of {len(PROMPTS)}) | first-32 same position (mean) |")
-    print("|---|---:|---:|---:|---:|")
-    for a, ppl, _, prefix, same in rows:
-        print(f"| {a} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f} % | {prefix:.1f} | {same:.1f} |")
+
+    def run(activations, lib):
+        def make():
+            native._lib = lib           # the library every kernel call of the run takes
+            return LLM(path, dtype="float32", max_model_len=2048,
+                       activation_quantization=activations)
+        return make
+    try:
+        compare([("none (fp32 arithmetic)", run("none", default)),
+                 ("int8, x per 32 inputs", run("int8", per32)),
+                 ("int8, x per super-block (the default)", run("int8", default))])
+    finally:
+        native._lib = default
 
 
 if __name__ == "__main__":

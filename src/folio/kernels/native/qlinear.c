@@ -1119,6 +1119,25 @@ static inline __attribute__((always_inline)) void sblock(const job *J, int64_t r
  * integer sums stay in registers through its octets (iblock's general form
  * spills some), the float sums live in memory, touched once a block, and
  * the row pointers are taken once. The same sums as iblock's, in its order. */
+/* rows4's and rows4_q4_all's end of super-block S for one row: its 16
+ * float sums and 16 integer ones in memory (the integer ones zeroed for the
+ * next super-block), the scales held (hold_super). */
+static inline __attribute__((always_inline)) void row_super_end(const job *J, const vec *held,
+                                                                int64_t S, int64_t row,
+                                                                float *acc, int32_t *isc) {
+    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2;
+    const vec *dm = held + (J->groups + half + 2 * S) * VPT;
+    const vec x = vbcast(J->xscale + row * J->blocks + S);
+    const int32_t *pairs = J->x8pair + row * half + S * per / 2;
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; v++) {
+        vstore(acc + 8 * v, super_end(vload(acc + 8 * v), iload(isc + 8 * v),
+                                      held + (J->groups + S * per / 2) * VPT + v, VPT, pairs,
+                                      per / 2, dm[v], dm[VPT + v], x));
+        istore(isc + 8 * v, izero());
+    }
+}
+
 static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0, int64_t t0,
                                                         const vec *held, const int bits,
                                                         const int octets, const int sup) {
@@ -1128,7 +1147,7 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
     const float *xs[4], *xsum[4];
     float acc[4][16] __attribute__((aligned(32)));
     int32_t isc[4][16] __attribute__((aligned(32)));    /* sup: the super-block's */
-    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2;
+    const int64_t per = (int64_t)1 << J->super_shift;
     for (int r = 0; r < 4; r++) {
         x8[r] = J->x8 + (r0 + r) * kp;
         xs[r] = J->xscale + (r0 + r) * J->blocks;
@@ -1195,21 +1214,9 @@ static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0
                     istore(isc[r] + 8 * v, iadd(iload(isc[r] + 8 * v), sum));
                 }
             if ((g & (per - 1)) != per - 1) continue;
-            const int64_t S = g >> J->super_shift;
-            const vec *dm = held + (J->groups + half + 2 * S) * VPT;
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                const vec x = vbcast(xs[r] + S);
-                const int32_t *pairs = J->x8pair + (r0 + r) * half + S * per / 2;
-#pragma GCC unroll 2
-                for (int v = 0; v < 2; v++) {
-                    vstore(acc[r] + 8 * v,
-                           super_end(vload(acc[r] + 8 * v), iload(isc[r] + 8 * v),
-                                     held + (J->groups + S * per / 2) * VPT + v, VPT, pairs,
-                                     per / 2, dm[v], dm[VPT + v], x));
-                    istore(isc[r] + 8 * v, izero());
-                }
-            }
+            for (int r = 0; r < 4; r++)
+                row_super_end(J, held, g >> J->super_shift, r0 + r, acc[r], isc[r]);
             continue;
         }
 #pragma GCC unroll 4
@@ -1269,7 +1276,7 @@ static inline __attribute__((always_inline)) void rows4_q4_all(const job *J, int
     int32_t isc[GR][16] __attribute__((aligned(32)));
     ivec un[4][2][2];   /* [octet][half][lanes 0-7, 8-15] */
     const ivec m4 = iset1(0x0f0f0f0f), ones = iset16(1);
-    const int64_t per = (int64_t)1 << J->super_shift, half = J->groups / 2;
+    const int64_t per = (int64_t)1 << J->super_shift;
     for (int64_t c0 = 0; c0 < rows; c0 += GR) {
         const int64_t cn = rows - c0 < GR ? rows - c0 : GR;
         for (int64_t r = 0; r < cn; r++) {
@@ -1342,20 +1349,8 @@ static inline __attribute__((always_inline)) void rows4_q4_all(const job *J, int
                 }
             }
             if (!sup || (g & (per - 1)) != per - 1) continue;
-            const int64_t S = g >> J->super_shift;
-            const vec *dm = held + (J->groups + half + 2 * S) * VPT;
-            for (int64_t r = 0; r < cn; r++) {
-                const vec x = vbcast(J->xscale + (c0 + r) * J->blocks + S);
-                const int32_t *pairs = J->x8pair + (c0 + r) * half + S * per / 2;
-#pragma GCC unroll 2
-                for (int v = 0; v < 2; v++) {
-                    vstore(acc[r] + 8 * v,
-                           super_end(vload(acc[r] + 8 * v), iload(isc[r] + 8 * v),
-                                     held + (J->groups + S * per / 2) * VPT + v, VPT, pairs,
-                                     per / 2, dm[v], dm[VPT + v], x));
-                    istore(isc[r] + 8 * v, izero());
-                }
-            }
+            for (int64_t r = 0; r < cn; r++)
+                row_super_end(J, held, g >> J->super_shift, c0 + r, acc[r], isc[r]);
         }
         for (int64_t r = 0; r < cn; r++) {
             store_row(J, c0 + r, t0 * 16, vload(acc[r]));
