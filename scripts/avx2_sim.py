@@ -38,7 +38,8 @@ def apply() -> None:
     from folio.kernels import native
     from folio.worker import device
     build = native._build
-    native._build = lambda extra=(): build(("-mno-avx512f", "-mno-avxvnni") + tuple(extra))
+    native._build = lambda extra=(), **kw: build(("-mno-avx512f", "-mno-avxvnni") + tuple(extra),
+                                                 **kw)
     device.cpu_has_native_bf16 = lambda: False
     here = os.path.dirname(os.path.abspath(__file__))
     if os.environ.get("FOLIO_AVX2_SIM") != "1":

@@ -16,6 +16,33 @@ from folio.core.block_pool import BlockPool
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_PREBUILD = None
+
+
+def pytest_collection_finish(session):
+    """Build the kernel library (this machine's, and the AVX2 and portable
+    variants that collected tests take as parameters) in a background thread,
+    niced, while the first tests run: on a fresh machine each build is 35-55 s
+    that a test would otherwise wait for with the other core idle. A test
+    that needs one before it is done waits for that build (native._builder)."""
+    global _PREBUILD
+    from folio.kernels import native
+    wanted = [()]
+    for item in session.items:
+        for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+            if (isinstance(value, tuple) and value and value not in wanted
+                    and all(isinstance(f, str) and f.startswith("-m") for f in value)
+                    and native.distinct_build(value)):
+                wanted.append(value)
+    if session.items:
+        _PREBUILD = native.prebuild(wanted)
+
+
+def pytest_sessionfinish(session):
+    if _PREBUILD is not None:      # no compiler left running after pytest
+        _PREBUILD.join()
+
+
 _POOLS: "weakref.WeakSet[BlockPool]" = weakref.WeakSet()
 _original_init = BlockPool.__init__
 

@@ -28,6 +28,7 @@ EOS ignored, greedy):
 
     .venv/bin/python docs/bench/sizes.py /work/sizes/llama-1b-Q4_K_M.gguf ...
         [--avx2-sim] [--workloads one,32,prefill] [--rounds 3] [--save FILE]
+        [--llama-isa avx512]
 
 --avx2-sim: Folio as an AVX2-only CPU runs it (scripts/folio_as_avx2.py) and
 llama.cpp built for AVX2 without AVX-512 (scripts/install_llama_cpp.sh avx2).
@@ -164,15 +165,19 @@ def main() -> None:
     p.add_argument("--save", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=3,
                    help="alternated rounds of the one-request and prefill workloads")
+    p.add_argument("--llama-isa", default=None,
+                   help="which build of scripts/install_llama_cpp.sh (default: avx2 with "
+                        "--avx2-sim, else native; avx512 where AMX crashes llama.cpp)")
     args = p.parse_args()
-    isa = "avx2" if args.avx2_sim else "native"
+    isa = args.llama_isa or ("avx2" if args.avx2_sim else "native")
     llama = ROOT / "build" / "llama.cpp" / isa / "bin" / "llama-server"
     if not llama.exists():
         sys.exit(f"no {llama}: run scripts/install_llama_cpp.sh {isa} first")
     workloads = args.workloads.split(",")
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-            "cpu": cpu_summary(), "avx2_sim": args.avx2_sim}
-    print(f"{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim}", flush=True)
+            "cpu": cpu_summary(), "avx2_sim": args.avx2_sim, "llama_isa": isa}
+    print(f"{meta['date']} | {meta['cpu']} | AVX2 simulated: {args.avx2_sim} | "
+          f"llama.cpp build: {isa}", flush=True)
     rows = []
     tmp = Path("/tmp")
     for model in args.models:

@@ -103,40 +103,34 @@ def _cache_dir() -> Path:
     return Path(base) / "folio" / "kernels"
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where the library built with these flags is cached: named by the
+    sources, this CPU's flags and the build's own."""
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
+                         + " ".join(extra_flags).encode()
+                         + repr([(u[1], u[2]) for u in _UNITS]).encode())
+    return _cache_dir() / f"folio_cpu_{key.hexdigest()[:16]}.so"
+
+
+def _build(extra_flags: tuple[str, ...] = (), niced: bool = False) -> Optional[ctypes.CDLL]:
     """Compile (once per source, CPU and flags) and load the kernel library;
-    `extra_flags` lets the tests build the portable path too (-mno-avx512f)."""
+    `extra_flags` lets the tests build the portable path too (-mno-avx512f);
+    `niced`: the compilers at a lower priority (a build made ahead, in the
+    background, while other work runs: `prebuild`)."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: the torch layers run instead of the native kernels")
         return None
     # -mno-X of a feature this CPU lacks changes nothing: the same library
     extra_flags = tuple(f for f in extra_flags if not _no_op(f))
-    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
-                         + " ".join(extra_flags).encode()
-                         + repr([(u[1], u[2]) for u in _UNITS]).encode())
-    target = _cache_dir() / f"folio_cpu_{key.hexdigest()[:16]}.so"
+    target = library_path(extra_flags)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            flags = [compiler, "-O3", "-march=native", *extra_flags, "-ffast-math", "-fopenmp",
-                     "-fPIC"]
-            # one compiler a unit, as many at once as there are cores, then
-            # one link
-            objects = [Path(tmp) / f"{name}.o" for _, name, _ in _UNITS]
-            pending = [(flags + [*defines, "-c", str(src), "-o", str(obj)])
-                       for (src, _, defines), obj in zip(_UNITS, objects)]
-            errors = _run_all(pending, max(1, os.cpu_count() or 1))
-            if not errors:
-                errors = _run_all([[compiler, "-fopenmp", "-shared", *map(str, objects),
-                                    "-o", str(out), "-lm"]], 1)
-            if errors:
-                logger.warning("building the native CPU kernels failed, using the torch "
-                               "layers:\n%s", errors[-2000:])
-                return None
-            os.replace(out, target)        # atomic: concurrent builders agree
+        with _builder(target):
+            if not target.exists():     # another thread or process built it meanwhile
+                if not _compile(compiler, extra_flags, target, niced):
+                    return None
     lib = ctypes.CDLL(str(target))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
@@ -185,6 +179,65 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
 def _splits_asked() -> int:
     """FOLIO_ATTENTION_SPLITS=1: decode attention may split a context."""
     return int(os.environ.get("FOLIO_ATTENTION_SPLITS", "0") == "1")
+
+
+@contextlib.contextmanager
+def _builder(target: Path):
+    """Held while `target` is built: one builder a library across threads and
+    processes (a test's engine process, pytest's own build ahead), the others
+    wait for it and load what it built instead of compiling it again."""
+    try:
+        import fcntl
+    except ImportError:             # not POSIX: builders may overlap (os.replace keeps it whole)
+        yield
+        return
+    with open(target.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(compiler: str, extra_flags: tuple[str, ...], target: Path, niced: bool) -> bool:
+    """Build the library at `target`: one compiler a unit, as many at once as
+    there are cores, then one link; False (and a warning) where it failed."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        nice = ["nice", "-n", "10"] if niced and shutil.which("nice") else []
+        flags = [*nice, compiler, "-O3", "-march=native", *extra_flags, "-ffast-math",
+                 "-fopenmp", "-fPIC"]
+        objects = [Path(tmp) / f"{name}.o" for _, name, _ in _UNITS]
+        pending = [(flags + [*defines, "-c", str(src), "-o", str(obj)])
+                   for (src, _, defines), obj in zip(_UNITS, objects)]
+        errors = _run_all(pending, max(1, os.cpu_count() or 1))
+        if not errors:
+            errors = _run_all([[compiler, "-fopenmp", "-shared", *map(str, objects),
+                                "-o", str(out), "-lm"]], 1)
+        if errors:
+            logger.warning("building the native CPU kernels failed, using the torch "
+                           "layers:\n%s", errors[-2000:])
+            return False
+        os.replace(out, target)        # atomic: a reader sees the whole library or none
+    return True
+
+
+def prebuild(flag_sets: list[tuple[str, ...]]) -> threading.Thread:
+    """Build these variants of the library (extra compiler flags each) in a
+    background thread, so that whoever needs one later finds it built or
+    waits for this build instead of starting its own (the test suite builds
+    its variants this way while its first tests run). The machine's own
+    build (no flags), which nearly everything loads, at the usual priority;
+    the others niced, behind the work that runs meanwhile."""
+    def run():
+        for flags in flag_sets:
+            try:
+                _build(tuple(flags), niced=bool(flags))
+            except OSError as e:        # the test that needs it builds it and says why
+                logger.warning("building the native kernels with %s ahead failed: %s", flags, e)
+    thread = threading.Thread(target=run, name="folio-kernels-prebuild", daemon=True)
+    thread.start()
+    return thread
 
 
 def _run_all(commands: list[list[str]], jobs: int) -> str:

@@ -1,0 +1,84 @@
+"""The kernel library is built once per machine and build, however many
+threads and processes ask for it at once: the others wait for the builder
+and load what it wrote (native._builder), and a build asked for ahead
+(native.prebuild, what the test suite does at its start) is the one a later
+caller gets. The compiler is replaced by a copy of this machine's library,
+made to take a while: what is tested is who builds, not the compiler."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from folio.kernels import native
+
+FLAGS = ("-DFOLIO_TEST_ONLY_KEY=1",)      # a build of its own, cached under its own name
+
+
+@pytest.fixture
+def slow_compiler(tmp_path, monkeypatch):
+    """native._compile replaced: a copy of the built library after 0.5 s; the
+    calls it got (and from which thread)."""
+    built = native.load()
+    if built is None:
+        pytest.skip("no C compiler here")
+    source = built._name
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def compile_(compiler, extra_flags, target, niced):
+        calls.append((threading.current_thread().name, extra_flags, niced))
+        time.sleep(0.5)
+        shutil.copy(source, target)
+        return True
+    monkeypatch.setattr(native, "_compile", compile_)
+    return source, calls
+
+
+def test_a_build_asked_for_while_a_prebuild_runs_waits_for_it(slow_compiler):
+    _, calls = slow_compiler
+    ahead = native.prebuild([FLAGS])
+    time.sleep(0.1)                      # the prebuild holds the lock, compiling
+    lib = native._build(FLAGS)
+    ahead.join()
+    assert lib is not None and lib.folio_qlinear_available() in (0, 1, 2)
+    assert calls == [("folio-kernels-prebuild", FLAGS, True)]
+    assert native.library_path(FLAGS).exists()
+    native._build(FLAGS)                 # built: no compiler again
+    assert len(calls) == 1
+
+
+def test_the_machines_own_build_ahead_is_not_niced(slow_compiler):
+    _, calls = slow_compiler
+    native.prebuild([(), FLAGS]).join()
+    assert [(flags, niced) for _, flags, niced in calls] == [((), False), (FLAGS, True)]
+
+
+def test_a_process_building_the_library_holds_back_the_others(slow_compiler, tmp_path):
+    """Another process (an engine core, a second pytest) building the same
+    library: this one waits for it, then loads its library without compiling."""
+    source, calls = slow_compiler
+    target = native.library_path(FLAGS)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import shutil, sys, time
+        from pathlib import Path
+        from folio.kernels import native
+        with native._builder(Path({str(target)!r})):
+            print("holding", flush=True)
+            time.sleep(1.0)
+            shutil.copy({source!r}, {str(target)!r})
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        started = time.monotonic()
+        lib = native._build(FLAGS)
+        waited = time.monotonic() - started
+    finally:
+        child.wait(30)
+    assert child.returncode == 0
+    assert lib is not None and calls == [] and waited > 0.3
