@@ -83,6 +83,28 @@ def test_a_request_the_core_refuses_fails_alone(pair):
     assert core.reset_prefix_cache() is True        # every block back
 
 
+def test_a_batch_reaches_the_core_as_one_message(pair, monkeypatch):
+    """generate's prompts cross the pipe as one "adds" message, before the
+    client first waits for a step: the core's first step sees the whole batch,
+    as the in-process engine's does, however late the core's process runs
+    (sent one by one, a loaded machine let the core step on the first alone:
+    other batches, other float products; tests/engine/test_embed.py's
+    own-process test failed that way)."""
+    _, core = pair
+    client = core.engine
+    sent = []
+    send = client._conn.send
+    monkeypatch.setattr(client._conn, "send", lambda msg: (sent.append(msg), send(msg))[1])
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    core.generate(PROMPTS, params, use_tqdm=False)
+    adds = [m for m in sent if m[0] in ("add", "adds")]
+    assert [m[0] for m in adds] == ["adds"] and len(adds[0][1]) == len(PROMPTS)
+    assert [a[1] for a in adds[0][1]] == [o.prompt_token_ids
+                                          for o in core.generate(PROMPTS, params,
+                                                                 use_tqdm=False)]
+    assert sent[0][0] == "adds"      # before anything else: the client's first wait flushes it
+
+
 def test_shutdown_ends_the_core_process(tmp_path):
     path = make_tiny_model(tmp_path, max_position_embeddings=128)
     llm = LLM(path, engine_process=True, **ARGS)

@@ -38,6 +38,12 @@ class CoreClient:
         self._conn = self._core.conn
         self._requests: dict[str, Request] = {}      # this side's copy of each request
         self._waiting: list = []        # messages read while waiting for a reply
+        # adds not sent yet: they go as one message before anything else is
+        # sent or read, so the core's next step sees the whole batch that
+        # LLM added (sent one by one, the core could step on the first while
+        # the rest were on their way: batches, and so float products, that
+        # differ from the in-process engine's)
+        self._adds: list = []
         self._tokens = itertools.count()
         self.num_blocks = self._core.start_engine(config)["num_blocks"]
 
@@ -85,8 +91,8 @@ class CoreClient:
     def _add(self, request: Request, prompt_text, params, lora, final_only: bool) -> None:
         self._requests[request.request_id] = request
         self.output_processor.add_request(request, prompt_text, final_only)
-        self._send(("add", request.request_id, list(request.prompt_token_ids), params,
-                    request.arrival_time, request.priority, lora))
+        self._adds.append((request.request_id, list(request.prompt_token_ids), params,
+                           request.arrival_time, request.priority, lora))
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         self._send(("abort", list(request_ids)))
@@ -150,7 +156,14 @@ class CoreClient:
             self._waiting.append(msg)
 
     # ---- the pipe -----------------------------------------------------------------
+    def _flush(self) -> None:
+        if self._adds:
+            adds, self._adds = self._adds, []
+            self._send(("adds", adds))
+
     def _send(self, msg) -> None:
+        if msg[0] != "adds":
+            self._flush()
         try:
             self._conn.send(msg)
         except (OSError, ValueError):
@@ -158,6 +171,7 @@ class CoreClient:
                                   f"({self._core.proc.exitcode})") from None
 
     def _recv(self):
+        self._flush()
         try:
             msg = self._conn.recv()
         except (EOFError, OSError):

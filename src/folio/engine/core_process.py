@@ -13,6 +13,8 @@ the core compiles a request's structured outputs again when it adds it.
 
 front -> core: ("config", FolioConfig)                 first: the core was started before it
                ("add", request_id, prompt_ids, params, arrival_time, priority, lora)
+               ("adds", [(request_id, prompt_ids, ...), ...])  several at once (the
+                                                        offline LLM's batch: one step sees all)
                ("abort", [request_id, ...])
                ("stop", [(request_id, index), ...])     stop strings the front found
                ("call", token, name, args)              reset_prefix_cache, check_lora
@@ -259,6 +261,9 @@ class Core:
         kind = msg[0]
         if kind == "add":
             self.add(*msg[1:])
+        elif kind == "adds":
+            for add in msg[1]:
+                self.add(*add)
         elif kind == "abort":
             self.engine.abort_request(msg[1])
             for rid in msg[1]:
