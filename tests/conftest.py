@@ -34,7 +34,7 @@ def pytest_collection_finish(session):
                     and all(isinstance(f, str) and f.startswith("-m") for f in value)
                     and native.distinct_build(value)):
                 wanted.append(value)
-    if session.items:
+    if session.items and not session.config.option.collectonly:
         _PREBUILD = native.prebuild(wanted)
 
 

@@ -42,7 +42,9 @@ def slow_compiler(tmp_path, monkeypatch):
 def test_a_build_asked_for_while_a_prebuild_runs_waits_for_it(slow_compiler):
     _, calls = slow_compiler
     ahead = native.prebuild([FLAGS])
-    time.sleep(0.1)                      # the prebuild holds the lock, compiling
+    deadline = time.monotonic() + 30
+    while not calls and time.monotonic() < deadline:    # the prebuild holds the lock, compiling
+        time.sleep(0.01)
     lib = native._build(FLAGS)
     ahead.join()
     assert lib is not None and lib.folio_qlinear_available() in (0, 1, 2)
