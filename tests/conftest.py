@@ -20,9 +20,9 @@ _PREBUILD = None
 
 
 def pytest_collection_finish(session):
-    """Build the kernel library (this machine's, and the AVX2 and portable
-    variants that collected tests take as parameters) in a background thread,
-    niced, while the first tests run: on a fresh machine each build is 35-55 s
+    """Build the kernel library (this machine's, and, niced, the AVX2 and
+    portable variants that collected tests take as parameters) in a
+    background thread while the first tests run: on a fresh machine each build is 35-55 s
     that a test would otherwise wait for with the other core idle. A test
     that needs one before it is done waits for that build (native._builder)."""
     global _PREBUILD

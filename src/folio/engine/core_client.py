@@ -159,11 +159,13 @@ class CoreClient:
     def _flush(self) -> None:
         if self._adds:
             adds, self._adds = self._adds, []
-            self._send(("adds", adds))
+            self._write(("adds", adds))
 
     def _send(self, msg) -> None:
-        if msg[0] != "adds":
-            self._flush()
+        self._flush()
+        self._write(msg)
+
+    def _write(self, msg) -> None:
         try:
             self._conn.send(msg)
         except (OSError, ValueError):

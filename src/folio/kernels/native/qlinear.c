@@ -1113,12 +1113,6 @@ static inline __attribute__((always_inline)) void sblock(const job *J, int64_t r
 #endif
 
 #if !VNNI8 && VL == 8
-/* AVX2 without VNNI, four rows of one tile, the scales held, every group one
- * block (4-bit codes: groups of 32 positions, Q4_K's; 6-bit ones widened to
- * bytes: groups of 16, Q6_K's), written for the 16 registers: a block's
- * integer sums stay in registers through its octets (iblock's general form
- * spills some), the float sums live in memory, touched once a block, and
- * the row pointers are taken once. The same sums as iblock's, in its order. */
 /* rows4's and rows4_q4_all's end of super-block S for one row: its 16
  * float sums and 16 integer ones in memory (the integer ones zeroed for the
  * next super-block), the scales held (hold_super). */
@@ -1138,6 +1132,12 @@ static inline __attribute__((always_inline)) void row_super_end(const job *J, co
     }
 }
 
+/* AVX2 without VNNI, four rows of one tile, the scales held, every group one
+ * block (4-bit codes: groups of 32 positions, Q4_K's; 6-bit ones widened to
+ * bytes: groups of 16, Q6_K's), written for the 16 registers: a block's
+ * integer sums stay in registers through its octets (iblock's general form
+ * spills some), the float sums live in memory, touched once a block, and
+ * the row pointers are taken once. The same sums as iblock's, in its order. */
 static inline __attribute__((always_inline)) void rows4(const job *J, int64_t r0, int64_t t0,
                                                         const vec *held, const int bits,
                                                         const int octets, const int sup) {
