@@ -43,8 +43,11 @@ HELM := build/k8s/helm
 $(HELM): scripts/install_k8s_tools.sh
 	scripts/install_k8s_tools.sh || echo "make: no helm here: the chart's tests skip, saying why"
 
+# the suite in TEST_WORKERS pytest-xdist workers of one thread each, a test file
+# a unit (tests/conftest.py says why); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 test: $(STAMP) $(PROMETHEUS) $(HELM)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV)

@@ -1,5 +1,16 @@
 """Shared fixtures. Every BlockPool ever built is watched: after each test all of
-its blocks must be back at reference count 0 and in the free queue."""
+its blocks must be back at reference count 0 and in the free queue.
+
+`make test` runs the suite in pytest-xdist workers, one a CPU, each with one
+thread (OMP_NUM_THREADS=1, set here before torch is imported, so the engines
+and servers the tests start take one too): most tests are Python between small
+products, so two at once on 2 CPUs ran the suite in about half the time, where
+two workers with two threads each (a server's engine and its client on every
+CPU) ran it slower than one. Tests of threaded paths (the kernels' row and
+context splits) carry `@pytest.mark.threads(2)` and get two threads whatever
+runs beside them (their OpenMP threads wait passively, so a descheduled peer
+does not leave the other spinning). A plain `pytest` runs in one process with the machine's
+threads, as before."""
 
 from __future__ import annotations
 
@@ -15,6 +26,13 @@ from folio.core.block_pool import BlockPool
 # module can import triton.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"     # this worker's torch and what it starts
+    # a threads(2) test shares the CPUs with the other worker: OpenMP threads
+    # that spin at a barrier for a descheduled peer ran one 3.5x slower (41 s
+    # against 15 s passive, beside a busy loop)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _PREBUILD = None
 
@@ -41,6 +59,29 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     if _PREBUILD is not None:      # no compiler left running after pytest
         _PREBUILD.join()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "threads(n): run with n torch threads (and OMP_NUM_THREADS=n for the "
+        "processes it starts), also in a one-thread xdist worker")
+
+
+@pytest.fixture(autouse=True)
+def _threads(request, monkeypatch):
+    """A worker's one thread for each test (a model built earlier may have set
+    another), or the marker's count."""
+    mark = request.node.get_closest_marker("threads")
+    if mark is None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import torch
+    n = mark.args[0] if mark is not None else 1
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(n))
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(before)
 
 
 _POOLS: "weakref.WeakSet[BlockPool]" = weakref.WeakSet()

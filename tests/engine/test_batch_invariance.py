@@ -22,6 +22,8 @@ from folio.bench.texts import ALICE
 from folio.model.loader import resolve_model_path
 from tests.utils import make_tiny_model
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 # prompts of random tokens (no proposals) and chats that copy (n-gram proposals)
 _rng = random.Random(0)

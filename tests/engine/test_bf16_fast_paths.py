@@ -17,6 +17,8 @@ from folio.kernels import native
 from folio.model.layers import linear as linear_mod
 from folio.worker import device
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "List three colours of the rainbow:", "1, 2, 3, 5, 8,"]
 

@@ -16,6 +16,8 @@ from folio.kernels import native
 from folio.worker import device
 from tests.engine.test_bf16_fast_paths import _errors, _scores, greedy_texts
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 needs_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8)),
                                   reason="no AVX2 + FMA kernel on this machine (or no compiler)")
 

@@ -26,6 +26,8 @@ from folio.kernels import native
 from folio.model.layers.quantization.int_groups import IntGroupsLinear
 from tests.engine.test_bf16_fast_paths import _scores, drift, greedy_texts
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
                                   reason="no AVX2 + FMA + F16C or AVX-512 kernel on this "
                                          "machine (or no compiler)")

@@ -25,6 +25,8 @@ from tests.parity import (assert_greedy_parity, assert_prefix_hit_parity,
                           reference_prompt_logprobs)
 from tests.utils import load_reference_model, make_tiny_model
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 NEW = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 MODELS = {

@@ -12,6 +12,8 @@ from folio.model.attention.torch_backend import TorchAttentionBackend
 from folio.kernels import native
 from tests.utils import make_tiny_model
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 PROMPTS = [{"prompt_token_ids": [1, 20 + i, 30, 40, 50] * (1 + 4 * i)} for i in range(3)]
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

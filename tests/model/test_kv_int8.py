@@ -15,6 +15,8 @@ from folio.model.attention.backend import StepDescription
 from folio.model.attention.torch_backend import TorchAttentionBackend
 from tests.model import native_builds
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 
 def _rows(seed: int, *shape) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -12,7 +12,8 @@ from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend
 from tests.model.native_builds import builds, library
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
+pytestmark = [pytest.mark.skipif(native.load() is None, reason="no C compiler here"),
+              pytest.mark.threads(2)]
 
 # (queries, cache, tolerance): a float32 run's cache may be bfloat16
 # (--kv-cache-dtype), read widened: the torch backend widens the same cache,

@@ -17,6 +17,8 @@ from folio.model.layers import linear as linear_mod
 from folio.worker import device
 from tests.utils import make_tiny_model, write_tiny_gguf
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 needs_bf16_kernel = pytest.mark.skipif(not native.has_bf16_linear(),
                                        reason="no AVX512-BF16 kernels on this machine")
 

@@ -9,7 +9,8 @@ from folio.model.layers.norm import RMSNorm
 from folio.model.layers.rotary import RotaryEmbedding
 from tests.model.native_builds import builds, library
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
+pytestmark = [pytest.mark.skipif(native.load() is None, reason="no C compiler here"),
+              pytest.mark.threads(2)]
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 

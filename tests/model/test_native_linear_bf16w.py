@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from folio.kernels import native
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 needs_kernel = pytest.mark.skipif(not native.packs_linear_bf16w(torch.zeros(8, 8)),
                                   reason="no AVX2 + FMA kernel on this machine (or no compiler)")
 

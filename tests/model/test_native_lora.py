@@ -12,6 +12,8 @@ from folio.model.lora.layers import reference_lora
 from folio.kernels.native import lora as native_lora
 from tests.model.native_builds import builds, library
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 
 def _case(seed: int, rows: int, in_features: int, out: int, width: int, slots: int,
           cuts: int = 0):

@@ -13,6 +13,8 @@ from folio.model.attention.metadata import AttentionMetadata, PrefillSpan
 from folio.model.attention.torch_backend import TorchAttentionBackend
 from tests.model.native_builds import builds, library
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 # (tokens, start) of each sequence: 3 decodes, a whole prompt, two resumed chunks
 SEQS = [(1, 69), (1, 4), (1, 16), (40, 0), (23, 37), (17, 15)]
 WINDOWS = [1, 3, 8, 16, 17, 30, 64, 1000]

@@ -17,6 +17,8 @@ from folio.worker.sampling_columns import SamplingColumns
 from tests.model.native_builds import builds, library
 from tests.utils import triton_device
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 V = 97
 
 

@@ -15,6 +15,8 @@ from folio.model.layers import draws
 from tests.model.native_builds import builds, library
 from tests.utils import triton_device
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 
 def test_uniforms_are_uniform_over_tokens_and_rows():
     keys = draws.keys_tensor(range(64), range(64), draws.SAMPLE)

@@ -12,6 +12,8 @@ from folio.kernels import native
 from folio.model.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, linear,
                                        pack_onednn, pack_weight, prepack)
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 # Asked of the same functions the layers ask: oneDNN packs bf16 weights only
 # on CPUs with AVX-512 (bw, vl, dq); on AVX2-only CPUs nothing is packed.
 _PROBE = torch.zeros(16, 16).bfloat16()

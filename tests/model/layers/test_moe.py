@@ -14,6 +14,8 @@ from folio.model.layers import moe
 from folio.model.layers.moe import (FusedMoE, dense_experts, fused_experts, reference_experts,
                                     route)
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 
 def _weights(e: int, h: int, i: int, seed: int):
     g = torch.Generator().manual_seed(seed)

@@ -11,6 +11,8 @@ from folio.model.layers import draws
 from folio.model.layers.sampler import LogitAdjustments, SamplingBatch, apply_adjustments, sample
 from tests.model.native_builds import builds, library
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02])
 ROWS = 4000
 

@@ -32,6 +32,8 @@ from tests.model.quantization.checkpoints import (
     reference, write_float_copy)
 from tests.model.native_builds import cpu_has, x86
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 NAMES = ["ct-fp8-dynamic", "ct-fp8-static", "ct-fp8-block"]
 E4M3_MAX = 448.0
 

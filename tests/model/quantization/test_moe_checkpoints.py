@@ -32,6 +32,8 @@ from tests.model.quantization.test_awq import awq_formula
 from tests.model.quantization.test_compressed_tensors import ct_formula
 from tests.model.quantization.test_gptq import gptq_formula
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 FORMULAS = {"gptq-qwen3moe-w4-g32": gptq_formula(4), "awq-mixtral-w4-g32": awq_formula(),
             "ct-qwen3moe-w4a16-g32": ct_formula(4)}
 NAMES = list(FORMULAS)

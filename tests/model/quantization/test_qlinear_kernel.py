@@ -15,6 +15,8 @@ from folio.model.layers.quantization.int_checkpoint import unpack_int32
 from folio.model.layers.quantization.int_groups import IntGroups
 from tests.model.native_builds import cpu_has, x86
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 needs_kernel = pytest.mark.skipif(not native.runs_qlinear(torch.zeros(1)),
                                   reason="no AVX2 + FMA + F16C or AVX-512 kernel on this "
                                          "machine (or no compiler)")

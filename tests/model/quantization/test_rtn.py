@@ -33,6 +33,8 @@ from tests.model.quantization.checkpoints import (FIXTURES, FP32,
                                                   folio_logits)
 from tests.utils import make_tiny_model
 
+pytestmark = pytest.mark.threads(2)     # the kernels' threaded paths (tests/conftest.py)
+
 # hidden 256 so that at tensor-parallel size 2 each rank's o_proj inputs (128)
 # and down_proj inputs (256) are whole groups of 128
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
