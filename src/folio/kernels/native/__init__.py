@@ -81,6 +81,27 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _vendor_defines() -> tuple[str, ...]:
+    """What a build on this CPU's vendor defines: on Intel the quantized
+    kernels ask for their codes ahead into L2 (prefetcht1), which read a
+    one-row pass over the 1B Q4_K_M 1.08-1.16x faster than into L1 on a Xeon
+    (qlinear.c's FOLIO_QL_PREFETCH_LOCALITY); AMD's Zen 4 and 5, measured
+    with L1 (8 KiB ahead: 0.84 of the read bandwidth), keep it."""
+    return ("-DFOLIO_QL_PREFETCH_LOCALITY=2",) if _cpu_vendor() == "GenuineIntel" else ()
+
+
 # -mno-<feature> -> the /proc/cpuinfo flag of that feature
 _FEATURE_FLAGS = {"avx512f": "avx512f", "avxvnni": "avx_vnni", "avx2": "avx2"}
 
@@ -108,7 +129,7 @@ def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
     sources, this CPU's flags and the build's own."""
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()
-                         + " ".join(extra_flags).encode()
+                         + " ".join(_vendor_defines() + extra_flags).encode()
                          + repr([(u[1], u[2]) for u in _UNITS]).encode())
     return _cache_dir() / f"folio_cpu_{key.hexdigest()[:16]}.so"
 
@@ -205,7 +226,8 @@ def _compile(compiler: str, extra_flags: tuple[str, ...], target: Path, niced: b
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         nice = ["nice", "-n", "10"] if niced and shutil.which("nice") else []
-        flags = [*nice, compiler, "-O3", "-march=native", *extra_flags, "-ffast-math",
+        flags = [*nice, compiler, "-O3", "-march=native", *_vendor_defines(), *extra_flags,
+                 "-ffast-math",
                  "-fopenmp", "-fPIC"]
         objects = [Path(tmp) / f"{name}.o" for _, name, _ in _UNITS]
         pending = [(flags + [*defines, "-c", str(src), "-o", str(obj)])

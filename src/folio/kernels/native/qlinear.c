@@ -104,6 +104,17 @@
 #ifndef FOLIO_QL_PREFETCH_BYTES
 #define FOLIO_QL_PREFETCH_BYTES 8192
 #endif
+/* Into which cache the int8 path asks for its codes FOLIO_QL_PREFETCH_BYTES
+ * ahead (__builtin_prefetch's locality: 3 prefetcht0, L1; 2 prefetcht1, L2).
+ * native/__init__.py builds 2 on Intel: on a Xeon (2 vCPUs) a one-row pass
+ * over the 1B Q4_K_M read 1.08-1.16x as many bytes a second as with 3 (the
+ * AVX2 build 1.06-1.13x), prefetchnta 0.78-0.85x; 32 rows level
+ * (docs/bench/qlinear_prefetch.py --builds); 3, as measured on AMD's Zen 4
+ * and 5, elsewhere. The float path, bound by its arithmetic, keeps 3 (2:
+ * 0.97-0.99x). */
+#ifndef FOLIO_QL_PREFETCH_LOCALITY
+#define FOLIO_QL_PREFETCH_LOCALITY 3
+#endif
 /* The int8 path's K-quant arithmetic (sblock): 1 x per super-block and the
  * scales as integers, 0 x per block of 32 and every group's sums scaled in
  * fp32 (iblock's, as other formats'), kept to measure one against the other. */
@@ -298,8 +309,13 @@ static inline __attribute__((always_inline)) void prefetch_codes(const job *J, i
     for (int j = 0; j < nt; j++) {
         const char *ahead = (const char *)J->codes + (t0 + j - J->code_tile0) * tile_bytes(J) +
                             (bytes ? p * 2 * bits + bytes : (p + FOLIO_QL_PREFETCH) * 2 * bits);
-        __builtin_prefetch(ahead, 0, 3);
-        if (bits > 4) __builtin_prefetch(ahead + 64, 0, 3);
+        if (bytes) {        /* the int8 path's, into FOLIO_QL_PREFETCH_LOCALITY's cache */
+            __builtin_prefetch(ahead, 0, FOLIO_QL_PREFETCH_LOCALITY);
+            if (bits > 4) __builtin_prefetch(ahead + 64, 0, FOLIO_QL_PREFETCH_LOCALITY);
+        } else {
+            __builtin_prefetch(ahead, 0, 3);
+            if (bits > 4) __builtin_prefetch(ahead + 64, 0, 3);
+        }
     }
 #else
     (void)J, (void)t0, (void)nt, (void)p, (void)bits, (void)bytes;
