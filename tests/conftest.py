@@ -63,16 +63,17 @@ def pytest_sessionfinish(session):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "threads(n): run with n torch threads (and OMP_NUM_THREADS=n for the "
-        "processes it starts), also in a one-thread xdist worker")
+        "markers", "threads(n): in a one-thread xdist worker (make test), run with n torch "
+        "threads and OMP_NUM_THREADS=n for the processes it starts")
 
 
 @pytest.fixture(autouse=True)
 def _threads(request, monkeypatch):
-    """A worker's one thread for each test (a model built earlier may have set
-    another), or the marker's count."""
+    """In an xdist worker: one thread for each test (a model built earlier may
+    have set another), or the marker's count (also what the processes the
+    test starts are told; a module-scoped fixture's ran before it, on one)."""
     mark = request.node.get_closest_marker("threads")
-    if mark is None and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):     # a plain pytest: the machine's threads
         yield
         return
     import torch

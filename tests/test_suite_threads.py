@@ -1,7 +1,8 @@
 """The suite's own thread settings (tests/conftest.py): in `make test`'s
 xdist workers a test runs on one thread, and the processes it starts are told
 to by OMP_NUM_THREADS; a test marked `threads(n)` gets n, and so do the
-processes it starts."""
+processes it starts. (A plain pytest keeps the machine's threads and
+ignores the marker.)"""
 
 import os
 import subprocess
@@ -9,6 +10,10 @@ import sys
 
 import pytest
 import torch
+
+pytestmark = pytest.mark.skipif(not os.environ.get("PYTEST_XDIST_WORKER"),
+                                reason="a plain pytest keeps the machine's threads: these "
+                                "are make test's xdist workers' settings")
 
 
 def _child_threads() -> int:
@@ -27,14 +32,10 @@ def test_the_marker_gives_the_test_and_its_processes_two_threads():
     assert _child_threads() == 2
 
 
-@pytest.mark.skipif(not os.environ.get("PYTEST_XDIST_WORKER"),
-                    reason="a plain pytest keeps the machine's threads: this is make test's setting")
 def test_a_worker_runs_one_thread_and_so_do_its_processes():
     torch.set_num_threads(2)    # as a model built in an earlier test may have
     assert _child_threads() == 1
 
 
-@pytest.mark.skipif(not os.environ.get("PYTEST_XDIST_WORKER"),
-                    reason="a plain pytest keeps the machine's threads: this is make test's setting")
 def test_a_worker_test_starts_on_one_thread():
     assert torch.get_num_threads() == 1

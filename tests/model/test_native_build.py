@@ -7,6 +7,7 @@ made to take a while: what is tested is who builds, not the compiler. (Under
 scripts/pytest_as_avx2.py every build carries the simulation's flags too:
 the tests read the flags a build ends with and the path it was written to.)"""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,14 @@ from folio.kernels import native
 FLAGS = ("-DFOLIO_TEST_ONLY_KEY=1",)      # a build of its own, cached under its own name
 
 
+def _wait_for_the_suites_prebuild():
+    """The suite's own prebuild (tests/conftest.py) done before a test swaps
+    what it calls: else its builds would land in the test's stand-ins."""
+    for thread in threading.enumerate():
+        if thread.name == "folio-kernels-prebuild":
+            thread.join()
+
+
 @pytest.fixture
 def slow_compiler(tmp_path, monkeypatch):
     """native._compile replaced: a copy of the built library after 0.5 s; the
@@ -29,9 +38,7 @@ def slow_compiler(tmp_path, monkeypatch):
     if built is None:
         pytest.skip("no C compiler here")
     source = built._name
-    for thread in threading.enumerate():     # the suite's own prebuild done before the swap
-        if thread.name == "folio-kernels-prebuild":
-            thread.join()
+    _wait_for_the_suites_prebuild()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 
@@ -100,6 +107,7 @@ def test_the_vendor_picks_where_the_int8_path_prefetches(monkeypatch, tmp_path, 
     """Intel's builds ask for the int8 path's codes into L2 (measured faster on
     a Xeon), others into L1 (as measured on AMD): the define on every unit's
     command, and the library cached under a name of its own."""
+    _wait_for_the_suites_prebuild()
     commands = []
 
     def run_all(pending, jobs):
@@ -113,8 +121,25 @@ def test_the_vendor_picks_where_the_int8_path_prefetches(monkeypatch, tmp_path, 
     assert commands and all(d == ([f"-DFOLIO_QL_PREFETCH_LOCALITY={locality}"] if locality
                                   else []) for d in defines)
     # the flags asked for come after the vendor's, so a build can override it
-    assert all(c.index(FLAGS[0]) > c.index("-march=native") for c in commands)
+    assert all(c.index(FLAGS[0]) > c.index(d[0] if d else "-march=native")
+               for c, d in zip(commands, defines))
     named = native.library_path(FLAGS)
     monkeypatch.setattr(native, "_cpu_vendor",
                         lambda: "AuthenticAMD" if vendor == "GenuineIntel" else "GenuineIntel")
     assert native.library_path(FLAGS) != named
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_qlinear_prefetches_into_the_cache_the_define_names():
+    """qlinear.c's int8 path passes FOLIO_QL_PREFETCH_LOCALITY to its
+    prefetches (preprocessed only), the float path keeps locality 3."""
+    def prefetches(*defines):
+        out = subprocess.run(["cc", "-E", "-P", "-march=native", *defines, "-DFOLIO_QLINEAR_PART=0",
+                              str(native._DIR / "qlinear.c")],
+                             capture_output=True, text=True, check=True).stdout
+        return sorted(set(re.findall(r"__builtin_prefetch\(ahead[^;]*;", out)))
+    assert prefetches("-DFOLIO_QL_PREFETCH_LOCALITY=2") == [
+        "__builtin_prefetch(ahead + 64, 0, 2);", "__builtin_prefetch(ahead + 64, 0, 3);",
+        "__builtin_prefetch(ahead, 0, 2);", "__builtin_prefetch(ahead, 0, 3);"]
+    assert prefetches() == ["__builtin_prefetch(ahead + 64, 0, 3);",
+                            "__builtin_prefetch(ahead, 0, 3);"]
