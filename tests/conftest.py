@@ -9,8 +9,8 @@ two workers with two threads each (a server's engine and its client on every
 CPU) ran it slower than one. Tests of threaded paths (the kernels' row and
 context splits) carry `@pytest.mark.threads(2)` and get two threads whatever
 runs beside them (their OpenMP threads wait passively, so a descheduled peer
-does not leave the other spinning). A plain `pytest` runs in one process with the machine's
-threads, as before."""
+does not leave the other spinning). A plain `pytest` runs in one process with
+the machine's threads, as before."""
 
 from __future__ import annotations
 
@@ -72,11 +72,11 @@ def _threads(request, monkeypatch):
     """In an xdist worker: one thread for each test (a model built earlier may
     have set another), or the marker's count (also what the processes the
     test starts are told; a module-scoped fixture's ran before it, on one)."""
-    mark = request.node.get_closest_marker("threads")
     if not os.environ.get("PYTEST_XDIST_WORKER"):     # a plain pytest: the machine's threads
         yield
         return
     import torch
+    mark = request.node.get_closest_marker("threads")
     n = mark.args[0] if mark is not None else 1
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", str(n))

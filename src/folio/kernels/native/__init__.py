@@ -69,28 +69,24 @@ _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_flags() -> str:
+def _cpuinfo_line(keys: tuple[str, ...]) -> Optional[str]:
+    """The first /proc/cpuinfo line that starts with one of `keys` (None: none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
+            return next((line for line in f if line.startswith(keys)), None)
     except OSError:
-        pass
-    return platform.processor()
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> str:
+    return _cpuinfo_line(("flags", "Features")) or platform.processor()
 
 
 @functools.lru_cache(maxsize=None)
 def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_line(("vendor_id",))
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def _vendor_defines() -> tuple[str, ...]:
@@ -227,8 +223,7 @@ def _compile(compiler: str, extra_flags: tuple[str, ...], target: Path, niced: b
         out = Path(tmp) / target.name
         nice = ["nice", "-n", "10"] if niced and shutil.which("nice") else []
         flags = [*nice, compiler, "-O3", "-march=native", *_vendor_defines(), *extra_flags,
-                 "-ffast-math",
-                 "-fopenmp", "-fPIC"]
+                 "-ffast-math", "-fopenmp", "-fPIC"]
         objects = [Path(tmp) / f"{name}.o" for _, name, _ in _UNITS]
         pending = [(flags + [*defines, "-c", str(src), "-o", str(obj)])
                    for (src, _, defines), obj in zip(_UNITS, objects)]
